@@ -1,0 +1,3 @@
+from patchctl.cli import main
+
+raise SystemExit(main())

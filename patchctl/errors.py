@@ -1,0 +1,42 @@
+"""Exceptions that carry the exit code DESIGN.md assigns to each kind of outcome."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # failed, every touched host rolled back and verified
+EXIT_BAD_INPUT = 2  # bad input or config, nothing touched
+EXIT_ATTENTION = 3  # a rollback failed or a host's state is unknown
+EXIT_LOCKED = 4  # a lock is held by another run
+
+
+class PatchctlError(Exception):
+    exit_code = EXIT_FAILED
+
+
+class BadInput(PatchctlError):
+    """Bad input or configuration; raised before anything is touched.
+
+    The message is one line: where (file[:line]) and what was expected.
+    """
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None):
+        where = ""
+        if file:
+            where = f"{file}:{line}: " if line else f"{file}: "
+        super().__init__(where + message)
+        self.file = file
+        self.line = line
+
+
+class Failed(PatchctlError):
+    exit_code = EXIT_FAILED
+
+
+class NeedsAttention(PatchctlError):
+    exit_code = EXIT_ATTENTION
+
+
+class LockHeld(PatchctlError):
+    exit_code = EXIT_LOCKED
