@@ -1,0 +1,315 @@
+"""The SGLang stand-in server as a real process over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from simserver_util import (
+    TEST_HIDDEN_DUMP,
+    Server,
+    add_hidden_dump,
+    hook_model_runner,
+    make_mini_tree,
+    write_model,
+)
+
+H, N, V = 64, 8, 512
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("model"), layers=N, hidden=H, vocab=V)
+
+
+@pytest.fixture
+def servers():
+    started = []
+    yield started
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def start(servers, model, tmp_path):
+    def _start(tree, **kw):
+        s = Server(tree, kw.pop("model", model), tmp_path / f"server{len(servers)}.log", **kw)
+        servers.append(s)
+        return s
+    return _start
+
+
+def hooked_tree(pristine, dest, hidden_dump=TEST_HIDDEN_DUMP, where="forward"):
+    t = make_mini_tree(pristine, dest)
+    add_hidden_dump(t, hidden_dump)
+    hook_model_runner(t, where)
+    return t
+
+
+def read_dump(path):
+    with safe_open(str(path), "pt") as f:
+        return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def gen(s, ids, rid=None, n=1):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+    if rid is not None:
+        body["rid"] = rid
+    return s.post("/generate", body)
+
+
+def test_help_says_stand_in():
+    out = subprocess.run([sys.executable, "-m", "patchctl.simserver", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "stand-in" in out.lower() and "not SGLang" in out
+    for knob in ("PATCHCTL_SIM_START_DELAY", "PATCHCTL_SIM_CRASH_AT_START", "PATCHCTL_SIM_HANG",
+                 "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_NAN_LAYER", "PATCHCTL_SIM_LIGHT"):
+        assert knob in out
+
+
+def test_pristine_tree_readiness_and_http_surface(sglang_tree, start):
+    # Unpatched SGLang: serves, no hook. Extra sglang flags are accepted and logged.
+    s = start(sglang_tree, env={"PATCHCTL_SIM_START_DELAY": "1.5"},
+              args=["--mem-fraction-static", "0.8", "--trust-remote-code"])
+    s.wait_port()
+    assert s.get("/health")[0] == 503
+    assert s.get("/health_generate")[0] == 503
+    code, info = s.get("/get_model_info")  # static facts answer before ready
+    assert code == 200 and Path(info["model_path"]).joinpath("config.json").exists()
+    assert info["is_generation"] is True and info["tokenizer_path"]
+    s.wait_ready()
+    assert s.get("/health")[0] == 200
+    code, si = s.get("/get_server_info")
+    assert code == 200 and si["stand_in"] is True and si["version"] == "0.5.23"
+    assert si["enable_return_aux_hidden_states"] is True and si["speculative_algorithm"] == "EAGLE3"
+    assert si["chunked_prefill_size"] == -1 and si["disable_radix_cache"] is True and si["tp_size"] == 1
+    assert si["hook_lines"] == [] and "--mem-fraction-static" in si["ignored_args"]
+    assert s.get("/server_info")[1]["stand_in"] is True and s.get("/model_info")[0] == 200
+
+    code, r = gen(s, list(range(5, 37)), rid="req-1", n=4)
+    assert code == 200
+    assert r["meta_info"]["id"] == "req-1" and r["meta_info"]["prompt_tokens"] == 32
+    assert r["meta_info"]["completion_tokens"] == 4 and len(r["output_ids"]) == 4
+    assert r["meta_info"]["finish_reason"]["type"] == "length" and isinstance(r["text"], str)
+    assert all(0 <= t < V for t in r["output_ids"])
+    assert gen(s, list(range(5, 37)), n=4)[1]["output_ids"] == r["output_ids"]  # deterministic
+    code, r = s.post("/generate", {"text": "hello world", "sampling_params": {"max_new_tokens": 2}})
+    assert code == 200 and r["meta_info"]["prompt_tokens"] == 11 and len(r["meta_info"]["id"]) == 32
+    code, rs = s.post("/generate", {"input_ids": [[1, 2], [3, 4, 5]], "rid": ["a", "b"],
+                                    "sampling_params": {"max_new_tokens": 1}})
+    assert code == 200 and [x["meta_info"]["prompt_tokens"] for x in rs] == [2, 3]
+
+    for bad in ({"sampling_params": {"max_new_tokens": 1}},
+                {"input_ids": [], "sampling_params": {}},
+                {"input_ids": [V + 1], "sampling_params": {}},
+                {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}},
+                {"input_ids": [1], "text": "x"},
+                [1, 2]):
+        code, err = s.post("/generate", bad)
+        assert code == 400 and err["error"]["message"], bad
+    assert s.get("/nope")[0] == 404
+    log = s.text()
+    assert "stand-in" in log and "ignores unsupported sglang arguments: --mem-fraction-static 0.8" in log
+    assert "No hidden_dump hook" in log and "fired up and ready to roll" in log
+
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit(5) == 0 and time.monotonic() - t0 < 2.5
+
+
+def test_dump_through_tree_hook(sglang_tree, start, tmp_path):
+    tree = hooked_tree(sglang_tree, tmp_path / "tree")
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (dumps / "users-file.txt").write_text("keep")
+    s = start(tree, args=["--return-aux-hidden-state-layer-ids", "3", "5", "6"],
+              env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps), "SGLANG_HIDDEN_DUMP_RID_PREFIX": "smoke-"})
+    s.wait_ready()
+    assert s.get("/get_server_info")[1]["hook_lines"], s.text()
+    prompts = {f"smoke-{i}": [(7 * i + j) % V for j in range(10 + 5 * i)] for i in range(4)}
+    results = {}
+
+    def send(rid):
+        results[rid] = gen(s, prompts[rid], rid=rid, n=1 if rid != "smoke-3" else 4)
+    threads = [threading.Thread(target=send, args=(rid,)) for rid in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(code == 200 for code, _ in results.values()), results
+    assert gen(s, [1, 2, 3], rid="other-1")[0] == 200  # outside the rid prefix: no dump
+
+    names = sorted(p.name for p in dumps.iterdir())
+    assert names == sorted([f"{rid}.safetensors" for rid in prompts] + ["users-file.txt"]), names
+    from patchctl.simserver import TinyModel
+    ref = TinyModel(N, H, V, [3, 5, 6])
+    for rid, ids in prompts.items():
+        meta, t = read_dump(dumps / f"{rid}.safetensors")
+        T = len(ids)
+        assert meta["rid"] == rid and meta["prefix_len"] == "0" and json.loads(meta["layers"]) == [3, 5, 6]
+        assert t["input_ids"].tolist() == ids
+        assert t["aux_hidden_states"].shape == (T, 3 * H) and t["aux_hidden_states"].dtype == torch.bfloat16
+        assert t["hidden_states"].shape == (T, H) and t["hidden_states"].dtype == torch.bfloat16
+        assert torch.isfinite(t["aux_hidden_states"].float()).all()
+        slices = t["aux_hidden_states"].split(H, dim=-1)
+        assert not torch.equal(slices[0], slices[1]) and not torch.equal(slices[1], slices[2])
+        aux, last, _ = ref.forward(torch.tensor(ids), torch.tensor([T - 1]))
+        assert torch.equal(aux, t["aux_hidden_states"]) and torch.equal(last, t["hidden_states"])
+    # Decode forwards went through the hook too (and were ignored by it).
+    assert results["smoke-3"][1]["meta_info"]["completion_tokens"] == 4
+    assert not list(tree.rglob("__pycache__")), "the stand-in must not write bytecode into the tree"
+
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait_exit(5) == 0
+    assert (dumps / "_flushed").exists(), "hidden_dump.flush() is called on SIGTERM"
+    assert (dumps / "users-file.txt").read_text() == "keep"
+
+
+def test_default_layers_and_input_semantics(sglang_tree, start, tmp_path):
+    tree = hooked_tree(sglang_tree, tmp_path / "tree")
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    s = start(tree, env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps), "SGLANG_HIDDEN_DUMP_RID_PREFIX": "p-"})
+    s.wait_ready()
+    assert gen(s, [9, 8, 7, 6], rid="p-0")[0] == 200
+    _, t = read_dump(dumps / "p-0.safetensors")
+    from patchctl.simserver import TinyModel
+    m = TinyModel(N, H, V, None)
+    h = m.embed[torch.tensor([9, 8, 7, 6])]
+    inputs = []
+    for w in m.weights:
+        inputs.append(h)
+        h = h + torch.tanh(h @ w)
+    want = torch.cat([inputs[2], inputs[N // 2], inputs[N - 3]], -1).to(torch.bfloat16)
+    assert torch.equal(t["aux_hidden_states"], want)  # default [2, N//2, N-3], input of each layer
+
+
+@pytest.mark.parametrize("variant", ["elsewhere", "wrong-condition"])
+def test_hook_that_never_fires_writes_nothing(sglang_tree, start, tmp_path, variant):
+    tree = hooked_tree(sglang_tree, tmp_path / "tree", where="forward" if variant != "elsewhere" else "elsewhere")
+    if variant == "wrong-condition":
+        p = tree / "sglang/srt/model_executor/model_runner.py"
+        p.write_text(p.read_text().replace("and not self.is_draft_worker:", "and self.is_draft_worker:"))
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    s = start(tree, env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps)})
+    s.wait_ready()
+    code, r = gen(s, list(range(32)), rid="smoke-x")
+    assert code == 200 and r["meta_info"]["prompt_tokens"] == 32
+    assert list(dumps.iterdir()) == []
+    assert ("No hidden_dump hook" in s.text()) == (variant == "elsewhere")
+
+
+def test_hook_that_raises_fails_the_request_or_the_warmup(sglang_tree, start, tmp_path):
+    raising = TEST_HIDDEN_DUMP + (
+        "\n_orig = on_forward_end\n"
+        "def on_forward_end(model_runner, forward_batch, logits_output):\n"
+        "    if any(r.startswith('boom') for r in forward_batch.rids):\n"
+        "        raise RuntimeError('hook exploded')\n"
+        "    _orig(model_runner, forward_batch, logits_output)\n")
+    env = {"SGLANG_HIDDEN_DUMP_DIR": str(tmp_path)}
+    s = start(hooked_tree(sglang_tree, tmp_path / "t1", hidden_dump=raising), env=env)
+    always = TEST_HIDDEN_DUMP + "\ndef on_forward_end(*a):\n    raise RuntimeError('hook exploded')\n"
+    s2 = start(hooked_tree(sglang_tree, tmp_path / "t2", hidden_dump=always), env=env)
+    s.wait_ready()
+    code, err = gen(s, [1, 2, 3], rid="boom-1")
+    assert code == 500 and "hook exploded" in err["error"]["message"]
+    assert gen(s, [1, 2, 3], rid="fine-1")[0] == 200
+    assert s2.wait_exit() != 0 and "warmup error" in s2.text() and "hook exploded" in s2.text()
+
+
+@pytest.mark.parametrize("where", ["hidden_dump", "record-listed", "new-file", "no-record"])
+def test_syntax_error_fails_startup(sglang_tree, start, tmp_path, where):
+    tree = hooked_tree(sglang_tree, tmp_path / "tree")
+    broken = "def oops(:\n    pass\n"
+    if where == "hidden_dump":
+        target = tree / "sglang/srt/hidden_dump.py"
+        target.write_text(TEST_HIDDEN_DUMP + broken)
+    elif where == "record-listed":
+        target = tree / "sglang/srt/model_executor/forward_batch_info.py"
+        target.write_text(target.read_text() + broken)
+    elif where == "new-file":
+        target = tree / "sglang/srt/added_by_patch.py"
+        target.write_text(broken)
+    else:
+        (tree / "sglang-0.5.23.dist-info/RECORD").unlink()
+        target = tree / "sglang/srt/model_executor/model_runner.py"
+        target.write_text(target.read_text() + broken)
+    s = start(tree)
+    assert s.wait_exit() != 0
+    assert "SyntaxError" in s.text() and str(target) in s.text()
+
+
+def test_import_error_in_hidden_dump_fails_startup(sglang_tree, start, tmp_path):
+    tree = hooked_tree(sglang_tree, tmp_path / "tree",
+                       hidden_dump="import json\nimport no_such_module_patchctl\n" + TEST_HIDDEN_DUMP)
+    s = start(tree)
+    assert s.wait_exit() != 0
+    assert "ModuleNotFoundError" in s.text() and "no_such_module_patchctl" in s.text()
+
+
+def test_knob_crash_at_start(sglang_tree, start):
+    s = start(sglang_tree, env={"PATCHCTL_SIM_CRASH_AT_START": "1"})
+    assert s.wait_exit() == 1 and "PATCHCTL_SIM_CRASH_AT_START" in s.text()
+
+
+def test_knob_hang_and_sigterm_while_starting(sglang_tree, start):
+    hang = start(sglang_tree, env={"PATCHCTL_SIM_HANG": "1"})
+    slow = start(sglang_tree, env={"PATCHCTL_SIM_START_DELAY": "600"})
+    hang.wait_port()
+    slow.wait_port()
+    deadline = time.monotonic() + 30
+    while "will never become ready" not in hang.text():
+        assert time.monotonic() < deadline and hang.proc.poll() is None, hang.text()
+        time.sleep(0.05)
+    for _ in range(5):
+        assert hang.get("/health_generate")[0] == 503 and slow.get("/health")[0] == 503
+    assert hang.get("/get_model_info")[0] == 200
+    for s in (hang, slow):
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.wait_exit(5) == 0 and time.monotonic() - t0 < 2.5
+
+
+def test_knob_die_after(sglang_tree, start):
+    s = start(sglang_tree, env={"PATCHCTL_SIM_DIE_AFTER": "2"})
+    s.wait_ready()
+    assert s.get("/health_generate")[0] == 200  # health checks do not count
+    assert gen(s, [1, 2, 3])[0] == 200
+    with pytest.raises(OSError):
+        gen(s, [1, 2, 3])
+    assert s.wait_exit() == 1 and "PATCHCTL_SIM_DIE_AFTER" in s.text()
+
+
+def test_knob_nan_layer(sglang_tree, start, tmp_path):
+    tree = hooked_tree(sglang_tree, tmp_path / "tree")
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    s = start(tree, args=["--return-aux-hidden-state-layer-ids", "3", "5", "6"],
+              env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps), "SGLANG_HIDDEN_DUMP_RID_PREFIX": "n-",
+                   "PATCHCTL_SIM_NAN_LAYER": "5"})
+    s.wait_ready()
+    assert gen(s, list(range(16)), rid="n-0")[0] == 200
+    _, t = read_dump(dumps / "n-0.safetensors")
+    a, b, c = (x.float() for x in t["aux_hidden_states"].split(H, dim=-1))
+    assert torch.isfinite(a).all() and torch.isfinite(c).all() and torch.isfinite(t["hidden_states"].float()).all()
+    assert torch.isnan(b).any()
+
+
+def test_light_mode_and_bad_layer_ids(sglang_tree, start, tmp_path):
+    light = start(sglang_tree, env={"PATCHCTL_SIM_LIGHT": "1"})
+    bad = start(sglang_tree, args=["--return-aux-hidden-state-layer-ids", "3", str(N)])
+    light.wait_ready()
+    code, r = gen(light, [4, 5, 6], rid="l-1", n=3)
+    assert code == 200 and len(r["output_ids"]) == 3 and r["meta_info"]["prompt_tokens"] == 3
+    assert "LIGHT" in light.text()
+    assert bad.wait_exit() != 0 and "out of range" in bad.text()
