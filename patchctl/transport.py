@@ -1,0 +1,458 @@
+"""How to reach a host: one Fabric connection per host for the whole run, or this machine directly.
+
+A remote step is exactly one command, `<python> -`, with the agent script on stdin. Nothing from the
+inventory is ever spliced into a command line unquoted, host keys are checked strictly, and every
+wait has a deadline so a dead host fails fast instead of hanging the fleet.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import queue
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import paramiko
+
+from patchctl.errors import EXIT_ATTENTION, EXIT_BAD_INPUT, PatchctlError
+from patchctl.inventory import Host
+
+KEEPALIVE_S = 5
+DEAD_AFTER_S = 30  # unacknowledged data (keepalives included) for this long: the link is dead
+
+
+class HostUnreachable(PatchctlError):
+    """Could not connect or log in; nothing was done on the host."""
+
+    exit_code = EXIT_ATTENTION
+
+
+class HostKeyRefused(PatchctlError):
+    """The host's key is unknown or changed. A configuration matter: nothing was sent, so exit 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ConnectionLost(PatchctlError):
+    """The session broke (or a command ran out of time) mid-command: the host's state is unknown."""
+
+    exit_code = EXIT_ATTENTION
+
+
+class CommandTimeout(ConnectionLost):
+    """A command outlived its timeout; the session was closed, the remote side may still be running."""
+
+
+@dataclass
+class RunResult:
+    exit_code: int  # negative: killed by a signal (-N locally; -1 over SSH, which does not say which)
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def _remote_python_argv0(python: str) -> str:
+    """The host's python as one shell word: quoted verbatim, `~/` becoming "$HOME"/."""
+    if python == "~":
+        return '"$HOME"'
+    if python.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(python[2:])
+    return shlex.quote(python)
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+
+
+class Transport:
+    """One per host, reused for the whole run."""
+
+    def __init__(self, host: Host):
+        self.host = host
+        self.connections_opened = 0
+        self.commands_run = 0
+
+    def run_python(self, script: str, *, timeout: float | None = None,
+                   on_stderr_line: Callable[[str], None] | None = None) -> RunResult:
+        """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def describe(self) -> str:
+        return self.host.name
+
+
+_DONE = object()  # a reader finished (EOF)
+
+
+def _pump(events: queue.Queue, readers: int, deadline: float | None, on_stderr_line,
+          err_lines: list[str]) -> bool:
+    """Deliver stderr lines in the caller's thread until every reader saw EOF. False if the deadline passed."""
+    finished = 0
+    while finished < readers:
+        try:
+            if deadline is None:
+                item = events.get()
+            else:
+                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return False
+        if item is _DONE:
+            finished += 1
+            continue
+        err_lines.append(item)
+        if on_stderr_line is not None:
+            on_stderr_line(item.rstrip("\r\n"))
+    return True
+
+
+class _LineSplitter:
+    def __init__(self, out: queue.Queue):
+        self.buf = b""
+        self.out = out
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            self.out.put(line.decode("utf-8", "replace") + "\n")
+
+    def flush(self) -> None:
+        if self.buf:
+            self.out.put(self.buf.decode("utf-8", "replace"))
+            self.buf = b""
+
+
+class LocalTransport(Transport):
+    """`connection = "local"`: the same one-command semantics with a subprocess (argv, no shell)."""
+
+    def run_python(self, script, *, timeout=None, on_stderr_line=None) -> RunResult:
+        python = os.path.expanduser(self.host.python) if self.host.python.startswith("~") else self.host.python
+        self.commands_run += 1
+        try:
+            proc = subprocess.Popen([python, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, cwd=os.path.expanduser("~"), start_new_session=True)
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+            return RunResult(127, "", f"patchctl: cannot run python {self.host.python!r}: {e.strerror}\n")
+        events: queue.Queue = queue.Queue()
+        out_chunks: list[bytes] = []
+
+        def feed_stdin():
+            try:
+                proc.stdin.write(script.encode())
+            except (BrokenPipeError, OSError):
+                pass
+            finally:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+        def read_stdout():
+            try:
+                while chunk := proc.stdout.read1(65536):
+                    out_chunks.append(chunk)
+            finally:
+                events.put(_DONE)
+
+        def read_stderr():
+            try:
+                sp = _LineSplitter(events)
+                while chunk := proc.stderr.read1(65536):
+                    sp.feed(chunk)
+                sp.flush()
+            finally:
+                events.put(_DONE)
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (feed_stdin, read_stdout, read_stderr)]
+        for t in threads:
+            t.start()
+        err_lines: list[str] = []
+
+        def kill():
+            try:
+                os.killpg(proc.pid, 9)
+            except OSError:
+                proc.kill()
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            finished = _pump(events, 2, deadline, on_stderr_line, err_lines)
+            if finished:
+                try:
+                    code = proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    finished = False
+        except BaseException:  # a callback raised, or ^C: do not leave the child behind
+            kill()
+            proc.wait()
+            raise
+        if not finished:
+            kill()
+            proc.wait()
+            raise CommandTimeout(f"{self.host.name}: command did not finish within {timeout:g}s; "
+                                 "it was killed, the host's state is unknown")
+        for t in threads:
+            t.join()
+        return RunResult(code, b"".join(out_chunks).decode("utf-8", "replace"), "".join(err_lines))
+
+
+class _StrictPolicy(paramiko.MissingHostKeyPolicy):
+    """Unknown host key: refuse with its fingerprint, or (opt-in) record it in the inventory's known_hosts."""
+
+    def __init__(self, host_label: str, known_hosts: Path, accept_new: bool):
+        self.host_label = host_label
+        self.known_hosts = known_hosts
+        self.accept_new = accept_new
+
+    def missing_host_key(self, client, hostname, key):
+        fp = fingerprint(key)
+        if not self.accept_new:
+            raise HostKeyRefused(
+                f"{self.host_label}: unknown host key for {hostname}: {key.get_name()} {fp}. "
+                f"Nothing was sent. If that is the host's key, accept it with --accept-new-host-keys, or add it "
+                f"to {self.known_hosts} yourself (ssh-keyscan -t ed25519 ... >> {self.known_hosts}, then "
+                f"compare the fingerprint with ssh-keygen -lf)"
+            )
+        self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with open(self.known_hosts, "a+", encoding="utf-8") as f:  # append: never rewrite the user's file
+            f.seek(0)
+            existing = f.read()
+            if existing and not existing.endswith("\n"):
+                f.write("\n")
+            f.write(line)
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def _set_keepalive(conn) -> None:
+    """SSH keepalives every KEEPALIVE_S, and on Linux TCP_USER_TIMEOUT so that unanswered keepalives abort the
+    socket after DEAD_AFTER_S: a silently dead host or link then ends the session (ConnectionLost) instead of
+    hanging until the kernel gives up after ~15 minutes."""
+    while conn is not None and not isinstance(conn, str):
+        if conn.transport is not None:
+            conn.transport.set_keepalive(KEEPALIVE_S)
+            sock = conn.transport.sock
+            if isinstance(sock, socket.socket):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK stalls
+                    if hasattr(socket, "TCP_USER_TIMEOUT"):
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_AFTER_S * 1000))
+                except OSError:
+                    pass
+        conn = conn.gateway
+
+
+class SSHTransport(Transport):
+    """A Fabric Connection, opened lazily on the first command and reused for the whole run."""
+
+    def __init__(self, host: Host, *, accept_new_host_keys: bool = False, connect_timeout: float = 10.0):
+        super().__init__(host)
+        self.accept_new_host_keys = accept_new_host_keys
+        self.connect_timeout = connect_timeout
+        self._conn = None
+        self._all_conns: list = []
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        via = f" via {self.host.gateway}" if self.host.gateway else ""
+        return f"{self.host.name} ({self.host.address}:{self.host.port}{via})"
+
+    # connecting ---------------------------------------------------------------------------------
+    def _make_connection(self, h: Host, label: str):
+        from fabric import Config, Connection
+        from paramiko.config import SSHConfig
+
+        config = Config() if h.ssh_config else Config(ssh_config=SSHConfig())
+        kwargs = {}
+        if "user" in h.explicit and h.user:
+            kwargs["user"] = h.user
+        if "port" in h.explicit or not h.ssh_config:
+            kwargs["port"] = h.port
+        connect_kwargs = {
+            "banner_timeout": self.connect_timeout,
+            "auth_timeout": self.connect_timeout,
+            "channel_timeout": self.connect_timeout,
+            "look_for_keys": True,
+            "allow_agent": True,
+        }
+        if h.identity_file:
+            connect_kwargs["key_filename"] = [os.path.expanduser(h.identity_file)]
+        gateway = None
+        if h.gateway_host is not None:
+            gateway = self._make_connection(h.gateway_host, f"gateway {h.gateway} of {label}")
+        elif h.gateway:
+            raise HostUnreachable(f"{label}: gateway {h.gateway!r} was not resolved by the inventory")
+        conn = Connection(host=h.address, config=config, connect_timeout=self.connect_timeout,
+                          connect_kwargs=connect_kwargs, gateway=gateway if gateway is not None else None,
+                          **kwargs)
+        conn.connect_timeout = self.connect_timeout  # Fabric truncates to int (0.5 -> 0 -> no timeout)
+        self._harden(conn, h, label)
+        return conn
+
+    def _harden(self, conn, h: Host, label: str) -> None:
+        """Strict host keys from the inventory's known_hosts, on this connection and any ssh-config ProxyJump."""
+        known = Path(os.path.expanduser(h.known_hosts))
+        if known.is_file():
+            try:
+                conn.client.load_system_host_keys(str(known))  # read-only view; we append, never rewrite
+            except (OSError, paramiko.SSHException) as e:
+                raise HostKeyRefused(f"{label}: cannot read known_hosts {known}: {e}") from None
+        conn.client.set_missing_host_key_policy(_StrictPolicy(label, known, self.accept_new_host_keys))
+        if conn.gateway is not None and not isinstance(conn.gateway, str) and conn.gateway not in self._all_conns:
+            self._harden(conn.gateway, h, f"gateway {conn.gateway.host} of {label}")
+        self._all_conns.append(conn)
+
+    def _open(self):
+        if self._conn is not None and self._conn.is_connected:
+            return self._conn
+        if self._conn is not None:  # it died earlier (already reported as ConnectionLost): start afresh
+            self._close_all()
+            self._all_conns.clear()
+            self._conn = None
+        h = self.host
+        conn = self._make_connection(h, h.name)
+        where = f"{h.name} ({h.address}:{conn.port}{' via ' + h.gateway if h.gateway else ''})"
+        try:
+            conn.open()
+        except HostKeyRefused:
+            self._close_all()
+            raise
+        except paramiko.BadHostKeyException as e:
+            self._close_all()
+            raise HostKeyRefused(
+                f"{where}: host key has CHANGED for {e.hostname}: the host now presents {e.key.get_name()} "
+                f"{fingerprint(e.key)}, known_hosts has {e.expected_key.get_name()} {fingerprint(e.expected_key)}. "
+                f"This is a possible man-in-the-middle attack, or the host was rebuilt. Nothing was sent. If the "
+                f"change is expected, remove the old entry (ssh-keygen -R '{e.hostname}' -f {h.known_hosts}) "
+                f"and accept the new key."
+            ) from None
+        except paramiko.AuthenticationException as e:
+            self._close_all()
+            raise HostUnreachable(f"{where}: authentication failed as {conn.user!r}: {e}") from None
+        except (socket.timeout, TimeoutError) as e:
+            self._close_all()
+            raise HostUnreachable(f"{where}: timed out after {self.connect_timeout:g}s ({e or 'no answer'})") from None
+        except (OSError, paramiko.SSHException, EOFError) as e:
+            self._close_all()
+            cause = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise HostUnreachable(f"{where}: cannot connect: {cause}") from None
+        _set_keepalive(conn)
+        self.connections_opened += 1
+        self._conn = conn
+        return conn
+
+    # running ------------------------------------------------------------------------------------
+    def run_python(self, script, *, timeout=None, on_stderr_line=None) -> RunResult:
+        with self._lock:
+            conn = self._open()
+            transport = conn.transport
+            command = _remote_python_argv0(self.host.python) + " -"
+            try:
+                chan = transport.open_session(timeout=self.connect_timeout)
+                chan.exec_command(command)
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise ConnectionLost(f"{self.describe()}: could not start the command: {e or type(e).__name__}") from None
+            self.commands_run += 1
+            data = script.encode()
+            events: queue.Queue = queue.Queue()
+            out_chunks: list[bytes] = []
+
+            def feed_stdin():
+                try:
+                    chan.sendall(data)
+                    chan.shutdown_write()
+                except (OSError, EOFError, paramiko.SSHException):
+                    pass  # the command ended (or the session died) before reading it all; seen below
+
+            def read_stdout():
+                try:
+                    while chunk := chan.recv(65536):
+                        out_chunks.append(chunk)
+                finally:
+                    events.put(_DONE)
+
+            def read_stderr():
+                try:
+                    sp = _LineSplitter(events)
+                    while chunk := chan.recv_stderr(65536):
+                        sp.feed(chunk)
+                    sp.flush()
+                finally:
+                    events.put(_DONE)
+
+            threads = [threading.Thread(target=f, daemon=True) for f in (feed_stdin, read_stdout, read_stderr)]
+            for t in threads:
+                t.start()
+            err_lines: list[str] = []
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                finished = _pump(events, 2, deadline, on_stderr_line, err_lines)
+                if finished:  # both streams at EOF: the exit status follows at once, or the session is gone
+                    wait = self.connect_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+                    finished = chan.status_event.wait(wait)
+            except BaseException:  # a callback raised, or ^C: do not leave the command attached
+                chan.close()
+                raise
+            if not finished:
+                chan.close()
+                self._drop()
+                raise CommandTimeout(f"{self.describe()}: command did not finish within {timeout:g}s; the session was "
+                                     "closed and the host's state is unknown")
+            for t in threads:
+                t.join(1)
+            got_status = chan.exit_status != -1
+            alive = transport.is_active()
+            if not alive or (not got_status and not chan.closed):
+                self._drop()
+                raise ConnectionLost(f"{self.describe()}: the SSH connection broke while a command was running; "
+                                     "the host's state is unknown")
+            chan.close()
+            return RunResult(chan.exit_status, b"".join(out_chunks).decode("utf-8", "replace"), "".join(err_lines))
+
+    def _drop(self) -> None:
+        """Forget a connection that broke or timed out; the next command reports it, never retries blindly."""
+        try:
+            if self._conn is not None:
+                self._conn.close()
+        except Exception:
+            pass
+
+    def _close_all(self) -> None:
+        for c in reversed(self._all_conns):
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self._close_all()
+        self._all_conns.clear()
+        self._conn = None
+
+
+def open_transport(host: Host, *, accept_new_host_keys: bool = False, connect_timeout: float = 10.0) -> Transport:
+    """The transport for a host; SSH connects lazily on the first command."""
+    if host.connection == "local":
+        return LocalTransport(host)
+    return SSHTransport(host, accept_new_host_keys=accept_new_host_keys, connect_timeout=connect_timeout)

@@ -1,0 +1,330 @@
+"""Real OpenSSH test hosts on 127.0.1.N: one sshd per host, its own directory as its disk.
+
+Plain functions and a context manager so any test module can wrap them in fixtures:
+
+    with ssh_hosts(2, tmp_path) as hosts:
+        (tmp_path / "inventory.toml").write_text(inventory_toml(hosts))
+        ...
+
+Every sshd logs VERBOSE to `host.log`, so tests can count connections ("Accepted publickey") and
+remote commands ("Starting session: command"). Missing sshd is an error, never a skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+SSH_KEYGEN = shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen"
+
+_running: list["SSHHost"] = []
+
+
+def _keygen(path: Path) -> None:
+    for p in (path, path.with_name(path.name + ".pub")):
+        if p.exists():
+            p.unlink()
+    subprocess.run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", "", "-f", str(path)],
+                   check=True, stdin=subprocess.DEVNULL)
+
+
+def _fingerprint(pub_line: str) -> str:
+    blob = base64.b64decode(pub_line.split()[1])
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(address: str, port: int, proc: subprocess.Popen | None, log: Path, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"sshd on {address}:{port} exited with {proc.returncode}:\n"
+                               + (log.read_text(errors="replace") if log.exists() else ""))
+        try:
+            with socket.create_connection((address, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd on {address}:{port} did not accept connections within {timeout}s")
+            time.sleep(0.02)  # polling interval, not a synchronisation sleep
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """All descendants of pid as (pid, comm), from /proc."""
+    parent: dict[int, tuple[int, str]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        parent[int(d)] = (ppid, comm)
+    out, frontier = [], {pid}
+    while frontier:
+        nxt = {p for p, (pp, _) in parent.items() if pp in frontier}
+        out += [(p, parent[p][1]) for p in nxt]
+        frontier = nxt
+    return out
+
+
+@dataclass
+class SSHHost:
+    name: str
+    address: str
+    port: int
+    dir: Path  # this host's "disk"
+    log: Path
+    config: Path
+    host_key: Path
+    identity_file: Path  # the client's private key (shared by all hosts of a start_hosts call)
+    user: str = "root"
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def host_key_pub(self) -> str:
+        """'ssh-ed25519 AAAA...'"""
+        return " ".join(self.host_key.with_name(self.host_key.name + ".pub").read_text().split()[:2])
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint(self.host_key_pub)
+
+    @property
+    def known_hosts_name(self) -> str:
+        return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+
+    def known_hosts_line(self) -> str:
+        return f"{self.known_hosts_name} {self.host_key_pub}\n"
+
+    # log counters -----------------------------------------------------------------------------
+    def _log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def count_connections(self) -> int:
+        """Authenticated SSH connections so far."""
+        return self._log_text().count("Accepted publickey")
+
+    def count_commands(self) -> int:
+        """Remote commands (exec requests) so far."""
+        return self._log_text().count("Starting session: command")
+
+    # lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        os.makedirs("/run/sshd", exist_ok=True)  # privilege-separation dir the Debian sshd insists on
+        self.proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-E", str(self.log), "-f", str(self.config)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if self not in _running:
+            _running.append(self)
+        _wait_port(self.address, self.port, self.proc, self.log)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            for pid, comm in _children(self.proc.pid):
+                if comm.startswith("sshd"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self in _running:
+            _running.remove(self)
+
+    def kill_sessions(self, sig: int = signal.SIGKILL) -> int:
+        """Kill this host's per-connection sshd processes (a cut connection); the listener keeps running.
+
+        Commands started by those sessions are left alone, like on a real network cut.
+        Returns how many processes were signalled.
+        """
+        if self.proc is None:
+            return 0
+        n = 0
+        for pid, comm in _children(self.proc.pid):
+            if comm.startswith("sshd"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                    n += 1
+        return n
+
+    def restart_with_new_host_key(self) -> None:
+        """Same address and port, a freshly generated host key (what a MITM or a rebuilt host looks like)."""
+        self.stop()
+        _keygen(self.host_key)
+        self.start()
+
+
+def start_hosts(n: int, base_dir: Path, *, first: int = 2) -> list[SSHHost]:
+    """Start n sshd hosts on 127.0.1.<first+i>, each with base_dir/host<i>/ as its disk."""
+    if not os.path.exists(SSHD):
+        raise RuntimeError(f"{SSHD} not found: install openssh-server (apt-get install openssh-server); "
+                           "the SSH integration tests need a real sshd")
+    base_dir = Path(base_dir).resolve()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    client_key = base_dir / "client_key"
+    if not client_key.exists():
+        _keygen(client_key)
+    authorized = base_dir / "authorized_keys"
+    authorized.write_text(client_key.with_name("client_key.pub").read_text())
+    hosts: list[SSHHost] = []
+    try:
+        for i in range(n):
+            address = f"127.0.1.{first + i}"
+            hdir = base_dir / f"host{i}"
+            etc = hdir / "etc"
+            etc.mkdir(parents=True, exist_ok=True)
+            host_key = etc / "ssh_host_ed25519_key"
+            _keygen(host_key)
+            port = free_port(address)
+            config = etc / "sshd_config"
+            config.write_text("\n".join([
+                f"ListenAddress {address}:{port}",
+                f"HostKey {host_key}",
+                f"PidFile {etc / 'sshd.pid'}",
+                f"AuthorizedKeysFile {authorized}",
+                "StrictModes no",
+                "UsePAM no",
+                "PermitRootLogin yes",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UseDNS no",
+                "PrintMotd no",
+                "LogLevel VERBOSE",
+                "MaxStartups 100",
+                "MaxSessions 100",
+                "Subsystem sftp internal-sftp",
+                "",
+            ]))
+            h = SSHHost(name=f"host{i}", address=address, port=port, dir=hdir, log=hdir / "sshd.log",
+                        config=config, host_key=host_key, identity_file=client_key)
+            h.start()
+            hosts.append(h)
+    except BaseException:
+        for h in hosts:
+            h.stop()
+        raise
+    return hosts
+
+
+def stop_hosts(hosts) -> None:
+    for h in hosts:
+        h.stop()
+
+
+@contextlib.contextmanager
+def ssh_hosts(n: int, base_dir: Path, **kw):
+    hosts = start_hosts(n, base_dir, **kw)
+    try:
+        yield hosts
+    finally:
+        stop_hosts(hosts)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for h in list(_running):
+        with contextlib.suppress(Exception):
+            h.stop()
+
+
+def known_hosts_for(hosts, path: Path) -> Path:
+    """Write a known_hosts file trusting exactly these hosts' current keys."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(h.known_hosts_line() for h in hosts))
+    return path
+
+
+def _q(v) -> str:
+    """A TOML value (JSON's string escapes are valid TOML basic strings)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_q(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_q(k)} = {_q(x)}" for k, x in v.items()) + " }"
+    raise TypeError(v)
+
+
+def inventory_toml(hosts, *, known_hosts: Path | str | None = None, python: str = sys.executable,
+                   identity_file: Path | str | None = None, server: dict | None = None,
+                   groups: dict[str, list[str]] | None = None, servers: dict[str, list[str]] | None = None,
+                   host_overrides: dict[str, dict] | None = None, extra: str = "") -> str:
+    """Inventory text for these hosts: user root, their addresses/ports, the shared client key,
+    per-host `state_dir` = <dir>/state and `sglang_root` = <dir>/site-packages.
+
+    known_hosts defaults to <base_dir>/known_hosts (not written here: see known_hosts_for).
+    `server` gives [defaults.server] keys; `host_overrides[name]` adds/overrides keys of a host
+    table (a nested "server" dict becomes [hosts.X.server]).
+    """
+    hosts = list(hosts)
+    base = hosts[0].dir.parent if hosts else Path(".")
+    known_hosts = known_hosts or base / "known_hosts"
+    identity_file = identity_file or (hosts[0].identity_file if hosts else None)
+    out = ["[defaults]", 'user = "root"', f"known_hosts = {_q(str(known_hosts))}", f"python = {_q(python)}"]
+    if identity_file:
+        out.append(f"identity_file = {_q(str(identity_file))}")
+    out.append("ssh_config = false")
+    out.append("")
+    out.append("[defaults.server]")
+    for k, v in (server or {}).items():
+        out.append(f"{k} = {_q(v)}")
+    out.append("")
+    for h in hosts:
+        table = {
+            "address": h.address,
+            "port": h.port,
+            "state_dir": str(h.dir / "state"),
+            "sglang_root": str(h.dir / "site-packages"),
+        }
+        table.update((host_overrides or {}).get(h.name, {}))
+        srv = table.pop("server", None)
+        out.append(f"[hosts.{_q(h.name)}]")
+        out += [f"{k} = {_q(v)}" for k, v in table.items()]
+        out.append("")
+        if srv:
+            out.append(f"[hosts.{_q(h.name)}.server]")
+            out += [f"{k} = {_q(v)}" for k, v in srv.items()]
+            out.append("")
+    if groups:
+        out.append("[groups]")
+        out += [f"{_q(g)} = {_q(m)}" for g, m in groups.items()]
+        out.append("")
+    for s, nodes in (servers or {}).items():
+        out.append(f"[servers.{_q(s)}]")
+        out.append(f"nodes = {_q(nodes)}")
+        out.append("")
+    return "\n".join(out) + extra
