@@ -93,7 +93,8 @@ def make_mini_tree(pristine: Path, dest: Path) -> Path:
     files = ["sglang/__init__.py", "sglang/version.py", "sglang/_version.py",
              "sglang/srt/__init__.py", "sglang/srt/model_executor/__init__.py",
              "sglang/srt/model_executor/model_runner.py",
-             "sglang/srt/model_executor/forward_batch_info.py"]
+             "sglang/srt/model_executor/forward_batch_info.py",
+             "sglang/srt/models/__init__.py", "sglang/srt/models/llama.py"]
     info = dest / "sglang-0.5.23.dist-info"
     info.mkdir(parents=True)
     rows = []
@@ -109,6 +110,15 @@ def make_mini_tree(pristine: Path, dest: Path) -> Path:
     (info / "RECORD").write_text("\n".join(rows) + "\n")
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
     return dest
+
+
+def apply_series(tree: Path, series_dir: Path) -> None:
+    """Apply a series' patches (series.toml order) to a tree with patch -p1."""
+    import tomllib
+    series = tomllib.loads((series_dir / "series.toml").read_text())
+    for entry in series["patch"]:
+        subprocess.run(["patch", "-p1", "-s", "--no-backup-if-mismatch", "-d", str(tree),
+                        "-i", str(series_dir / entry["file"])], check=True)
 
 
 def add_hidden_dump(tree: Path, source: str = TEST_HIDDEN_DUMP) -> None:
@@ -150,18 +160,22 @@ def write_model(path: Path, layers=8, hidden=64, vocab=512) -> Path:
 class Server:
     """A stand-in server process; `log` holds its combined stdout/stderr."""
 
-    def __init__(self, tree: Path, model: Path, log: Path, *, env=None, args=(), capture=True):
-        self.port = free_port()
+    def __init__(self, tree: Path, model: Path, log: Path, *, env=None, args=(), capture=True,
+                 root_via_pythonpath=False, port=None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "patchctl.simserver", "--model-path", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port), "--sglang-root", str(tree)]
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if not root_via_pythonpath:
+            cmd += ["--sglang-root", str(tree)]
         if capture:
             cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                     "--disable-radix-cache", "--chunked-prefill-size", "-1"]
         cmd += list(args)
         e = {k: v for k, v in os.environ.items() if not k.startswith(("PATCHCTL_SIM_", "SGLANG_HIDDEN_DUMP"))}
-        e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+        e["PYTHONPATH"] = os.pathsep.join(([str(tree)] if root_via_pythonpath else []) + [str(REPO)]
+                                          + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
         e["PYTHONDONTWRITEBYTECODE"] = "1"
         e.update(env or {})
         self._logf = open(log, "wb")

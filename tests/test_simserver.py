@@ -15,9 +15,11 @@ import torch
 from safetensors import safe_open
 
 from simserver_util import (
+    REPO,
     TEST_HIDDEN_DUMP,
     Server,
     add_hidden_dump,
+    apply_series,
     hook_model_runner,
     make_mini_tree,
     write_model,
@@ -305,11 +307,63 @@ def test_knob_nan_layer(sglang_tree, start, tmp_path):
     assert torch.isnan(b).any()
 
 
-def test_light_mode_and_bad_layer_ids(sglang_tree, start, tmp_path):
-    light = start(sglang_tree, env={"PATCHCTL_SIM_LIGHT": "1"})
+def test_light_mode_find_spec_pidfile_and_bad_starts(sglang_tree, start, tmp_path):
+    pid_file = tmp_path / "server.pid"
+    # No --sglang-root: the tree is found with find_spec("sglang") on PYTHONPATH, never imported.
+    light = start(sglang_tree, env={"PATCHCTL_SIM_LIGHT": "1"}, root_via_pythonpath=True,
+                  args=["--pid-file", str(pid_file)])
     bad = start(sglang_tree, args=["--return-aux-hidden-state-layer-ids", "3", str(N)])
     light.wait_ready()
+    busy = start(sglang_tree, env={"PATCHCTL_SIM_LIGHT": "1"}, port=light.port)
     code, r = gen(light, [4, 5, 6], rid="l-1", n=3)
     assert code == 200 and len(r["output_ids"]) == 3 and r["meta_info"]["prompt_tokens"] == 3
-    assert "LIGHT" in light.text()
+    assert "LIGHT" in light.text() and pid_file.read_text().strip() == str(light.proc.pid)
+    assert light.get("/get_server_info")[1]["sglang_root"] == str(sglang_tree.resolve())
     assert bad.wait_exit() != 0 and "out of range" in bad.text()
+    assert busy.wait_exit() != 0 and "address" in busy.text().lower()
+    light.proc.send_signal(signal.SIGTERM)
+    assert light.wait_exit(5) == 0 and not pid_file.exists()
+
+
+SERIES = REPO / "patches"
+
+
+@pytest.mark.skipif(not (SERIES / "hidden-dump" / "0002-model-runner-hook.patch").exists(),
+                    reason="hidden-dump series not written yet")
+def test_real_hidden_dump_series(sglang_tree, start, tmp_path):
+    """The shipped series, applied to (part of) the real 0.5.23 tree: the dump is made; the
+    known-bad dead-hook series starts and serves but never writes a file."""
+    good = make_mini_tree(sglang_tree, tmp_path / "good")
+    apply_series(good, SERIES / "hidden-dump")
+    dumps = {name: tmp_path / f"dumps-{name}" for name in ("good", "dead")}
+    for d in dumps.values():
+        d.mkdir()
+    args = ["--return-aux-hidden-state-layer-ids", "3", "5", "6"]
+    s = start(good, args=args, env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps["good"]),
+                                    "SGLANG_HIDDEN_DUMP_RID_PREFIX": "smoke-"})
+    dead = None
+    if (SERIES / "hidden-dump-dead-hook" / "series.toml").exists():
+        dead_tree = make_mini_tree(sglang_tree, tmp_path / "dead")
+        apply_series(dead_tree, SERIES / "hidden-dump-dead-hook")
+        dead = start(dead_tree, args=args, env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps["dead"])})
+    s.wait_ready()
+    ids = [(3 * j + 1) % V for j in range(32)]
+    for i in range(2):
+        code, r = gen(s, ids, rid=f"smoke-{i}")
+        assert code == 200 and r["meta_info"]["prompt_tokens"] == 32
+    s.proc.send_signal(signal.SIGTERM)  # flush() drains the writer before exit
+    assert s.wait_exit(5) == 0
+    files = sorted(p.name for p in dumps["good"].iterdir())
+    assert files == ["smoke-0.safetensors", "smoke-1.safetensors"], (files, s.text())
+    meta, t = read_dump(dumps["good"] / "smoke-0.safetensors")
+    assert t["input_ids"].tolist() == ids and meta["prefix_len"] == "0"
+    assert json.loads(meta["layers"]) == [3, 5, 6] and meta["hidden_size"] == str(H)
+    assert t["aux_hidden_states"].shape == (32, 3 * H) and t["hidden_states"].shape == (32, H)
+    assert t["aux_hidden_states"].dtype == torch.bfloat16
+    if dead is not None:
+        dead.wait_ready()
+        assert gen(dead, ids, rid="smoke-0")[0] == 200
+        dead.proc.send_signal(signal.SIGTERM)
+        assert dead.wait_exit(5) == 0
+        assert list(dumps["dead"].iterdir()) == [], dead.text()
+        assert "No hidden_dump hook in ModelRunner.forward" in dead.text()
