@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("rollback", help="restore hosts to an earlier state")
     limit(sp)
     hostkeys(sp)
-    sp.add_argument("--to", default=None, metavar="STATE", help="'clean' (pristine, the default) or a history id")
+    sp.add_argument("--to", default=None, metavar="STATE", help="'previous' (the state before the last deploy; default), 'clean' (no series), or a history id")
     sp.add_argument("--force", action="store_true", help="roll back over hand edits (saved beside the backups first)")
     sp.add_argument("--no-restart", action="store_true")
 

@@ -1,0 +1,179 @@
+"""Run reporting: events in, human lines / live table / JSON lines / JUnit / a log directory out.
+
+Every command that works on hosts emits the same events; the reporter decides
+how they look. `--json` makes stdout a stream of one JSON object per line
+(run_start, step_start, step_end, host_result, run_end); humans get progress
+on stderr (a live rich table on a terminal, timestamped lines otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.live import Live
+from rich.table import Table
+
+from patchctl.console import App, table
+
+
+@dataclass
+class StepRecord:
+    host: str
+    step: str
+    started: float
+    ended: float | None = None
+    ok: bool | None = None
+    message: str = ""
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return round((self.ended or time.time()) - self.started, 3)
+
+
+def default_log_root() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "patchctl" / "runs"
+
+
+class Reporter:
+    def __init__(self, app: App, run_id: str, command: str, hosts: list[str], log_dir: Path | None = None,
+                 live: bool | None = None):
+        self.app = app
+        self.run_id = run_id
+        self.command = command
+        self.hosts = hosts
+        self.steps: list[StepRecord] = []
+        self.results: dict[str, dict] = {}
+        self.current: dict[str, StepRecord] = {}
+        self.lock = threading.Lock()
+        self.t0 = time.time()
+        self.log_dir = (log_dir or default_log_root()) / run_id
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._live = None
+        if live is None:
+            live = app.err.is_terminal and not app.json
+        if live:
+            self._live = Live(self._render(), console=app.err, refresh_per_second=4, transient=False)
+
+    # --- lifecycle ------------------------------------------------------
+    def __enter__(self):
+        self.emit({"event": "run_start", "run_id": self.run_id, "command": self.command, "hosts": self.hosts})
+        if self._live:
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._live:
+            self._live.update(self._render())
+            self._live.stop()
+
+    def emit(self, ev: dict) -> None:
+        ev.setdefault("t", round(time.time(), 3))
+        with self.lock:
+            with open(self.log_dir / "events.jsonl", "a") as f:
+                f.write(json.dumps(ev, default=str) + "\n")
+            if self.app.json:
+                sys.stdout.write(json.dumps(ev, default=str) + "\n")
+                sys.stdout.flush()
+        if self._live:
+            self._live.update(self._render())
+        elif not self.app.json or self.app.verbose:
+            line = self._line(ev)
+            if line:
+                self.app.info(line)
+
+    def _line(self, ev: dict) -> str | None:
+        k = ev["event"]
+        if k == "step_start":
+            return f"{ev['host']}: {ev['step']} ..."
+        if k == "step_end":
+            mark = "ok" if ev["ok"] else "FAILED"
+            msg = f" — {ev['message']}" if ev.get("message") else ""
+            return f"{ev['host']}: {ev['step']} {mark} ({ev['seconds']:.1f}s){msg}"
+        if k == "host_result":
+            return f"{ev['host']}: {ev['outcome']}" + (f" — {ev['message']}" if ev.get("message") else "")
+        if k == "note":
+            return f"{ev['host']}: {ev['message']}"
+        if k == "agent" and self.app.verbose:
+            return f"{ev['host']}: {ev['data']}"
+        return None
+
+    # --- host steps -----------------------------------------------------
+    def step_start(self, host: str, step: str) -> StepRecord:
+        rec = StepRecord(host, step, time.time())
+        with self.lock:
+            self.steps.append(rec)
+            self.current[host] = rec
+        self.emit({"event": "step_start", "run_id": self.run_id, "host": host, "step": step})
+        return rec
+
+    def step_end(self, rec: StepRecord, ok: bool, message: str = "", detail: dict | None = None) -> None:
+        rec.ended, rec.ok, rec.message, rec.detail = time.time(), ok, message, detail or {}
+        self.emit({"event": "step_end", "run_id": self.run_id, "host": rec.host, "step": rec.step, "ok": ok,
+                   "seconds": rec.seconds, "message": message, "detail": rec.detail})
+        self.host_log(rec.host, {"step": rec.step, "ok": ok, "seconds": rec.seconds, "message": message, "detail": rec.detail})
+
+    def note(self, host: str, message: str) -> None:
+        self.emit({"event": "note", "run_id": self.run_id, "host": host, "message": message})
+
+    def agent_event(self, host: str, data: dict) -> None:
+        if data.get("event") == "heartbeat":
+            if self._live:
+                self._live.update(self._render())
+            return
+        self.host_log(host, {"agent": data})
+        if self.app.verbose:
+            self.emit({"event": "agent", "run_id": self.run_id, "host": host, "data": data})
+
+    def host_log(self, host: str, entry: dict) -> None:
+        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in host)
+        with self.lock, open(self.log_dir / f"{safe}.jsonl", "a") as f:
+            f.write(json.dumps(entry, default=str) + "\n")
+        tail = (entry.get("detail") or {}).get("log_tail")
+        if tail:
+            with self.lock, open(self.log_dir / f"{safe}.server-log-tail.txt", "a") as f:
+                f.write(f"--- {entry.get('step')} ---\n{tail}\n")
+
+    def host_result(self, host: str, outcome: str, exit_code: int, message: str = "", **extra) -> None:
+        self.results[host] = {"host": host, "outcome": outcome, "exit_code": exit_code, "message": message, **extra}
+        self.emit({"event": "host_result", "run_id": self.run_id, **self.results[host]})
+
+    def run_end(self, exit_code: int, **extra) -> None:
+        self.emit({"event": "run_end", "run_id": self.run_id, "exit_code": exit_code,
+                   "seconds": round(time.time() - self.t0, 3), "log_dir": str(self.log_dir), **extra})
+
+    # --- views ----------------------------------------------------------
+    def _render(self) -> Table:
+        t = table(f"patchctl {self.command} — run {self.run_id}", "host", "step", "elapsed", "result")
+        for h in self.hosts:
+            res = self.results.get(h)
+            cur = self.current.get(h)
+            if res:
+                t.add_row(h, cur.step if cur else "", f"{cur.seconds:.1f}s" if cur else "", res["outcome"])
+            elif cur:
+                t.add_row(h, cur.step, f"{cur.seconds:.1f}s", "…" if cur.ok is None else ("ok" if cur.ok else "failed"))
+            else:
+                t.add_row(h, "", "", "waiting")
+        return t
+
+    def summary_table(self) -> Table:
+        t = table(f"patchctl {self.command}: summary (logs: {self.log_dir})", "host", "outcome", "detail")
+        for h in self.hosts:
+            r = self.results.get(h, {"outcome": "not reached", "message": ""})
+            t.add_row(h, r["outcome"], r.get("message", ""))
+        return t
+
+    def junit_cases(self) -> list[dict]:
+        cases = []
+        for s in self.steps:
+            cases.append({"name": s.step, "classname": s.host, "time": s.seconds,
+                          "status": "passed" if s.ok else ("failed" if s.ok is False else "error"),
+                          "message": s.message, "output": json.dumps(s.detail, default=str)[:20000]})
+        return cases
