@@ -36,6 +36,14 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+def _mode(path):
+    """Permission bits of a file (e.g. 0o644), None when it does not exist."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        return None
+
+
 def _unquote(path):
     """Undo git's C-style quoting of unusual path names ("a/x\\tb")."""
     if len(path) >= 2 and path[0] == '"' and path[-1] == '"':
@@ -404,6 +412,7 @@ def stage(root, patches, scratch):
     if not os.path.isdir(scratch):
         os.makedirs(scratch)
     before = {}
+    modes = {}
     for rel in needed:
         src = os.path.join(root, *rel.split("/"))
         if os.path.isfile(src):
@@ -413,6 +422,7 @@ def stage(root, patches, scratch):
                 os.makedirs(d)
             shutil.copy2(src, dst)
             before[rel] = sha256_file(src)
+            modes[rel] = _mode(src)
         else:
             before[rel] = None
 
@@ -453,7 +463,9 @@ def stage(root, patches, scratch):
         if b is None and after is None:
             continue
         action = "add" if b is None else ("delete" if after is None else "modify")
-        report["files"][rel] = {"action": action, "sha256_before": b, "sha256_after": after}
+        report["files"][rel] = {"action": action, "sha256_before": b, "sha256_after": after,
+                                "mode_before": modes.get(rel),
+                                "mode_after": _mode(os.path.join(scratch, *rel.split("/")))}
     if failed:
         return report
 

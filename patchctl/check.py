@@ -306,5 +306,6 @@ def run_check(app, args) -> int:
                str(report["trace"].get("detail")) if report["trace"] else report["error"])
         print(f"patchctl: check failed: {why}", file=sys.stderr)
         return 1
-    app.info(f"ok: {series.name} applies, compiles and hooks in on SGLang {version}")
+    app.info(f"ok: {series.name} applies and compiles on SGLang {version}"
+             + ("; hook present" if report["hook"] is not None else "; no hook declared ([smoke.hook])"))
     return 0

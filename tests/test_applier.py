@@ -74,7 +74,8 @@ def test_clean_add_and_modify(tmp_path):
     assert r["files"]["sglang/srt/a.py"]["sha256_before"] == applier.sha256_file(root / "sglang/srt/a.py")
     assert r["files"]["sglang/srt/new.py"] == {
         "action": "add", "sha256_before": None,
-        "sha256_after": applier.sha256_file(tmp_path / "scratch/sglang/srt/new.py")}
+        "sha256_after": applier.sha256_file(tmp_path / "scratch/sglang/srt/new.py"),
+        "mode_before": None, "mode_after": (tmp_path / "scratch/sglang/srt/new.py").stat().st_mode & 0o7777}
     assert snapshot(root) == before  # the source tree is never modified
     assert not list((tmp_path / "scratch").rglob("__pycache__"))  # compiled in memory
     assert not (tmp_path / "scratch/.patchctl-patches").exists()
@@ -190,3 +191,13 @@ def test_runs_under_the_hosts_python(tmp_path):
                           str(tmp_path / "scratch")], check=True, capture_output=True, text=True,
                          cwd=tmp_path, env={"PATH": os.environ["PATH"]})
     assert json.loads(out.stdout)["ok"] is True
+
+
+def test_mode_change_is_reported(tmp_path):
+    root = make_root(tmp_path)
+    os.chmod(root / "sglang/srt/a.py", 0o644)
+    mode = "diff --git a/sglang/srt/a.py b/sglang/srt/a.py\nold mode 100644\nnew mode 100755\n"
+    r = applier.stage(root, [("m", mode)], tmp_path / "scratch")
+    assert r["ok"], r
+    f = r["files"]["sglang/srt/a.py"]
+    assert f["sha256_before"] == f["sha256_after"] and (f["mode_before"], f["mode_after"]) == (0o644, 0o755)
