@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import queue
+import re
 import shlex
 import socket
 import subprocess
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 import paramiko
+
+# paramiko logs connect failures with tracebacks from its own thread; we report them as one line.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 from patchctl.errors import EXIT_ATTENTION, EXIT_BAD_INPUT, PatchctlError
 from patchctl.inventory import Host
@@ -216,6 +221,14 @@ class LocalTransport(Transport):
         return RunResult(code, b"".join(out_chunks).decode("utf-8", "replace"), "".join(err_lines))
 
 
+def _keyscan_hint(hostname: str, keytype: str, known_hosts: Path) -> str:
+    m = re.fullmatch(r"\[(.*)\]:(\d+)", hostname)
+    addr, port = (m.group(1), m.group(2)) if m else (hostname, "22")
+    kt = keytype.removeprefix("ssh-").split("-")[0] if keytype.startswith("ssh-") else "ecdsa"
+    return (f"ssh-keyscan -p {port} -t {kt} {shlex.quote(addr)} >> {shlex.quote(str(known_hosts))} "
+            f"(then check the fingerprint with ssh-keygen -lf {shlex.quote(str(known_hosts))})")
+
+
 class _StrictPolicy(paramiko.MissingHostKeyPolicy):
     """Unknown host key: refuse with its fingerprint, or (opt-in) record it in the inventory's known_hosts."""
 
@@ -229,9 +242,8 @@ class _StrictPolicy(paramiko.MissingHostKeyPolicy):
         if not self.accept_new:
             raise HostKeyRefused(
                 f"{self.host_label}: unknown host key for {hostname}: {key.get_name()} {fp}. "
-                f"Nothing was sent. If that is the host's key, accept it with --accept-new-host-keys, or add it "
-                f"to {self.known_hosts} yourself (ssh-keyscan -t ed25519 ... >> {self.known_hosts}, then "
-                f"compare the fingerprint with ssh-keygen -lf)"
+                f"Nothing was sent. If that is the host's key, accept it with --accept-new-host-keys, or record "
+                f"it yourself: {_keyscan_hint(hostname, key.get_name(), self.known_hosts)}"
             )
         self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
         line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
@@ -290,7 +302,8 @@ class SSHTransport(Transport):
         if "port" in h.explicit or not h.ssh_config:
             kwargs["port"] = h.port
         connect_kwargs = {
-            "banner_timeout": self.connect_timeout,
+            # a little under `timeout`, which also bounds the whole handshake: the banner error must win the race
+            "banner_timeout": self.connect_timeout * 0.9,
             "auth_timeout": self.connect_timeout,
             "channel_timeout": self.connect_timeout,
             "look_for_keys": True,
@@ -355,7 +368,14 @@ class SSHTransport(Transport):
             raise HostUnreachable(f"{where}: timed out after {self.connect_timeout:g}s ({e or 'no answer'})") from None
         except (OSError, paramiko.SSHException, EOFError) as e:
             self._close_all()
-            cause = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            errors = getattr(e, "errors", None)  # paramiko NoValidConnectionsError: {sockaddr: OSError}
+            if errors:
+                cause = "; ".join(sorted({x.strerror or str(x) for x in errors.values()}))
+            elif "banner" in str(e) or "No existing session" in str(e):
+                cause = (f"no SSH handshake within {self.connect_timeout:g}s (the port accepts TCP but does not "
+                         f"speak SSH, or the server is overloaded)")
+            else:
+                cause = getattr(e, "strerror", None) or str(e) or type(e).__name__
             raise HostUnreachable(f"{where}: cannot connect: {cause}") from None
         _set_keepalive(conn)
         self.connections_opened += 1

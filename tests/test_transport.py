@@ -1,0 +1,377 @@
+"""Transport against real sshd hosts on 127.0.1.N (no mocks): round trips, streaming, reuse, host keys,
+unreachable hosts, cut connections, timeouts, no command injection, and the local transport."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from patchctl.errors import EXIT_ATTENTION, EXIT_BAD_INPUT
+from patchctl.inventory import load_inventory
+from patchctl.transport import (
+    CommandTimeout,
+    ConnectionLost,
+    HostKeyRefused,
+    HostUnreachable,
+    LocalTransport,
+    RunResult,
+    SSHTransport,
+    open_transport,
+)
+from sshhosts import free_port, inventory_toml, known_hosts_for, ssh_hosts
+
+STREAM_SCRIPT = r"""
+import os, sys, time
+flag = {flag!r}
+print("waiting for flag", file=sys.stderr, flush=True)
+deadline = time.time() + 20
+while not os.path.exists(flag):
+    if time.time() > deadline:
+        print("flag never came", file=sys.stderr, flush=True)
+        sys.exit(9)
+    time.sleep(0.01)
+print("got flag", file=sys.stderr, flush=True)
+print("done")
+sys.exit(5)
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sshd")
+    with ssh_hosts(2, base, first=20) as hs:
+        known_hosts_for(hs, base / "known_hosts")
+        yield hs
+
+
+def _inventory(tmp_path: Path, hosts, **kw):
+    p = tmp_path / "inventory.toml"
+    p.write_text(inventory_toml(hosts, **kw))
+    return load_inventory(p)
+
+
+@pytest.fixture
+def inv(tmp_path, hosts):
+    return _inventory(tmp_path, hosts)
+
+
+# --- round trip ----------------------------------------------------------------------------------
+
+def test_round_trip_stdout_exit_code_and_streamed_stderr(inv, tmp_path):
+    flag = tmp_path / "flag"
+    seen: list[tuple[float, str]] = []
+
+    def on_line(line):
+        seen.append((time.monotonic(), line))
+        if line == "waiting for flag":
+            flag.write_text("go")  # the command can only finish after we saw its first line
+
+    with open_transport(inv.hosts["host0"], connect_timeout=5) as t:
+        assert isinstance(t, SSHTransport)
+        r = t.run_python(STREAM_SCRIPT.format(flag=str(flag)), timeout=30, on_stderr_line=on_line)
+    assert r == RunResult(5, "done\n", "waiting for flag\ngot flag\n")
+    assert [line for _, line in seen] == ["waiting for flag", "got flag"]
+
+
+def test_one_connection_reused_for_several_commands(inv, hosts):
+    h = hosts[1]
+    conns, cmds = h.count_connections(), h.count_commands()
+    with open_transport(inv.hosts["host1"], connect_timeout=5) as t:
+        assert t.connections_opened == 0  # lazy
+        outs = [t.run_python(f"print({i} * 7)").stdout for i in range(4)]
+        assert outs == ["0\n", "7\n", "14\n", "21\n"]
+        assert (t.connections_opened, t.commands_run) == (1, 4)
+    assert h.count_connections() - conns == 1
+    assert h.count_commands() - cmds == 4
+
+
+def test_large_script_and_binary_safe_output(inv):
+    body = "".join(f"v{i} = {i!r}\n" for i in range(40000))  # ~0.5 MB of script
+    script = body + "import sys\nsys.stdout.write('é' * 100000 + str(v39999))\n"
+    with open_transport(inv.hosts["host0"]) as t:
+        t0 = time.monotonic()
+        r = t.run_python(script, timeout=60)
+        assert time.monotonic() - t0 < 15
+    assert r.exit_code == 0 and r.stdout == "é" * 100000 + "39999"
+
+
+def test_killed_by_signal_is_a_result_not_a_lost_connection(inv):
+    with open_transport(inv.hosts["host0"]) as t:
+        r = t.run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+        assert r.exit_code < 0
+        assert t.run_python("print('still here')").stdout == "still here\n"
+        assert t.connections_opened == 1
+
+
+# --- host keys -----------------------------------------------------------------------------------
+
+def test_unknown_host_key_refused_with_fingerprint(tmp_path, hosts):
+    h = hosts[0]
+    inv = _inventory(tmp_path, hosts, known_hosts=tmp_path / "empty_known_hosts")
+    conns = h.count_connections()
+    t = open_transport(inv.hosts["host0"], connect_timeout=5)
+    with pytest.raises(HostKeyRefused) as e:
+        t.run_python("print(1)")
+    msg = str(e.value)
+    assert h.fingerprint in msg and "ssh-ed25519" in msg
+    assert "--accept-new-host-keys" in msg and f"ssh-keyscan -p {h.port} -t ed25519 {h.address}" in msg
+    assert h.address in msg and str(h.port) in msg
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert h.count_connections() == conns  # never authenticated: nothing was sent
+    assert not (tmp_path / "empty_known_hosts").exists()
+
+
+def test_accept_new_host_keys_records_then_checks_strictly(tmp_path, hosts):
+    kh = tmp_path / "sub" / "known_hosts"
+    inv = _inventory(tmp_path, hosts, known_hosts=kh)
+    with open_transport(inv.hosts["host1"], accept_new_host_keys=True) as t:
+        assert t.run_python("print('ok')").stdout == "ok\n"
+    assert kh.read_text() == hosts[1].known_hosts_line()
+    assert kh.read_text().startswith(f"[{hosts[1].address}]:{hosts[1].port} ssh-ed25519 ")
+    # now strict without the flag: host1 is known, host0 still is not
+    with open_transport(inv.hosts["host1"]) as t:
+        assert t.run_python("print('ok')").stdout == "ok\n"
+    with pytest.raises(HostKeyRefused):
+        open_transport(inv.hosts["host0"]).run_python("print(1)")
+    # accepting host0 appends, keeping host1's line
+    with open_transport(inv.hosts["host0"], accept_new_host_keys=True) as t:
+        t.run_python("pass")
+    assert kh.read_text() == hosts[1].known_hosts_line() + hosts[0].known_hosts_line()
+
+
+def test_changed_host_key_always_refused(tmp_path):
+    with ssh_hosts(1, tmp_path / "sshd", first=30) as (h,):
+        kh = known_hosts_for([h], tmp_path / "known_hosts")
+        inv = _inventory(tmp_path, [h], known_hosts=kh)
+        with open_transport(inv.hosts["host0"]) as t:
+            t.run_python("pass")
+        old = h.fingerprint
+        h.restart_with_new_host_key()
+        assert h.fingerprint != old
+        before = kh.read_text()
+        for accept in (False, True):
+            with pytest.raises(HostKeyRefused) as e:
+                open_transport(inv.hosts["host0"], accept_new_host_keys=accept).run_python("pass")
+            msg = str(e.value)
+            assert "CHANGED" in msg and "man-in-the-middle" in msg
+            assert h.fingerprint in msg and old in msg
+            assert e.value.exit_code == EXIT_BAD_INPUT
+        assert kh.read_text() == before  # never rewritten
+
+
+# --- failures ------------------------------------------------------------------------------------
+
+def _unreachable_inv(tmp_path, hosts, address, port):
+    text = inventory_toml(hosts, host_overrides={"host0": {"address": address, "port": port}})
+    p = tmp_path / "inv.toml"
+    p.write_text(text)
+    return load_inventory(p)
+
+
+def test_unreachable_port_nothing_listening(tmp_path, hosts):
+    addr = "127.0.1.99"
+    port = free_port(addr)
+    inv = _unreachable_inv(tmp_path, hosts, addr, port)
+    t0 = time.monotonic()
+    with pytest.raises(HostUnreachable) as e:
+        open_transport(inv.hosts["host0"], connect_timeout=2).run_python("pass")
+    assert time.monotonic() - t0 < 2.5
+    assert f"host0 ({addr}:{port})" in str(e.value) and "refused" in str(e.value).lower()
+    assert e.value.exit_code == EXIT_ATTENTION
+    # other hosts are unaffected
+    with open_transport(inv.hosts["host1"]) as t:
+        assert t.run_python("print(2)").stdout == "2\n"
+
+
+def test_unreachable_port_that_never_speaks_ssh(tmp_path, hosts):
+    addr = "127.0.1.98"
+    srv = socket.socket()
+    srv.bind((addr, 0))
+    srv.listen(5)
+    accepted = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    try:
+        inv = _unreachable_inv(tmp_path, hosts, addr, srv.getsockname()[1])
+        t0 = time.monotonic()
+        with pytest.raises(HostUnreachable) as e:
+            open_transport(inv.hosts["host0"], connect_timeout=1.5).run_python("pass")
+        elapsed = time.monotonic() - t0
+        assert 1.0 < elapsed < 4.0, elapsed
+        assert "host0" in str(e.value) and addr in str(e.value) and "no SSH handshake" in str(e.value)
+        assert accepted  # TCP was accepted; the SSH banner never came
+    finally:
+        stop.set()
+        th.join()
+        srv.close()
+        for c in accepted:
+            c.close()
+
+
+def test_cut_connection_mid_command_is_connection_lost(inv, hosts, tmp_path):
+    h = hosts[0]
+    script = "import sys, time\nprint('started', file=sys.stderr, flush=True)\ntime.sleep(30)\nprint('finished')\n"
+    killed = []
+
+    def on_line(line):
+        if line == "started":
+            killed.append(h.kill_sessions())
+
+    t = open_transport(inv.hosts["host0"], connect_timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionLost) as e:
+        t.run_python(script, on_stderr_line=on_line)
+    assert time.monotonic() - t0 < 10
+    assert killed and killed[0] >= 1
+    assert "host0" in str(e.value) and "unknown" in str(e.value)
+    assert e.value.exit_code == EXIT_ATTENTION
+    # the next command opens a fresh connection
+    assert t.run_python("print('again')").stdout == "again\n"
+    assert t.connections_opened == 2
+    t.close()
+
+
+def test_command_timeout(inv):
+    with open_transport(inv.hosts["host1"]) as t:
+        t0 = time.monotonic()
+        with pytest.raises(CommandTimeout) as e:
+            t.run_python("import time\ntime.sleep(20)\n", timeout=1)
+        assert time.monotonic() - t0 < 3
+        assert isinstance(e.value, ConnectionLost) and "1s" in str(e.value)
+
+
+# --- python path is data ---------------------------------------------------------------------------
+
+EVIL_DIR = "we ird'dir\"; $(touch {c}1) `touch {c}2`; touch {c}3 #"
+
+
+def _evil_paths(tmp_path):
+    canary = tmp_path / "canary"
+    return canary, [
+        f"/nonexistent/{EVIL_DIR.format(c=canary)}/python",
+        f"~/{EVIL_DIR.format(c=canary)}/python",
+        f"python; touch {canary}4",
+        f"$(touch {canary}5)",
+        f"`touch {canary}6`",
+    ]
+
+
+def _canaries(tmp_path):
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("canary"))
+
+
+def test_python_path_cannot_inject_over_ssh(tmp_path, hosts):
+    canary, paths = _evil_paths(tmp_path)
+    for python in paths:
+        inv = _inventory(tmp_path, hosts, python=python)
+        with open_transport(inv.hosts["host0"]) as t:
+            r = t.run_python("print('ran')")
+        assert r.exit_code == 127 and r.stdout == "", (python, r)
+    assert _canaries(tmp_path) == []
+
+
+def test_python_path_with_odd_characters_works_over_ssh(tmp_path, hosts):
+    d = tmp_path / EVIL_DIR.format(c=tmp_path / "canary")
+    d.mkdir(parents=True)
+    (d / "python").symlink_to(sys.executable)
+    home = os.path.expanduser("~")
+    for python in (str(d / "python"), "~/" + os.path.relpath(d / "python", home)):
+        inv = _inventory(tmp_path, hosts, python=python)
+        with open_transport(inv.hosts["host1"]) as t:
+            r = t.run_python("import sys\nprint(sys.argv)\n")
+        assert r == RunResult(0, "['-']\n", ""), python
+    assert _canaries(tmp_path) == []
+
+
+# --- gateway ---------------------------------------------------------------------------------------
+
+def test_gateway_host_of_the_inventory(tmp_path, hosts):
+    inv = _inventory(tmp_path, hosts, host_overrides={"host1": {"gateway": "host0"}})
+    assert inv.hosts["host1"].gateway_host is inv.hosts["host0"]
+    c0, c1 = hosts[0].count_connections(), hosts[1].count_connections()
+    with open_transport(inv.hosts["host1"]) as t:
+        assert t.run_python("print('via')").stdout == "via\n"
+        assert t.run_python("print('again')").stdout == "again\n"
+    assert (hosts[0].count_connections() - c0, hosts[1].count_connections() - c1) == (1, 1)
+
+
+def test_gateway_user_at_host_port_is_checked_strictly(tmp_path, hosts):
+    g = hosts[0]
+    kh = tmp_path / "kh"
+    known_hosts_for([hosts[1]], kh)  # the target is known, the jump host is not
+    inv = _inventory(tmp_path, hosts, known_hosts=kh,
+                     host_overrides={"host1": {"gateway": f"root@{g.address}:{g.port}"}})
+    with pytest.raises(HostKeyRefused) as e:
+        open_transport(inv.hosts["host1"]).run_python("pass")
+    assert g.fingerprint in str(e.value) and "gateway" in str(e.value)
+    known_hosts_for(hosts, kh)
+    inv = _inventory(tmp_path, hosts, known_hosts=kh,
+                     host_overrides={"host1": {"gateway": f"root@{g.address}:{g.port}"}})
+    with open_transport(inv.hosts["host1"]) as t:
+        assert t.run_python("print('jumped')").stdout == "jumped\n"
+
+
+# --- local -----------------------------------------------------------------------------------------
+
+def _local(tmp_path, python=sys.executable):
+    p = tmp_path / "local.toml"
+    p.write_text("[hosts.me]\nconnection = \"local\"\npython = " + _toml_str(python) + "\n")
+    return load_inventory(p).hosts["me"]
+
+
+def test_local_transport_same_semantics(tmp_path):
+    flag = tmp_path / "flag"
+    seen = []
+
+    def on_line(line):
+        seen.append(line)
+        if line == "waiting for flag":
+            flag.write_text("go")
+
+    host = _local(tmp_path)
+    with open_transport(host) as t:
+        assert isinstance(t, LocalTransport)
+        r = t.run_python(STREAM_SCRIPT.format(flag=str(flag)), timeout=30, on_stderr_line=on_line)
+        assert r == RunResult(5, "done\n", "waiting for flag\ngot flag\n")
+        assert seen == ["waiting for flag", "got flag"]
+        assert t.run_python("import os\nos.kill(os.getpid(), 9)\n").exit_code == -9
+        with pytest.raises(CommandTimeout):
+            t.run_python("import time\ntime.sleep(20)\n", timeout=0.5)
+        assert t.commands_run == 3 and t.connections_opened == 0
+
+
+def test_local_controller_python(tmp_path):
+    host = _local(tmp_path, "controller")
+    assert host.python == sys.executable
+    assert open_transport(host).run_python("import sys\nprint(sys.executable)").stdout == sys.executable + "\n"
+
+
+def test_local_python_path_cannot_inject(tmp_path):
+    canary, paths = _evil_paths(tmp_path)
+    for python in paths:
+        p = tmp_path / "l.toml"
+        p.write_text("[hosts.me]\nconnection = \"local\"\npython = " + _toml_str(python) + "\n")
+        r = open_transport(load_inventory(p).hosts["me"]).run_python("print('ran')")
+        assert r.exit_code == 127 and r.stdout == "", (python, r)
+    assert _canaries(tmp_path) == []
+
+
+def _toml_str(s: str) -> str:
+    import json
+    return json.dumps(s)
