@@ -210,7 +210,8 @@ class _Locator:
                 path = self._parse_path(m.group(1))
                 if path is not None:
                     table = path
-                    self.lines.setdefault(table, no)
+                    for i in range(1, len(table) + 1):
+                        self.lines.setdefault(table[:i], no)
                 continue
             m = self._KEY.match(line)
             if m:
@@ -399,8 +400,11 @@ def load_inventory(path: Path) -> Inventory:
                 L.fail(p, f"gateway {gw!r} is a local host, not an SSH host", line_of=line_of)
             hosts[name].gateway = gw
         else:
+            # outside the inventory: user@host, host:port or user@host:port (a bare word must be a host here,
+            # so that a typo is an error and not a connection to some other machine)
             m = re.fullmatch(r"(?:([^@\s]+)@)?([^@:\s\[\]]+|\[[0-9A-Fa-f:.]+\])(?::(\d+))?", gw)
-            if not m or (m.group(3) and not 1 <= int(m.group(3)) <= 65535):
+            if (not m or not (m.group(1) or m.group(3))
+                    or (m.group(3) and not 1 <= int(m.group(3)) <= 65535)):
                 L.fail(p, f"gateway {gw!r} is neither a host of this inventory{_suggest(gw, hosts)} "
                           f"nor user@host:port", line_of=line_of)
             h = hosts[name]
