@@ -58,6 +58,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -224,15 +225,19 @@ def import_hidden_dump(root: Path):
 
 
 class Hook:
-    """The statements of ModelRunner.forward that call `<hidden_dump alias>.on_forward_end`."""
+    """The statements of ModelRunner.forward that call `<hidden_dump alias>.on_forward_end`.
 
-    def __init__(self, code, aliases: list[str], lines: list[int], path: str):
-        self.code = code
+    Statements placed before the raw forward (`self._forward_raw(...)`) run before the
+    model with no `output` bound yet, as they would in SGLang; the rest run after it."""
+
+    def __init__(self, pre, post, aliases: list[str], lines: list[int], path: str):
+        self.pre = pre
+        self.post = post
         self.aliases = aliases
         self.lines = lines
         self.path = path
 
-    def run(self, module, runner, forward_batch, output):
+    def _ns(self, module, runner, forward_batch):
         ns = {"__builtins__": __builtins__, "__name__": "sglang.srt.model_executor.model_runner",
               "logger": logging.getLogger("sglang.srt.model_executor.model_runner"),
               "logging": logging, "os": os, "time": time}
@@ -243,14 +248,24 @@ class Hook:
             pass
         for a in self.aliases:
             ns[a] = module
-        ns.update(self=runner, forward_batch=forward_batch, output=output,
-                  logits_output=output.logits_output)
-        exec(self.code, ns)
+        ns.update(self=runner, forward_batch=forward_batch)
+        return ns
+
+    def run_pre(self, module, runner, forward_batch):
+        if self.pre is not None:
+            exec(self.pre, self._ns(module, runner, forward_batch))
+
+    def run(self, module, runner, forward_batch, output):
+        if self.post is not None:
+            ns = self._ns(module, runner, forward_batch)
+            ns["output"] = output
+            exec(self.post, ns)
 
 
-def _hidden_dump_aliases(tree: ast.Module) -> list[str]:
+def _hidden_dump_aliases(nodes) -> list[str]:
+    """Names bound to sglang.srt.hidden_dump by the given import statements."""
     aliases = []
-    for node in tree.body:
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module == "sglang.srt" and node.level == 0:
             for a in node.names:
                 if a.name == "hidden_dump":
@@ -289,7 +304,8 @@ def _prune_block(stmts: list[ast.stmt], aliases) -> list[ast.stmt]:
         if isinstance(s, (ast.With, ast.AsyncWith)):
             for sub in _prune_block(s.body, aliases):
                 kept.append((i, sub))
-        elif isinstance(s, ast.If):
+            continue
+        if isinstance(s, ast.If):
             kept.append((i, ast.If(test=s.test, body=_prune_block(s.body, aliases) or [ast.Pass()],
                                    orelse=_prune_block(s.orelse, aliases))))
         elif isinstance(s, ast.Try):
@@ -312,7 +328,9 @@ def _prune_block(stmts: list[ast.stmt], aliases) -> list[ast.stmt]:
     deps: list[tuple[int, ast.stmt]] = []
     for i in range(first - 1, -1, -1):
         s = stmts[i]
-        if isinstance(s, (ast.Assign, ast.AnnAssign)) and not any(isinstance(n, ast.Call) for n in ast.walk(s)):
+        if isinstance(s, (ast.Import, ast.ImportFrom)) and set(_hidden_dump_aliases([s])) & needed:
+            deps.append((i, s))
+        elif isinstance(s, (ast.Assign, ast.AnnAssign)) and not any(isinstance(n, ast.Call) for n in ast.walk(s)):
             targets = s.targets if isinstance(s, ast.Assign) else [s.target]
             names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
             if names & needed and (s.value is not None):
@@ -327,20 +345,31 @@ def extract_hook(root: Path) -> Hook | None:
     if not path.exists():
         return None
     tree = ast.parse(path.read_bytes(), str(path))
-    aliases = _hidden_dump_aliases(tree)
-    if not aliases:
-        return None
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == "ModelRunner":
-            for fn in node.body:
-                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == "forward":
-                    body = _prune_block(fn.body, aliases)
-                    if not body:
-                        return None
-                    mod = ast.Module(body=body, type_ignores=[])
-                    ast.fix_missing_locations(mod)
-                    lines = sorted({n.lineno for n in ast.walk(mod) if _is_hook_call(n, aliases)})
-                    return Hook(compile(mod, str(path), "exec", dont_inherit=True), aliases, lines, str(path))
+        if not (isinstance(node, ast.ClassDef) and node.name == "ModelRunner"):
+            continue
+        for fn in node.body:
+            if not (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == "forward"):
+                continue
+            # Module-level imports, plus imports inside forward itself.
+            aliases = _hidden_dump_aliases(tree.body) + _hidden_dump_aliases(ast.walk(fn))
+            if not aliases:
+                return None
+            body = _prune_block(fn.body, aliases)
+            if not body:
+                return None
+            raw = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call)
+                   and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_raw"]
+            raw_line = min(raw) if raw else 0
+            parts = []
+            for stmts in ([s for s in body if s.lineno < raw_line], [s for s in body if s.lineno >= raw_line]):
+                if stmts:
+                    mod = ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[]))
+                    parts.append(compile(mod, str(path), "exec", dont_inherit=True))
+                else:
+                    parts.append(None)
+            lines = sorted({n.lineno for s in body for n in ast.walk(s) if _is_hook_call(n, aliases)})
+            return Hook(parts[0], parts[1], sorted(set(aliases)), lines, str(path))
     return None
 
 
@@ -552,42 +581,50 @@ class Engine:
         lens = [len(s) for s in seqs]
         input_ids = torch.tensor(flat, dtype=torch.int64)
         last_index = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], dtype=torch.int64)
+        fb = self._forward_batch(mode, batch, seqs, input_ids) if self.hook is not None else None
+        if fb is not None:
+            self.runner.forward_pass_id = self.forward_pass_id
+            self.hook.run_pre(self.hd, self.runner, fb)
         aux, last, logits = self.model.forward(input_ids, last_index)
         nexts = logits.argmax(-1).tolist()
-        if self.hook is not None:
-            extend = mode == "EXTEND"
-            prefix = [0] * len(batch)
-            if extend:
-                seq_lens = lens
-            else:
-                seq_lens = [len(w.input_ids) + len(w.output_ids) for w in batch]
-                prefix = [s - 1 for s in seq_lens]
-            starts = [sum(lens[:i]) for i in range(len(lens))]
-            fb = NS(
-                forward_mode=ForwardMode(mode),
-                rids=[w.rid for w in batch],
-                input_ids=input_ids,
-                positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=torch.int64),
-                batch_size=len(batch),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-                seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
-                seq_lens_sum=sum(seq_lens),
-                extend_seq_lens=torch.tensor(lens, dtype=torch.int32) if extend else None,
-                extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32) if extend else None,
-                extend_start_loc=torch.tensor(starts, dtype=torch.int32) if extend else None,
-                extend_seq_lens_cpu=list(lens) if extend else None,
-                extend_prefix_lens_cpu=list(prefix) if extend else None,
-                extend_num_tokens=len(flat) if extend else None,
-                return_logprob=False,
-                capture_hidden_mode=NS(name="FULL" if self.capture_ids else "NULL"),
-            )
+        if fb is not None:
             logits_output = NS(next_token_logits=logits, hidden_states=aux, last_hidden_states=last,
                                next_token_logprobs=None)
             output = NS(logits_output=logits_output, can_run_graph=False,
                         expert_distribution_metrics=None, routed_experts_output=None)
-            self.runner.forward_pass_id = self.forward_pass_id
             self.hook.run(self.hd, self.runner, fb, output)
         return nexts
+
+    def _forward_batch(self, mode, batch, seqs, input_ids):
+        """A duck-typed ForwardBatch with the fields SGLang's has for this batch."""
+        torch = self.model.torch
+        lens = [len(s) for s in seqs]
+        extend = mode == "EXTEND"
+        if extend:
+            seq_lens, prefix = lens, [0] * len(batch)
+        else:
+            seq_lens = [len(w.input_ids) + len(w.output_ids) for w in batch]
+            prefix = [n - 1 for n in seq_lens]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        i32, i64 = torch.int32, torch.int64
+        return NS(
+            forward_mode=ForwardMode(mode),
+            rids=[w.rid for w in batch],
+            input_ids=input_ids,
+            positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=i64),
+            batch_size=len(batch),
+            seq_lens=torch.tensor(seq_lens, dtype=i64),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=i64),
+            seq_lens_sum=sum(seq_lens),
+            extend_seq_lens=torch.tensor(lens, dtype=i32) if extend else None,
+            extend_prefix_lens=torch.tensor(prefix, dtype=i32) if extend else None,
+            extend_start_loc=torch.tensor(starts, dtype=i32) if extend else None,
+            extend_seq_lens_cpu=list(lens) if extend else None,
+            extend_prefix_lens_cpu=list(prefix) if extend else None,
+            extend_num_tokens=sum(lens) if extend else None,
+            return_logprob=False,
+            capture_hidden_mode=NS(name="FULL" if self.capture_ids else "NULL"),
+        )
 
 
 def resolve_capture_ids(args, layers):
@@ -826,6 +863,10 @@ def build_parser():
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--sglang-root", default=None,
                    help="directory containing the sglang/ package to serve (default: find_spec('sglang'))")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port where node rank 0 waits for the other nodes to join")
     p.add_argument("--pid-file", default=None)
     p.add_argument("--log-level", default="info")
     return p
@@ -842,6 +883,100 @@ def _parse_layer_ids(values):
         else:
             out.extend(int(x) for x in v.replace(",", " ").split())
     return out
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _head_rendezvous(args, stop, state) -> bool:
+    """Node rank 0 of a multi-node server: wait until every other node joined at
+    --dist-init-addr (SGLang's torch.distributed init); a node that leaves later kills
+    the head (as a broken NCCL group does). False when stopped while waiting."""
+    host, port = _split_addr(args.dist_init_addr)
+    try:
+        srv = socket.create_server((host, port))
+    except OSError as e:
+        _fatal(f"torch.distributed.DistStoreError: cannot listen on {args.dist_init_addr}: {e}")
+    joined: dict[int, socket.socket] = {}
+    all_in = threading.Event()
+
+    def watch(rank, conn):
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        if not state.shutting_down:
+            logger.error("RuntimeError: node rank %d left the process group (connection to it closed); "
+                         "NCCL communicator aborted, exiting", rank)
+            logging.shutdown()
+            os._exit(1)
+
+    def accept():
+        while True:
+            conn, _ = srv.accept()
+            try:
+                conn.settimeout(10)
+                line = conn.makefile("r").readline().split()
+                rank = int(line[1]) if len(line) == 2 and line[0] == "rank" else -1
+                conn.settimeout(None)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            if rank < 1 or rank >= args.nnodes or rank in joined:
+                conn.close()
+                continue
+            joined[rank] = conn
+            conn.sendall(b"ok\n")
+            logger.info("node rank %d joined (%d/%d nodes)", rank, len(joined) + 1, args.nnodes)
+            threading.Thread(target=watch, args=(rank, conn), daemon=True).start()
+            if len(joined) == args.nnodes - 1:
+                all_in.set()
+
+    threading.Thread(target=accept, name="dist-init", daemon=True).start()
+    logger.info("Init torch distributed begin: waiting for %d other node(s) at %s",
+                args.nnodes - 1, args.dist_init_addr)
+    while not all_in.wait(0.2):
+        if stop.is_set():
+            return False
+    logger.info("Init torch distributed ends: %d nodes", args.nnodes)
+    return True
+
+
+def _follow_head(args, stop, shutdown):
+    """Node rank >= 1: join the head at --dist-init-addr (retrying like torch.distributed
+    does), then live as long as the head does."""
+    host, port = _split_addr(args.dist_init_addr)
+    logger.info("Init torch distributed begin: node rank %d joining %s", args.node_rank, args.dist_init_addr)
+    while True:
+        if stop.is_set():
+            shutdown()
+        try:
+            conn = socket.create_connection((host, port), timeout=2)
+            conn.sendall(f"rank {args.node_rank}\n".encode())
+            if conn.makefile("r").readline().strip() == "ok":
+                break
+            conn.close()
+        except OSError:
+            pass
+        stop.wait(0.2)
+    conn.settimeout(None)
+    logger.info("Init torch distributed ends: joined the head at %s", args.dist_init_addr)
+
+    def watch():
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        if not stop.is_set():
+            logger.error("RuntimeError: connection to the head node %s lost; NCCL communicator "
+                         "aborted, exiting", args.dist_init_addr)
+            logging.shutdown()
+            os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _fatal(msg):
@@ -921,7 +1056,8 @@ def main(argv=None):
             _fatal(f"ModuleNotFoundError: No module named '{HIDDEN_DUMP_MODULE}' "
                    f"(imported by {MODEL_RUNNER})")
         if hook is not None:
-            logger.info("ModelRunner.forward calls %s.on_forward_end at line(s) %s", hook.aliases[0], hook.lines)
+            logger.info("ModelRunner.forward calls %s.on_forward_end at line(s) %s%s", hook.aliases[0], hook.lines,
+                        " (before the raw forward)" if hook.pre is not None else "")
         else:
             logger.info("No hidden_dump hook in ModelRunner.forward")
 
@@ -935,14 +1071,17 @@ def main(argv=None):
     engine = Engine(args, model_cfg, hook, hd, light)
     app = App(args, root, version, model_cfg, engine, unknown)
     Handler.app = app
-    try:
-        httpd = ThreadingHTTPServer((args.host, args.port), Handler)
-    except OSError as e:
-        _fatal(f"OSError: [Errno {e.errno}] error while attempting to bind on address "
-               f"({args.host!r}, {args.port}): {e.strerror}")
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
-    logger.info("Uvicorn running on http://%s:%d (stand-in HTTP server; not ready yet)", args.host, args.port)
+    follower = args.nnodes > 1 and args.node_rank >= 1
+    httpd = None
+    if not follower:  # like SGLang: non-zero-rank nodes run no HTTP server
+        try:
+            httpd = ThreadingHTTPServer((args.host, args.port), Handler)
+        except OSError as e:
+            _fatal(f"OSError: [Errno {e.errno}] error while attempting to bind on address "
+                   f"({args.host!r}, {args.port}): {e.strerror}")
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+        logger.info("Uvicorn running on http://%s:%d (stand-in HTTP server; not ready yet)", args.host, args.port)
     if args.pid_file:
         Path(args.pid_file).write_text(f"{os.getpid()}\n")
 
@@ -956,10 +1095,11 @@ def main(argv=None):
             th.join(1.5)
             if th.is_alive():
                 logger.warning("hidden_dump.flush() did not finish within 1.5s")
-        try:
-            httpd.server_close()
-        except Exception:  # noqa: BLE001
-            pass
+        if httpd is not None:
+            try:
+                httpd.server_close()
+            except Exception:  # noqa: BLE001
+                pass
         if args.pid_file:
             try:
                 Path(args.pid_file).unlink()
@@ -969,6 +1109,14 @@ def main(argv=None):
         logging.shutdown()
         sys.stdout.flush()
         os._exit(code)
+
+    if args.nnodes > 1:
+        if not args.dist_init_addr:
+            _fatal("ValueError: --dist-init-addr is required when --nnodes > 1")
+        if follower:
+            _follow_head(args, stop, shutdown)
+        elif not _head_rendezvous(args, stop, app.state):
+            shutdown()
 
     delay = float(os.environ.get("PATCHCTL_SIM_START_DELAY") or 0)
     logger.info("Load weight begin (stand-in: seeded random weights, %d layers, hidden %s)%s", layers,
@@ -985,6 +1133,12 @@ def main(argv=None):
         logger.error("RuntimeError: simulated crash at start-up (PATCHCTL_SIM_CRASH_AT_START)")
         logging.shutdown()
         os._exit(1)
+    if follower:
+        logger.info("node_rank %d: ready as a follower of %s; no HTTP server on non-zero rank nodes "
+                    "(as in SGLang)", args.node_rank, args.dist_init_addr)
+        while not stop.wait(0.5):
+            pass
+        shutdown()
     if os.environ.get("PATCHCTL_SIM_HANG", "") not in ("", "0"):
         logger.warning("PATCHCTL_SIM_HANG: the stand-in will never become ready")
         while not stop.wait(0.5):

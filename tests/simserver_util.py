@@ -141,6 +141,16 @@ def hook_model_runner(tree: Path, where: str = "forward") -> None:
             "    def _dump_elsewhere(self, forward_batch, output):\n"
             "        _hidden_dump.on_forward_end(self, forward_batch, output.logits_output)\n\n"
         ) + src[i:]
+    elif where == "before-raw":
+        # Before `output = self._forward_raw(...)`: `output` is not bound yet there.
+        anchor = "            output = self._forward_raw(\n"
+        i = src.index(anchor, src.index("    def forward(\n"))
+        early = HOOK_CALL.replace("        if", "            if").replace("            _hidden", "                _hidden")
+        src = src[:i] + early + src[i:]
+    elif where == "local-import":
+        # The import inside forward instead of at module level.
+        src = src.replace(HOOK_IMPORT, "", 1)
+        src = src.replace(ANCHOR, ANCHOR + "        from sglang.srt import hidden_dump as _hidden_dump\n" + HOOK_CALL)
     else:
         raise ValueError(where)
     p.write_text(src)

@@ -211,6 +211,21 @@ def test_hook_that_never_fires_writes_nothing(sglang_tree, start, tmp_path, vari
     assert ("No hidden_dump hook" in s.text()) == (variant == "elsewhere")
 
 
+def test_hook_position_follows_sglang_semantics(sglang_tree, start, tmp_path):
+    # Import inside forward: still SGLang's hook, it fires.
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    env = {"SGLANG_HIDDEN_DUMP_DIR": str(dumps), "SGLANG_HIDDEN_DUMP_RID_PREFIX": "smoke-"}
+    local = start(hooked_tree(sglang_tree, tmp_path / "local", where="local-import"), env=env)
+    # Before the raw forward: `output` is unbound there, so SGLang's warm-up dies.
+    early = start(hooked_tree(sglang_tree, tmp_path / "early", where="before-raw"), env=env)
+    local.wait_ready()
+    assert gen(local, [5, 6, 7], rid="smoke-1")[0] == 200
+    assert (dumps / "smoke-1.safetensors").exists()
+    assert early.wait_exit() != 0 and "warmup error" in early.text() and "NameError" in early.text()
+    assert "before the raw forward" in early.text()
+
+
 def test_hook_that_raises_fails_the_request_or_the_warmup(sglang_tree, start, tmp_path):
     raising = TEST_HIDDEN_DUMP + (
         "\n_orig = on_forward_end\n"
