@@ -328,3 +328,13 @@ def test_explicit_keys_recorded_for_ssh_config(tmp_path):
     inv = load_inventory(write(tmp_path, "[hosts.a]\n[hosts.b]\nport = 2200\nuser = \"me\"\n"))
     assert "port" not in inv.hosts["a"].explicit and inv.hosts["a"].user is None
     assert {"port", "user"} <= inv.hosts["b"].explicit
+
+
+def test_external_gateway_forms(tmp_path):
+    text = ('[defaults]\nuser = "me"\nport = 2200\n[hosts.a]\ngateway = "jump.example.com:2222"\n'
+            '[hosts.b]\ngateway = "ops@jump.example.com"\n[hosts.c]\ngateway = "ops@[fd00::1]:22"\n')
+    inv = load_inventory(write(tmp_path, text))
+    a, b, c = (inv.hosts[n].gateway_host for n in "abc")
+    assert (a.address, a.port, a.user) == ("jump.example.com", 2222, "me")
+    assert (b.address, b.port, b.user) == ("jump.example.com", 22, "ops")
+    assert (c.address, c.port, c.user) == ("fd00::1", 22, "ops")

@@ -375,3 +375,15 @@ def test_local_python_path_cannot_inject(tmp_path):
 def _toml_str(s: str) -> str:
     import json
     return json.dumps(s)
+
+
+def test_wrong_key_is_unreachable_with_cause(tmp_path, hosts):
+    import subprocess
+    key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    inv = _inventory(tmp_path, hosts, identity_file=key)
+    t0 = time.monotonic()
+    with pytest.raises(HostUnreachable) as e:
+        open_transport(inv.hosts["host0"], connect_timeout=5).run_python("pass")
+    assert time.monotonic() - t0 < 6
+    assert "authentication failed as 'root'" in str(e.value) and "host0" in str(e.value)
