@@ -382,3 +382,24 @@ def test_real_hidden_dump_series(sglang_tree, start, tmp_path):
         assert dead.wait_exit(5) == 0
         assert list(dumps["dead"].iterdir()) == [], dead.text()
         assert "No hidden_dump hook in ModelRunner.forward" in dead.text()
+
+
+def test_multi_node_head_waits_for_followers(sglang_tree, start, tmp_path):
+    from simserver_util import free_port
+    dist = f"127.0.0.1:{free_port()}"
+    light = {"PATCHCTL_SIM_LIGHT": "1"}
+    multi = ["--nnodes", "2", "--dist-init-addr", dist, "--tp", "16"]
+    head = start(sglang_tree, env=light, args=multi + ["--node-rank", "0"])
+    head.wait_port()
+    deadline = time.monotonic() + 30
+    while "waiting for 1 other node" not in head.text():
+        assert time.monotonic() < deadline and head.proc.poll() is None, head.text()
+        time.sleep(0.05)
+    assert head.get("/health_generate")[0] == 503  # not ready without node 1
+    follower = start(sglang_tree, env=light, args=multi + ["--node-rank", "1"])
+    head.wait_ready()
+    assert "no HTTP server on non-zero rank nodes" in follower.text()
+    with pytest.raises(OSError):
+        follower.get("/health", timeout=2)  # followers serve no HTTP, as in SGLang
+    follower.proc.kill()  # a node dies: the head's process group is broken
+    assert head.wait_exit() == 1 and "node rank 1 left" in head.text()
