@@ -385,14 +385,25 @@ class SSHTransport(Transport):
     # running ------------------------------------------------------------------------------------
     def run_python(self, script, *, timeout=None, on_stderr_line=None) -> RunResult:
         with self._lock:
-            conn = self._open()
-            transport = conn.transport
             command = _remote_python_argv0(self.host.python) + " -"
+            for attempt in (1, 2):
+                conn = self._open()
+                transport = conn.transport
+                try:
+                    chan = transport.open_session(timeout=self.connect_timeout)
+                    break
+                except (paramiko.SSHException, OSError, EOFError) as e:
+                    # No command was sent yet, so one fresh connection is safe (a stale idle session).
+                    self._drop()
+                    if attempt == 2:
+                        raise HostUnreachable(f"{self.describe()}: cannot open a session: "
+                                              f"{e or type(e).__name__}") from None
             try:
-                chan = transport.open_session(timeout=self.connect_timeout)
                 chan.exec_command(command)
             except (paramiko.SSHException, OSError, EOFError) as e:
-                raise ConnectionLost(f"{self.describe()}: could not start the command: {e or type(e).__name__}") from None
+                self._drop()
+                raise ConnectionLost(f"{self.describe()}: the session broke while starting the command: "
+                                     f"{e or type(e).__name__}; it may or may not have started") from None
             self.commands_run += 1
             data = script.encode()
             events: queue.Queue = queue.Queue()

@@ -33,6 +33,15 @@ SSH_KEYGEN = shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen"
 _running: list["SSHHost"] = []
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies, even by SIGKILL (no leaked sshd)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _keygen(path: Path) -> None:
     for p in (path, path.with_name(path.name + ".pub")):
         if p.exists():
@@ -135,7 +144,7 @@ class SSHHost:
         self.proc = subprocess.Popen(
             [SSHD, "-D", "-e", "-E", str(self.log), "-f", str(self.config)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         if self not in _running:
             _running.append(self)

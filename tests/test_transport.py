@@ -387,3 +387,15 @@ def test_wrong_key_is_unreachable_with_cause(tmp_path, hosts):
         open_transport(inv.hosts["host0"], connect_timeout=5).run_python("pass")
     assert time.monotonic() - t0 < 6
     assert "authentication failed as 'root'" in str(e.value) and "host0" in str(e.value)
+
+
+def test_idle_connection_cut_between_commands_reconnects(inv, hosts):
+    h = hosts[1]
+    with open_transport(inv.hosts["host1"]) as t:
+        assert t.run_python("print(1)").stdout == "1\n"
+        assert h.kill_sessions() >= 1
+        deadline = time.monotonic() + 5
+        while t._conn.is_connected and time.monotonic() < deadline:  # paramiko notices the EOF
+            time.sleep(0.01)
+        assert t.run_python("print(2)").stdout == "2\n"  # nothing was running: a fresh connection is safe
+        assert t.connections_opened == 2
