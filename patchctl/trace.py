@@ -250,6 +250,10 @@ class SourceIndex:
         self._mro: dict[tuple, list[_ClassRef]] = {}
         self._attr: dict[tuple, frozenset] = {}
         self._returns: dict[tuple, frozenset] = {}
+        self._stores: dict[tuple, dict] = {}
+        # Packages the walk descends into. Outside them (kernels, external libraries) nothing is parsed;
+        # Tracer widens this to the package of every target.
+        self.scope: tuple[str, ...] = ("sglang.srt",)
         self._edges: dict[tuple, list] = {}
         self._reach: dict[tuple, dict] = {}
         self.parsed = 0
@@ -303,7 +307,12 @@ class SourceIndex:
             return self.resolve_expr(mod, mod.aliases[name], None, _depth + 1)
         return None
 
+    def in_scope(self, modname: str) -> bool:
+        return any(modname == p or modname.startswith(p + ".") for p in self.scope)
+
     def _resolve_import(self, modname: str, attr: str | None, _depth: int = 0):
+        if not self.in_scope(modname):
+            return None
         if attr is None:
             m = self.module(modname)
             return ("module", m) if m else None
@@ -377,20 +386,27 @@ class SourceIndex:
         m = self.find_method(cls, "__call__")
         return m or self.find_method(cls, "forward")
 
+    def class_stores(self, cls: _ClassRef) -> dict[str, list[tuple[ast.FunctionDef, ast.expr]]]:
+        """attr -> [(method, value)] for `self.attr = value` in the class's own methods, __init__ first."""
+        hit = self._stores.get(cls.key)
+        if hit is not None:
+            return hit
+        out: dict[str, list] = {}
+        for fn in sorted(_methods(cls.node), key=lambda f: f.name != "__init__"):
+            for attr, value in _facts(fn, cls.mod).stores:
+                out.setdefault(attr, []).append((fn, value))
+        for node in cls.node.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    if isinstance(t, ast.Name):
+                        out.setdefault(t.id, [])
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.setdefault(node.name, [])  # methods and properties count as attributes
+        self._stores[cls.key] = out
+        return out
+
     def has_attr(self, cls: _ClassRef, attr: str) -> bool:
-        for c in self.mro(cls):
-            for fn in _methods(c.node):
-                for tgt, _ in _self_stores(fn):
-                    if tgt == attr:
-                        return True
-            for node in c.node.body:
-                if isinstance(node, (ast.Assign, ast.AnnAssign)):
-                    ts = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    if any(isinstance(t, ast.Name) and t.id == attr for t in ts):
-                        return True
-                if isinstance(node, ast.FunctionDef) and node.name == attr:
-                    return True  # property / method
-        return False
+        return any(attr in self.class_stores(c) for c in self.mro(cls))
 
     def attr_classes(self, cls: _ClassRef, attr: str) -> frozenset:
         """Classes `self.<attr>` may hold on an instance of `cls` (from assignments in its methods)."""
@@ -400,15 +416,8 @@ class SourceIndex:
         self._attr[key] = frozenset()  # recursion guard
         found: set = set()
         for c in self.mro(cls):
-            fns = sorted(_methods(c.node), key=lambda f: f.name != "__init__")
-            for fn in fns:
-                env = None
-                for tgt, value in _self_stores(fn):
-                    if tgt != attr:
-                        continue
-                    if env is None:
-                        env = _FuncEnv(self, c.mod, fn, cls, {})
-                    found |= env.instance_classes(value)
+            for fn, value in self.class_stores(c).get(attr, ()):
+                found |= _FuncEnv(self, c.mod, fn, cls, {}).instance_classes(value)
             if found:
                 break  # the most derived definition wins
         res = frozenset(found)
@@ -423,9 +432,8 @@ class SourceIndex:
         self._returns[key] = frozenset()
         env = _FuncEnv(self, mod, fn, self_cls, {})
         found: set = set()
-        for node in _walk_own(fn):
-            if isinstance(node, ast.Return) and node.value is not None:
-                found |= env.instance_classes(node.value)
+        for value in _facts(fn, mod).returns:
+            found |= env.instance_classes(value)
         res = frozenset(found)
         self._returns[key] = res
         return res
@@ -446,20 +454,57 @@ def _walk_own(fn: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _self_stores(fn: ast.FunctionDef):
-    """(attr, value expression) for every `self.attr = value` (tuple targets give the whole value)."""
-    for node in _walk_own(fn):
-        if isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            targets, value = [node.target], node.value
-        else:
-            continue
-        for t in targets:
-            elts = t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]
-            for e in elts:
-                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
-                    yield e.attr, value
+class _Facts:
+    """Everything the walk needs from one function body, gathered in a single pass."""
+
+    __slots__ = ("calls", "imports", "locals", "iter_locals", "returns", "stores")
+
+    def __init__(self, fn: ast.AST, mod: _Module):
+        self.calls: list[ast.Call] = []
+        self.imports: dict = {}
+        self.locals: dict[str, list[ast.expr]] = {}
+        self.iter_locals: dict[str, list[ast.expr]] = {}
+        self.returns: list[ast.expr] = []
+        self.stores: list[tuple[str, ast.expr]] = []  # self.attr = value
+        for node in _walk_own(fn):
+            if isinstance(node, ast.Call):
+                self.calls.append(node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                if isinstance(node, ast.Assign):
+                    targets, value = node.targets, node.value
+                elif node.value is not None:
+                    targets, value = [node.target], node.value
+                else:
+                    continue
+                for t in targets:
+                    if isinstance(t, ast.Name):
+                        self.locals.setdefault(t.id, []).append(value)
+                    for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                            self.stores.append((e.attr, value))
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                tgt, it = node.target, node.iter
+                if isinstance(tgt, ast.Tuple) and isinstance(it, ast.Call) and isinstance(it.func, ast.Name) \
+                        and it.func.id == "enumerate" and len(tgt.elts) == 2 and it.args:
+                    tgt, it = tgt.elts[1], it.args[0]
+                if isinstance(tgt, ast.Name):
+                    self.iter_locals.setdefault(tgt.id, []).append(it)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.imports.update(_import_bindings(node, mod.name, mod.is_pkg))
+            elif isinstance(node, ast.Return) and node.value is not None:
+                self.returns.append(node.value)
+
+
+_FACTS: dict[int, tuple[ast.AST, _Facts]] = {}
+
+
+def _facts(fn: ast.AST, mod: _Module) -> _Facts:
+    hit = _FACTS.get(id(fn))
+    if hit is not None and hit[0] is fn:
+        return hit[1]
+    f = _Facts(fn, mod)
+    _FACTS[id(fn)] = (fn, f)
+    return f
 
 
 def _is_self(expr: ast.expr) -> bool:
@@ -475,32 +520,13 @@ class _FuncEnv:
         self.fn = fn
         self.self_cls = self_cls
         self.bindings = bindings  # parameter name -> frozenset of _ClassRef
-        self.local_imports: dict = {}
-        self._locals: dict[str, list[ast.expr]] | None = None
-        self._iter_locals: dict[str, list[ast.expr]] = {}
-        for node in _walk_own(fn):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                self.local_imports.update(_import_bindings(node, mod.name, mod.is_pkg))
+        facts = _facts(fn, mod)
+        self.facts = facts
+        self.local_imports = facts.imports
+        self._iter_locals = facts.iter_locals
 
     def _local_assignments(self) -> dict[str, list[ast.expr]]:
-        if self._locals is None:
-            self._locals = {}
-            for node in _walk_own(self.fn):
-                if isinstance(node, ast.Assign):
-                    for t in node.targets:
-                        if isinstance(t, ast.Name):
-                            self._locals.setdefault(t.id, []).append(node.value)
-                elif isinstance(node, (ast.For, ast.comprehension)):
-                    tgt = node.target
-                    if isinstance(tgt, ast.Tuple) and isinstance(node.iter, ast.Call) and \
-                            isinstance(node.iter.func, ast.Name) and node.iter.func.id == "enumerate" and \
-                            len(tgt.elts) == 2 and node.iter.args:
-                        tgt, it = tgt.elts[1], node.iter.args[0]
-                    else:
-                        it = node.iter
-                    if isinstance(tgt, ast.Name):
-                        self._iter_locals.setdefault(tgt.id, []).append(it)
-        return self._locals
+        return self.facts.locals
 
     def name_classes(self, name: str, _seen=None) -> frozenset:
         """Classes of the *instances* a local name may hold."""
@@ -665,7 +691,7 @@ class CallGraph:
         if self_cls is not None and "." in node.qualname:
             defining = self._class((node.mod, node.qualname.split(".")[0]))
 
-        for call in (n for n in _walk_own(fn) if isinstance(n, ast.Call)):
+        for call in env.facts.calls:
             f = call.func
             if isinstance(f, ast.Attribute):
                 v = f.value
@@ -1025,8 +1051,25 @@ class Tracer:
         mod = index.module(node.mod)
         return mod is not None and mod.rel == target.file
 
+    def widen_scope(self, targets: Iterable[ChangedFunction]) -> None:
+        """Make sure the walk may enter each target's package (walk memos are dropped when it grows)."""
+        scope = set(self.index.scope)
+        for t in targets:
+            parts = t.file.split("/")
+            if parts[0] == "sglang" and len(parts) > 2:
+                pkg = ".".join(parts[:2])
+                if not self.index.in_scope(pkg + ".x"):
+                    scope.add(pkg)
+        if scope != set(self.index.scope):
+            self.index.scope = tuple(sorted(scope))
+            self.index._mods = {k: v for k, v in self.index._mods.items() if v is not None}
+            for memo in (self.index._attr, self.index._returns, self.index._edges):
+                memo.clear()
+            self._runner_reach = None
+
     def trace(self, arch: str, targets: list[ChangedFunction], server_args=()) -> list[TraceResult]:
-        entry = self.entry_class(arch)
+        self.check_arch(arch)
+        self.widen_scope(targets)
         results: dict[ChangedFunction, TraceResult] = {}
         model_targets = []
         for t in targets:
@@ -1043,6 +1086,7 @@ class Tracer:
             else:
                 model_targets.append(t)
         if model_targets:
+            entry = self.entry_class(arch)
             if entry is None:
                 for t in model_targets:
                     results[t] = TraceResult(arch, t, False, "none", [f"{arch} (class definition not found)"])
@@ -1115,3 +1159,190 @@ def trace(tree: Path, arch: str, targets: list[ChangedFunction], *, scratch: Pat
     """Trace each target from `arch`'s entry class forward (scratch files win over the tree)."""
     tracer = tracer or Tracer(tree, scratch)
     return tracer.trace(arch, targets, server_args)
+
+
+# --------------------------------------------------------------------------- series-level check and CLI
+
+
+def _stage(tree: Path, series, scratch: Path) -> dict:
+    from patchctl.applier import stage
+
+    return stage(tree, _patch_items(series), scratch)
+
+
+def _def_line(index: SourceIndex, rel: str, qualname: str) -> int:
+    mod = index.module_for_file(rel)
+    if mod is None:
+        return 0
+    for start, end, qual, defline in _function_spans(mod.tree):
+        if qual == qualname:
+            return defline
+    return 0
+
+
+def series_targets(tracer: Tracer, scratch: Path, series) -> list[ChangedFunction]:
+    """Changed functions of a staged series, plus the smoke profile's hook function if not among them."""
+    targets = changed_functions(tracer.tree, scratch, series)
+    hook = getattr(getattr(series, "smoke", None), "hook", None)
+    if hook is not None and not any(t.file == hook.file and t.qualname == hook.function for t in targets):
+        targets.append(ChangedFunction(hook.file, hook.function, _def_line(tracer.index, hook.file, hook.function)))
+    return targets
+
+
+def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
+    """Stage `series` on a scratch copy of `tree`, trace every changed function for each arch.
+
+    archs None or empty: every architecture in the tree's registry. Returns a
+    JSON-able report; report["ok"] is the exit-status verdict (see module doc).
+    """
+    t0 = time.perf_counter()
+    tree = Path(tree)
+    scratch = Path(tempfile.mkdtemp(prefix="patchctl-trace-"))
+    try:
+        staged = _stage(tree, series, scratch)
+        if not staged.get("ok"):
+            raise PatchctlError(f"series does not stage on {tree}: {staged.get('error')}")
+        tracer = Tracer(tree, scratch)
+        archs = list(archs or [])
+        for a in archs:
+            tracer.check_arch(a)
+        all_archs = not archs
+        if all_archs:
+            archs = sorted(tracer.registry)
+        targets = series_targets(tracer, scratch, series)
+        server_args = tuple(getattr(getattr(series, "smoke", None), "server_args", ()) or ())
+        results: list[TraceResult] = []
+        for a in archs:
+            results.extend(tracer.trace(a, targets, server_args))
+        elapsed = time.perf_counter() - t0
+        parsed = tracer.index.parsed
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    not_reached = [r for r in results if not r.reached]
+    unmitigated = [(r, w) for r in results for w in r.warnings if not w.mitigated]
+    blocking = [(r, w) for r, w in unmitigated if w.blocking]
+    ok = not not_reached and not blocking
+    if not targets:
+        detail = "the series changes no function (nothing to trace)"
+    elif ok:
+        detail = f"{len(targets)} changed function(s) reached for {len(archs)} architecture(s)"
+    else:
+        parts = []
+        if not_reached:
+            parts.append(f"{len(not_reached)} not reached (e.g. {not_reached[0].target.qualname} for {not_reached[0].arch})")
+        if blocking:
+            r, w = blocking[0]
+            parts.append(f"{len(blocking)} {w.graph} CUDA-graph warning(s) without {w.flag} (e.g. {r.target.qualname} for {r.arch})")
+        detail = "; ".join(parts)
+    return {
+        "ok": ok,
+        "detail": detail,
+        "tree": str(tree),
+        "all_archs": all_archs,
+        "archs": archs,
+        "targets": [asdict(t) for t in targets],
+        "results": [r.to_json() for r in results],
+        "summary": {
+            "archs": len(archs),
+            "targets": len(targets),
+            "checks": len(results),
+            "reached": len(results) - len(not_reached),
+            "not_reached": len(not_reached),
+            "warnings_unmitigated": len(unmitigated),
+            "warnings_blocking": len(blocking),
+            "archs_not_reached": sorted({r.arch for r in not_reached}),
+        },
+        "elapsed_s": round(elapsed, 3),
+        "modules_parsed": parsed,
+        "_results": results,
+    }
+
+
+def _warning_text(w: GraphWarning) -> str:
+    state = "mitigated" if w.mitigated else ("WARNING" if w.blocking else "advisory")
+    return f"[{w.graph} graph, {state}] needs {w.flag}"
+
+
+def _print_report(app, report: dict, title: str, details: bool) -> None:
+    from patchctl.console import table
+
+    results: list[TraceResult] = report["_results"]
+    s = report["summary"]
+    if details:
+        t = table(title, "Arch", "Changed function", "Result", "Chain / last link", "CUDA graphs")
+        for r in results:
+            status = ("reached (ModelRunner, all archs)" if r.via == "model_runner" else
+                      "reached" if r.reached else "NOT REACHED")
+            t.add_row(r.arch, str(r.target), status, " → ".join(r.chain),
+                      "\n".join(_warning_text(w) for w in r.warnings) or "-")
+    else:
+        t = table(title, "Architectures", "Changed functions", "Reached", "Not reached",
+                  "Unmitigated warnings (blocking)", "Time")
+        t.add_row(str(s["archs"]), str(s["targets"]), str(s["reached"]), str(s["not_reached"]),
+                  f"{s['warnings_unmitigated']} ({s['warnings_blocking']})", f"{report['elapsed_s']:.2f}s")
+    data = {k: v for k, v in report.items() if not k.startswith("_")}
+    app.result(data, t)
+
+
+def _log_findings(app, report: dict, verbose: bool) -> None:
+    results: list[TraceResult] = report["_results"]
+    for r in results:
+        if not r.reached:
+            app.info(f"{r.arch}: {r.target}: {r.describe()}")
+        for w in r.warnings:
+            if not w.mitigated and (w.blocking or verbose):
+                app.info(f"{r.arch}: {'warning' if w.blocking else 'note'}: {w.message}")
+
+
+def check_reachability(tree: Path, series, archs: list[str], app) -> bool:
+    """`patchctl check --arch`: True when every changed function is reached for each arch
+    and no blocking CUDA-graph warning is left unmitigated by the smoke profile."""
+    report = check_series(tree, series, archs)
+    for r in report["_results"]:
+        if r.reached:
+            app.info(f"{r.arch}: {r.target}: {r.describe()}")
+    _log_findings(app, report, app.verbose)
+    app.info(f"reachability: {report['detail']} ({report['elapsed_s']:.2f}s)")
+    return bool(report["ok"])
+
+
+def _resolve_tree(args, series, app) -> Path:
+    if getattr(args, "tree", None):
+        p = Path(args.tree).expanduser()
+        for cand in (p, p / "python"):
+            if (cand / "sglang" / "srt").is_dir():
+                return cand
+        raise BadInput(f"--tree {p}: no sglang/ package there (expected the directory that contains sglang/)")
+    from patchctl.release import fetch_release
+
+    version = getattr(args, "sglang", None) or series.pinned_version()
+    if not version:
+        raise BadInput(f"series {series.name} does not pin one SGLang release ({series.sglang}); pass --sglang VER or --tree PATH")
+    return fetch_release(version, log=app.info)
+
+
+def run_trace(app, args) -> int:
+    """`patchctl trace SERIES [--arch A ...]`: 0 all reached and no blocking warning; 1 otherwise."""
+    from patchctl.series import load_series
+
+    series = load_series(app.patches_dir, args.series)
+    tree = _resolve_tree(args, series, app)
+    archs = list(getattr(args, "arch", None) or [])
+    app.info(f"tracing series {series.name} {series.version} on {tree} "
+             f"({', '.join(archs) if archs else 'every architecture in the registry'})")
+    report = check_series(tree, series, archs)
+    for t in report["targets"]:
+        app.debug(f"changed function: {t['qualname']} ({t['file']}:{t['lineno']})")
+    details = bool(archs) or app.verbose
+    _print_report(app, report, f"trace {series.name} {series.version}", details)
+    if details and (not app.json or app.verbose):
+        for r in report["_results"]:
+            if r.reached:
+                app.info(f"{r.arch}: {r.target}: {r.describe()}")
+    if not app.json or app.verbose:
+        _log_findings(app, report, app.verbose)
+    s = report["summary"]
+    app.info(f"{'ok' if report['ok'] else 'FAILED'}: {report['detail']}; "
+             f"{s['reached']}/{s['checks']} reached, {s['warnings_unmitigated']} unmitigated warning(s) "
+             f"({s['warnings_blocking']} blocking) in {report['elapsed_s']:.2f}s")
+    return 0 if report["ok"] else 1
