@@ -329,7 +329,7 @@ def test_cli_trace_exit_codes_and_json(sglang_tree, tmp_path, capsys):
     # reached but inside the prefill graph: exit 1 until the profile disables it
     assert _cli("--patches", pd, "trace", "ds-hook", "--arch", KIMI, "--tree", sglang_tree) == 1
     out = capsys.readouterr()
-    assert "NOT REACHED" not in out.out and "--disable-prefill-cuda-graph" in out.out
+    assert "NOT REACHED" not in out.out and "--disable-prefill-cuda-graph" in out.err
     assert "general_mm_embed_routine (managers/mm_utils.py) → DeepseekV3ForCausalLM.forward" in out.err
     assert "warning: DeepseekV2Model.forward runs inside DeepseekV2Model.forward" in out.err
     assert _cli("--patches", pd, "trace", "ds-hook-eager", "--arch", KIMI, "--tree", sglang_tree) == 0
