@@ -30,6 +30,20 @@ semantics; Llama would add 1); default `[2, N//2, N-3]`.
 `logits_output.hidden_states` = concat of captured layers `[T, K*H]` bf16,
 `logits_output.last_hidden_states` = final post-norm `[T, H]` bf16.
 
+Multi-node (`--nnodes K --node-rank R --dist-init-addr HOST:PORT`): rank 0 serves HTTP and
+stays 503 until ranks 1..K-1 have joined at the dist-init address; ranks >= 1 run no HTTP
+server (as in SGLang) and live as long as the head; if any node dies the others exit 1
+(a broken NCCL group).
+
+The warm-up request (rid = random hex) goes through the hook like SGLang's does: with
+SGLANG_HIDDEN_DUMP_DIR set and no SGLANG_HIDDEN_DUMP_RID_PREFIX, the tree's hidden_dump
+writes a dump for it, and a hook that raises makes start-up fail ("warmup error").
+
+Limits of the imitation: hook statements run in a namespace holding `self`,
+`forward_batch`, `output` (after the raw forward), the hidden_dump alias, `logger`,
+`torch`, `os`, `time`; other module globals of model_runner.py are not there (NameError).
+Forward modes produced: EXTEND (prefill) and DECODE only; temperature is ignored.
+
 Knobs (environment variables):
   PATCHCTL_SIM_START_DELAY=S   seconds of "weight loading" (port open, /health 503)
   PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before ready
@@ -90,6 +104,8 @@ environment knobs:
   PATCHCTL_SIM_NAN_LAYER=L       write NaN into the captured input of layer L
   PATCHCTL_SIM_LIGHT=1           no torch, no hidden_dump import, no hook (compile check only)
 SGLang env such as SGLANG_HIDDEN_DUMP_DIR is read by the served tree's own code.
+Multi-node: --nnodes/--node-rank/--dist-init-addr; rank 0 waits for the others, ranks >= 1
+serve no HTTP; when a node dies the others exit 1.
 Unknown sglang flags are accepted and ignored (logged).
 """
 
@@ -1067,6 +1083,14 @@ def main(argv=None):
         if bad:
             _fatal(f"ValueError: aux hidden state layer ids {bad} out of range for {layers} layers")
         logger.info("Capturing aux hidden states: input of layers %s (ids used as given)", capture)
+    nan_layer = os.environ.get("PATCHCTL_SIM_NAN_LAYER")
+    if nan_layer:
+        if capture is None or int(nan_layer) not in capture:
+            logger.warning("PATCHCTL_SIM_NAN_LAYER=%s is not a captured layer (%s): no NaN will appear",
+                           nan_layer, capture)
+        else:
+            logger.warning("PATCHCTL_SIM_NAN_LAYER=%s: captured input of that layer gets NaN (stand-in knob)",
+                           nan_layer)
 
     engine = Engine(args, model_cfg, hook, hd, light)
     app = App(args, root, version, model_cfg, engine, unknown)
