@@ -618,6 +618,7 @@ def _simple(app: App, args, command: str, per_host, render, exit_of=None) -> int
         if err is not None:
             outcome, msg = _host_error(err)
             data.append({"host": name, "ok": False, "outcome": outcome, "error": msg})
+            app.info(f"{name}: {outcome}: {msg}")
             codes.append(getattr(err, "exit_code", 3))
         else:
             data.append(dict({"host": name, "ok": True}, **res))
@@ -798,7 +799,7 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
     files = [{"path": f.path, "action": f.action} for p in series.patches for f in p.files]
     srv = probe.get("server") or {}
     restart = "no" if same else (f"yes: {host.server.manager} on port {host.server.port} with {' '.join(series.smoke.server_args)}"
-                                 + (", then smoke" if series.smoke else ""))
+                                 + (", then smoke" if series.smoke.hook or series.smoke.prompts else ""))
     if not same and not srv.get("running"):
         restart += " (server not running now)"
     return {"action": action, "files": files, "restart": restart, "blockers": blockers,

@@ -7,6 +7,7 @@ so unpacking it gives the same layout a host's site-packages has.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -45,6 +46,20 @@ def fetch_release(version: str, *, log=None) -> Path:
         if log:
             log(f"using cached SGLang {version} at {tree}")
         return tree
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / ".lock", "w") as lock:  # concurrent first uses (parallel CI jobs) unpack once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (tree / "sglang").is_dir():
+            return tree
+        try:
+            return _fetch_locked(version, base, tree, log)
+        finally:
+            wheel_dir = base / "wheel"
+            if wheel_dir.is_dir() and not any(wheel_dir.iterdir()):
+                wheel_dir.rmdir()
+
+
+def _fetch_locked(version: str, base: Path, tree: Path, log) -> Path:
     wheel_dir = base / "wheel"
     wheels = sorted(wheel_dir.glob(f"sglang-{version}-*.whl")) if wheel_dir.is_dir() else []
     if not wheels:

@@ -1,0 +1,264 @@
+"""A test fleet: real sshd hosts, each with its own SGLang 0.5.23 tree, model dir and stand-in server.
+
+Tests drive `patchctl` as a user would (a subprocess with an inventory) and look
+at the hosts' disks and servers directly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from sshhosts import SSHHost, free_port, inventory_toml, known_hosts_for, start_hosts, stop_hosts
+
+REPO = Path(__file__).resolve().parent.parent
+PATCHES = REPO / "patches"
+
+SERVER_COMMAND = ("{python} -m patchctl.simserver --model-path {state_dir}/../model --sglang-root {sglang_root}"
+                  " --host {host} --port {port}")
+
+
+def wait_for(cond, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Poll `cond` until it returns a truthy value; fail the test with `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
+    """sha256 over every file path, mode and content under root (symlinks by target)."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        if ignore_pycache and "__pycache__" in dirnames:
+            dirnames.remove("__pycache__")
+        for f in sorted(filenames):
+            p = Path(dirpath) / f
+            rel = p.relative_to(root).as_posix()
+            h.update(rel.encode() + b"\0")
+            if p.is_symlink():
+                h.update(b"L" + os.readlink(p).encode())
+            else:
+                h.update(oct(p.stat().st_mode & 0o777).encode())
+                h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def pid_on_port(port: int) -> int | None:
+    from patchctl.agent import pid_on_port as find
+
+    return find(port)
+
+
+def http_status(port: int, path: str = "/health", timeout: float = 5.0) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def make_patch(rel: str, old: str | None, new: str | None) -> str:
+    """A git-style unified diff for one file under the dir that contains sglang/."""
+    a = old.splitlines(keepends=True) if old is not None else []
+    b = new.splitlines(keepends=True) if new is not None else []
+    head = [f"diff --git a/{rel} b/{rel}\n"]
+    if old is None:
+        head.append("new file mode 100644\n")
+    body = list(difflib.unified_diff(a, b, "/dev/null" if old is None else f"a/{rel}",
+                                     "/dev/null" if new is None else f"b/{rel}", n=3))
+    return "".join(head + body)
+
+
+def write_series(patches_dir: Path, name: str, patch_texts: dict[str, str], *, version: str = "1.0.0",
+                 smoke_env: dict | None = None, smoke_extra: str = "", base: str = "hidden-dump") -> Path:
+    """A series in patches_dir: given patch files (name -> text) with the real series' smoke profile."""
+    d = patches_dir / name
+    d.mkdir(parents=True, exist_ok=True)
+    lines = ["[series]", f'name = "{name}"', f'version = "{version}"', 'description = "test series"',
+             'sglang = "==0.5.23"', ""]
+    for i, (fname, text) in enumerate(patch_texts.items(), 1):
+        (d / fname).write_text(text)
+        lines += ["[[patch]]", f'file = "{fname}"', "version = 1",
+                  f'sha256 = "{hashlib.sha256(text.encode()).hexdigest()}"', f'description = "patch {i}"', ""]
+    env = {"SGLANG_HIDDEN_DUMP_DIR": "{state_dir}/dumps"}
+    env.update(smoke_env or {})
+    lines += ["[smoke]",
+              'server_args = ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",'
+              ' "--disable-radix-cache", "--chunked-prefill-size", "-1"]',
+              "env = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }",
+              'layers_arg = "--return-aux-hidden-state-layer-ids"', "prompts = 3", "prompt_tokens = 16",
+              smoke_extra, ""]
+    (d / "series.toml").write_text("\n".join(lines))
+    return d
+
+
+def real_patch(series: str, fname: str) -> str:
+    return (PATCHES / series / fname).read_text()
+
+
+@dataclass
+class TestHost:
+    ssh: SSHHost
+    server_port: int
+
+    @property
+    def name(self) -> str:
+        return self.ssh.name
+
+    @property
+    def dir(self) -> Path:
+        return self.ssh.dir
+
+    @property
+    def root(self) -> Path:
+        return self.dir / "site-packages"
+
+    @property
+    def state(self) -> Path:
+        return self.dir / "state"
+
+    @property
+    def dumps(self) -> Path:
+        return self.state / "dumps"
+
+
+class Fleet:
+    def __init__(self, base: Path, n: int, sglang_tree: Path, *, layout: str = "wheel", server: dict | None = None,
+                 host_overrides: dict | None = None, servers: dict | None = None, groups: dict | None = None,
+                 light: bool = False):
+        self.base = Path(base)
+        self.sglang_tree = sglang_tree
+        self.ssh = start_hosts(n, self.base)
+        self.hosts = [TestHost(h, free_port("127.0.0.1")) for h in self.ssh]
+        self.patches = self.base / "patches"
+        shutil.copytree(PATCHES, self.patches)
+        self.light = light
+        for h in self.hosts:
+            self._lay_host(h, layout)
+        self.known_hosts = known_hosts_for(self.ssh, self.base / "known_hosts")
+        overrides = {}
+        for h in self.hosts:
+            o = {"server": {"port": h.server_port, "log": str(h.dir / "server.log")}}
+            if layout == "git":
+                o["sglang_root"] = str(h.dir / "checkout" / "python")
+            for k, v in ((host_overrides or {}).get(h.name) or {}).items():
+                if k == "server":
+                    o["server"].update(v)
+                else:
+                    o[k] = v
+            overrides[h.name] = o
+        srv = {"command": SERVER_COMMAND, "start_timeout": 60, "stop_timeout": 10}
+        srv.update(server or {})
+        self.inventory = self.base / "inventory.toml"
+        text = inventory_toml(self.ssh, known_hosts=self.known_hosts, server=srv,
+                              host_overrides=overrides, servers=servers, groups=groups)
+        self.inventory.write_text(text)
+
+    def _lay_host(self, h: TestHost, layout: str):
+        from patchctl.simserver import write_model_config
+
+        write_model_config(h.dir / "model", layers=8, hidden=64, vocab=512)
+        if layout == "git":
+            co = h.dir / "checkout"
+            shutil.copytree(self.sglang_tree / "sglang", co / "python" / "sglang", symlinks=True)
+            subprocess.run(["git", "init", "-q", str(co)], check=True)
+            subprocess.run(["git", "-C", str(co), "add", "-A"], check=True)
+            subprocess.run(["git", "-C", str(co), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"], check=True)
+        else:
+            shutil.copytree(self.sglang_tree, h.root, symlinks=True)
+        h.state.mkdir(parents=True, exist_ok=True)
+
+    def root_of(self, h: TestHost) -> Path:
+        co = h.dir / "checkout" / "python"
+        return co if co.exists() else h.root
+
+    def digest(self, h: TestHost) -> str:
+        return tree_digest(self.root_of(h))
+
+    # --- running patchctl --------------------------------------------------------------------
+    def cmd(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "patchctl", "--inventory", str(self.inventory), "--patches", str(self.patches), *args]
+
+    def patchctl(self, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+        e = dict(os.environ)
+        e.update(env or {})
+        e.setdefault("XDG_STATE_HOME", str(self.base / "xdg-state"))
+        return subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=e)
+
+    def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        e = dict(os.environ)
+        e.update(env or {})
+        e.setdefault("XDG_STATE_HOME", str(self.base / "xdg-state"))
+        return subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+
+    def json(self, *args: str, expect: int | None = 0):
+        p = self.patchctl("--json", *args)
+        if expect is not None:
+            assert p.returncode == expect, f"exit {p.returncode}\nstdout:{p.stdout}\nstderr:{p.stderr}"
+        return p, json.loads(p.stdout) if p.stdout.strip().startswith("[") else [json.loads(l) for l in p.stdout.splitlines() if l.strip()]
+
+    # --- servers -------------------------------------------------------------------------------
+    def start_server(self, h: TestHost, env: dict | None = None) -> int:
+        """Start the host's unpatched server the way an operator would (outside patchctl); wait until ready."""
+        argv = [sys.executable, "-m", "patchctl.simserver", "--model-path", str(h.dir / "model"),
+                "--sglang-root", str(self.root_of(h)), "--host", "127.0.0.1", "--port", str(h.server_port)]
+        e = dict(os.environ)
+        if self.light:
+            e["PATCHCTL_SIM_LIGHT"] = "1"
+        e.update(env or {})
+        with open(h.dir / "server.log", "ab") as log:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e,
+                                 start_new_session=True)
+        wait_for(lambda: http_status(h.server_port, "/health_generate") == 200 or p.poll() is not None, 90,
+                 what=f"server of {h.name} ready")
+        assert p.poll() is None, (h.dir / "server.log").read_text()[-2000:]
+        return p.pid
+
+    def start_servers(self):
+        for h in self.hosts:
+            self.start_server(h)
+
+    def server_pid(self, h: TestHost) -> int | None:
+        return pid_on_port(h.server_port)
+
+    def healthy(self, h: TestHost) -> bool:
+        return http_status(h.server_port, "/health_generate", timeout=30) == 200
+
+    def server_argv(self, h: TestHost) -> list[str]:
+        pid = self.server_pid(h)
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1] if pid else []
+
+    def close(self):
+        for h in self.hosts:
+            for _ in range(3):
+                pid = pid_on_port(h.server_port)
+                if not pid:
+                    break
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                wait_for(lambda: pid_on_port(h.server_port) != pid, 10, what="server killed")
+        stop_hosts(self.ssh)
