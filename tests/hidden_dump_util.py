@@ -1,0 +1,107 @@
+"""Helpers for the hidden-dump series tests: a patched scratch tree and duck-typed SGLang objects."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import types
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SERIES = REPO / "patches" / "hidden-dump"
+DEAD_SERIES = REPO / "patches" / "hidden-dump-dead-hook"
+MODEL_RUNNER = "sglang/srt/model_executor/model_runner.py"
+LLAMA = "sglang/srt/models/llama.py"
+MODULE = "sglang/srt/hidden_dump.py"
+
+
+def patched_tree(pristine: Path, dest: Path, series: Path = SERIES,
+                 files: Sequence[str] = (MODEL_RUNNER, LLAMA)) -> Path:
+    """Copy only the files the series touches from the pristine tree, then `git apply -p1`
+    every patch of the series there (with --check first).  Returns dest."""
+    for rel in files:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(pristine / rel, dest / rel)
+    patches = sorted(series.glob("*.patch"))
+    assert patches, f"no patches in {series}"
+    for p in patches:
+        for args in (["--check"], []):
+            r = subprocess.run(["git", "apply", *args, "-p1", str(p)], cwd=dest,
+                               capture_output=True, text=True)
+            assert r.returncode == 0, f"git apply {args} {p.name}: {r.stderr}"
+    return dest
+
+
+def load_module(path: Path, name: str = "hidden_dump_under_test"):
+    """Import hidden_dump.py from a file, without importing the sglang package."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Mode:
+    """Duck-typed ForwardMode: is_extend() is also true for MIXED and TARGET_VERIFY, as in SGLang."""
+
+    def __init__(self, name: str = "extend"):
+        self.name = name
+
+    def is_extend(self):
+        return self.name in ("extend", "mixed", "target_verify", "split_prefill")
+
+    def is_decode(self):
+        return self.name == "decode"
+
+    def is_idle(self):
+        return self.name == "idle"
+
+    def is_target_verify(self):
+        return self.name == "target_verify"
+
+    def is_mixed(self):
+        return self.name == "mixed"
+
+
+def make_runner(hidden: int = 16, num_layers: int = 12, layer_ids: Optional[list] = None,
+                arch: str = "LlamaForCausalLM", **ranks):
+    mr = types.SimpleNamespace(
+        is_draft_worker=False,
+        server_args=types.SimpleNamespace(return_aux_hidden_state_layer_ids=layer_ids),
+        model_config=types.SimpleNamespace(
+            num_hidden_layers=num_layers, hidden_size=hidden,
+            hf_config=types.SimpleNamespace(architectures=[arch])),
+    )
+    if not ranks:
+        ranks = {"attn_tp_rank": 0}
+    for k, v in ranks.items():
+        setattr(mr, k, v)
+    return mr
+
+
+class Batch:
+    """A duck-typed extend batch of several requests with its expected per-request tensors."""
+
+    def __init__(self, rids, lens, hidden=16, k=3, mode="extend", prefix=None, seed=0,
+                 ids_dtype=torch.int32):
+        g = torch.Generator().manual_seed(seed)
+        T = sum(lens)
+        self.rids, self.lens, self.hidden, self.k = list(rids), list(lens), hidden, k
+        self.input_ids = torch.randint(0, 32000, (T,), generator=g).to(ids_dtype)
+        self.aux = torch.randn(T, k * hidden, generator=g).to(torch.bfloat16)
+        self.last = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
+        self.forward_batch = types.SimpleNamespace(
+            forward_mode=Mode(mode), rids=self.rids, extend_seq_lens_cpu=self.lens,
+            extend_prefix_lens_cpu=list(prefix) if prefix is not None else [0] * len(lens),
+            input_ids=self.input_ids)
+        self.logits_output = types.SimpleNamespace(hidden_states=self.aux,
+                                                   last_hidden_states=self.last)
+
+    def expected(self, i):
+        start = sum(self.lens[:i])
+        end = start + self.lens[i]
+        return (self.input_ids[start:end].to(torch.int64), self.aux[start:end],
+                self.last[start:end])

@@ -1,0 +1,572 @@
+"""The real capture series `patches/hidden-dump` (issue 2 item 6, issue 8 item 3).
+
+hidden_dump.py is loaded from a scratch tree patched with `git apply` (the sglang package is
+never imported) and driven with duck-typed batches of CPU bfloat16 tensors.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import os
+import py_compile
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hidden_dump_util import (DEAD_SERIES, LLAMA, MODEL_RUNNER, MODULE, SERIES, Batch, load_module,
+                              make_runner, patched_tree)
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+\.safetensors")
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def patched(sglang_tree, tmp_path_factory) -> Path:
+    return patched_tree(sglang_tree, tmp_path_factory.mktemp("patched"))
+
+
+@pytest.fixture(scope="session")
+def hd_module(patched):
+    return load_module(patched / MODULE)
+
+
+@pytest.fixture
+def hd(hd_module, tmp_path, monkeypatch):
+    """The module with a fresh writer, dumping into tmp_path/dumps."""
+    d = tmp_path / "dumps"
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_DIR", str(d))
+    for k in ("SGLANG_HIDDEN_DUMP_RID_PREFIX", "SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES",
+              "SGLANG_HIDDEN_DUMP_MAX_GPU_BYTES", "SGLANG_HIDDEN_DUMP_ON_FULL"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_BLOCK_TIMEOUT_S", "20")
+    hd_module.reset()
+    hd_module.dir = d
+    yield hd_module
+    hd_module.reset()
+
+
+def load(path: Path):
+    with safe_open(str(path), "pt", device="cpu") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def dumped(d: Path):
+    return sorted(p.name for p in d.iterdir() if p.name.endswith(".safetensors")) if d.exists() else []
+
+
+def slow_writes(monkeypatch, hd, delay: float, chunk: int | None = None):
+    """Make every os.write of the writer slow (and optionally small)."""
+    real = hd._write_all
+
+    def slow(fd, mv):
+        time.sleep(delay)
+        real(fd, mv)
+
+    monkeypatch.setattr(hd, "_write_all", slow)
+    if chunk:
+        monkeypatch.setattr(hd, "WRITE_CHUNK_BYTES", chunk)
+
+
+# --------------------------------------------------------------------------- the patches
+
+
+def test_series_hashes_match_patch_files():
+    for series in (SERIES, DEAD_SERIES):
+        data = tomllib.loads((series / "series.toml").read_text())
+        assert len(data["patch"]) == 2
+        for p in data["patch"]:
+            digest = hashlib.sha256((series / p["file"]).read_bytes()).hexdigest()
+            assert p["sha256"] == digest, f"{series.name}/{p['file']}"
+
+
+def test_patches_are_git_unified_diffs_inside_sglang():
+    for series in (SERIES, DEAD_SERIES):
+        for p in sorted(series.glob("*.patch")):
+            text = p.read_text()
+            paths = re.findall(r"^(?:---|\+\+\+) (\S+)", text, re.M)
+            assert paths and text.startswith("diff --git a/sglang/")
+            for path in paths:
+                assert path == "/dev/null" or re.fullmatch(r"[ab]/sglang/[\w/.]+", path), path
+                assert ".." not in path
+
+
+def test_hook_patch_applies_to_pristine_and_compiles(patched, sglang_tree):
+    for rel in (MODEL_RUNNER, MODULE):
+        py_compile.compile(str(patched / rel), doraise=True)
+    before = (sglang_tree / MODEL_RUNNER).read_text().splitlines()
+    after = (patched / MODEL_RUNNER).read_text().splitlines()
+    assert len(after) - len(before) == 4  # import + comment + if + call: nothing else moves
+
+
+def _forward_of(tree: ast.Module, cls: str, fn: str) -> ast.FunctionDef:
+    c = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == fn)
+
+
+def _walk_no_nested_defs(node):
+    """Statements reachable in this function, not descending into nested defs/classes."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        yield child
+        yield from _walk_no_nested_defs(child)
+
+
+def _hook_ifs(fn: ast.FunctionDef):
+    out = []
+    for n in _walk_no_nested_defs(fn):
+        if isinstance(n, ast.If):
+            for c in ast.walk(n):
+                if (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                        and c.func.attr == "on_forward_end"
+                        and isinstance(c.func.value, ast.Name)
+                        and c.func.value.id in ("_hidden_dump", "hidden_dump")):
+                    out.append(n)
+                    break
+    return out
+
+
+def test_hook_is_one_if_directly_in_model_runner_forward(patched):
+    src = (patched / MODEL_RUNNER).read_text()
+    tree = ast.parse(src)
+    # module-level import binds the alias to sglang.srt.hidden_dump
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "sglang.srt"
+               and any(a.name == "hidden_dump" and a.asname == "_hidden_dump" for a in n.names)
+               for n in tree.body)
+    fwd = _forward_of(tree, "ModelRunner", "forward")
+    ifs = _hook_ifs(fwd)
+    assert len(ifs) == 1
+    hook = ifs[0]
+    # inside the `with` that holds `output = self._forward_raw(...)`, after it and after the
+    # elastic-EP rebalance
+    withs = [n for n in _walk_no_nested_defs(fwd) if isinstance(n, ast.With) and hook in n.body]
+    assert len(withs) == 1
+    body = withs[0].body
+    i = body.index(hook)
+    raw = [j for j, s in enumerate(body) if "_forward_raw" in ast.unparse(s)]
+    ep = [j for j, s in enumerate(body) if "enable_elastic_ep" in ast.unparse(s)]
+    assert raw and ep and raw[0] < ep[0] < i
+    text = ast.unparse(hook)
+    assert "_hidden_dump.enabled()" in text and "not self.is_draft_worker" in text
+    assert "_hidden_dump.on_forward_end(self, forward_batch, output.logits_output)" in text
+    # self-contained: only self, forward_batch, output and the module alias are referenced
+    names = {n.id for n in ast.walk(hook) if isinstance(n, ast.Name)}
+    assert names <= {"self", "forward_batch", "output", "_hidden_dump"}
+    # the literal call text that `check` looks for
+    assert "hidden_dump.on_forward_end" in src
+
+
+def test_hook_statement_executes_with_duck_typed_objects(patched, hd):
+    """What the stand-in server does: exec the `if` from ModelRunner.forward."""
+    tree = ast.parse((patched / MODEL_RUNNER).read_text())
+    hook = _hook_ifs(_forward_of(tree, "ModelRunner", "forward"))[0]
+    code = compile(ast.Module(body=[hook], type_ignores=[]), "<hook>", "exec")
+    b = Batch(["exec-0", "exec-1"], [3, 4])
+    for draft in (True, False):
+        runner = make_runner()
+        runner.is_draft_worker = draft
+        ns = {"self": runner, "forward_batch": b.forward_batch, "_hidden_dump": hd,
+              "output": types.SimpleNamespace(logits_output=b.logits_output)}
+        exec(code, ns)
+        hd.flush(10)
+        assert dumped(hd.dir) == ([] if draft else ["exec-0.safetensors", "exec-1.safetensors"])
+
+
+def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree, tmp_path):
+    tree_dir = patched_tree(sglang_tree, tmp_path, series=DEAD_SERIES)
+    for rel in (LLAMA, MODULE):
+        py_compile.compile(str(tree_dir / rel), doraise=True)
+    llama = ast.parse((tree_dir / LLAMA).read_text())
+    assert len(_hook_ifs(_forward_of(llama, "LlamaModel", "forward"))) == 1
+    mr = ast.parse((tree_dir / MODEL_RUNNER).read_text())
+    assert _hook_ifs(_forward_of(mr, "ModelRunner", "forward")) == []
+    assert "hidden_dump" not in (tree_dir / MODEL_RUNNER).read_text()
+    data = tomllib.loads((DEAD_SERIES / "series.toml").read_text())
+    assert data["series"]["name"] == "hidden-dump-dead-hook"
+    assert data["series"]["version"] == "1.0.0"
+    real = tomllib.loads((SERIES / "series.toml").read_text())
+    assert {k: v for k, v in data["smoke"].items() if k != "hook"} == \
+        {k: v for k, v in real["smoke"].items() if k != "hook"}
+    assert data["smoke"]["hook"] == {
+        "file": LLAMA, "function": "LlamaModel.forward", "call": "hidden_dump.on_forward_end"}
+    # same capture module as the real series
+    assert (DEAD_SERIES / "0001-hidden-dump-module.patch").read_bytes() == \
+        (SERIES / "0001-hidden-dump-module.patch").read_bytes()
+
+
+def test_module_imports_only_stdlib_and_torch_at_module_level(patched):
+    tree = ast.parse((patched / MODULE).read_text())
+    top = set()
+    for n in tree.body:
+        if isinstance(n, ast.Import):
+            top |= {a.name.split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            top.add((n.module or "").split(".")[0])
+    assert "sglang" not in top
+    allowed = set(sys.stdlib_module_names) | {"torch", "safetensors", "__future__"}
+    assert top <= allowed, top - allowed
+    # any sglang import sits inside a function, guarded by try
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and (sub.module or "").startswith("sglang"):
+                    guarded.add(id(sub))
+    every = [n for n in ast.walk(tree)
+             if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("sglang")]
+    assert every and all(id(n) in guarded for n in every)
+    src = (patched / MODULE).read_text()
+    for m in re.finditer(r"^(\s*)from sglang", src, re.M):
+        assert len(m.group(1)) >= 8  # indented: inside a function's try block
+
+
+# --------------------------------------------------------------------------- the capture
+
+
+def test_one_correct_file_per_request(hd):
+    b = Batch(["req-a", "req-b", "req-c"], [5, 17, 1], hidden=16, k=3)
+    hd.on_forward_end(make_runner(hidden=16, num_layers=12), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["req-a.safetensors", "req-b.safetensors", "req-c.safetensors"]
+    for i, rid in enumerate(b.rids):
+        tensors, meta = load(hd.dir / f"{rid}.safetensors")
+        ids, aux, last = b.expected(i)
+        T = b.lens[i]
+        assert set(tensors) == {"input_ids", "aux_hidden_states", "hidden_states"}
+        assert tensors["input_ids"].dtype == torch.int64 and tensors["input_ids"].shape == (T,)
+        assert tensors["aux_hidden_states"].dtype == torch.bfloat16
+        assert tensors["aux_hidden_states"].shape == (T, 3 * 16)
+        assert tensors["hidden_states"].dtype == torch.bfloat16
+        assert tensors["hidden_states"].shape == (T, 16)
+        assert torch.equal(tensors["input_ids"], ids)
+        # bit-equal, not just close
+        assert torch.equal(tensors["aux_hidden_states"].view(torch.int16), aux.view(torch.int16))
+        assert torch.equal(tensors["hidden_states"].view(torch.int16), last.view(torch.int16))
+        assert meta == {
+            "format_version": "1", "rid": rid, "num_tokens": str(T), "prefix_len": "0",
+            "hidden_size": "16", "layers": json.dumps([2, 6, 9]),
+            "model_arch": "LlamaForCausalLM", "dtype": "bfloat16",
+        }
+    s = hd.stats()
+    assert s["files_written"] == 3 and s["errors"] == 0 and s["dropped"] == 0
+    assert s["bytes_written"] == sum((hd.dir / f).stat().st_size for f in dumped(hd.dir))
+    assert not [p for p in hd.dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_explicit_layer_ids_hidden_size_and_prefix(hd):
+    b = Batch(["p-0", "p-1"], [4, 6], hidden=8, k=3, prefix=[0, 32])
+    runner = make_runner(hidden=8, num_layers=61, layer_ids=[3, 31, 59], arch="DeepseekV3ForCausalLM")
+    hd.on_forward_end(runner, b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    # a chunk that starts after a cached prefix never overwrites the request's first chunk
+    assert dumped(hd.dir) == ["p-0.safetensors", "p-1.prefix32.safetensors"]
+    _, meta = load(hd.dir / "p-1.prefix32.safetensors")
+    assert meta["layers"] == "[3, 31, 59]" and meta["prefix_len"] == "32"
+    assert meta["model_arch"] == "DeepseekV3ForCausalLM" and meta["hidden_size"] == "8"
+
+
+def test_model_arch_unknown_and_hidden_size_from_tensor(hd):
+    b = Batch(["u-0"], [3], hidden=8, k=3)
+    runner = types.SimpleNamespace(attn_tp_rank=0, server_args=None,
+                                   model_config=types.SimpleNamespace(num_hidden_layers=10))
+    hd.on_forward_end(runner, b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    _, meta = load(hd.dir / "u-0.safetensors")
+    assert meta["model_arch"] == "unknown" and meta["hidden_size"] == "8"
+    assert meta["layers"] == "[2, 5, 7]"
+
+
+def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_RID_PREFIX", "smoke-")
+    b = Batch(["smoke-0", "user-1", "HEALTH_CHECK_abc", "smoke-1"], [2, 3, 1, 4])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["smoke-0.safetensors", "smoke-1.safetensors"]
+    _, meta = load(hd.dir / "smoke-1.safetensors")
+    t, _ = load(hd.dir / "smoke-1.safetensors")
+    assert torch.equal(t["input_ids"], b.expected(3)[0])  # offsets skip the filtered rows
+
+    monkeypatch.delenv("SGLANG_HIDDEN_DUMP_RID_PREFIX")
+    b = Batch(["HEALTH_CHECK_1", "other"], [1, 2])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert "other.safetensors" in dumped(hd.dir)
+    assert not [n for n in dumped(hd.dir) if "HEALTH" in n]
+
+
+@pytest.mark.parametrize("mode", ["decode", "idle", "target_verify", "mixed"])
+def test_non_prefill_forwards_are_ignored(hd, mode):
+    b = Batch(["m-0", "m-1"], [1, 1], mode=mode)
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == []
+    s = hd.stats()
+    assert s["errors"] == 0 and s["files_written"] == 0
+    assert s["skipped_mixed" if mode == "mixed" else "skipped_forwards"] == 1
+
+
+@pytest.mark.parametrize("ranks,expect", [
+    ({"attn_tp_rank": 1}, False),
+    ({"tp_rank": 2}, False),
+    ({"attn_tp_rank": 0, "tp_rank": 3}, True),  # attention-DP: rank 0 of each attention group
+    ({"tp_rank": 0}, True),
+])
+def test_only_attention_tp_rank_zero_dumps(hd, ranks, expect):
+    b = Batch(["r-0"], [3])
+    hd.on_forward_end(make_runner(**ranks), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == (["r-0.safetensors"] if expect else [])
+
+
+def test_disabled_without_env(hd, monkeypatch):
+    monkeypatch.delenv("SGLANG_HIDDEN_DUMP_DIR")
+    assert not hd.enabled()
+    b = Batch(["off"], [2])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10) and not hd.dir.exists()
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_DIR", str(hd.dir))
+    assert hd.enabled()
+
+
+def test_hostile_rids_get_safe_unique_names_and_verbatim_metadata(hd, tmp_path):
+    rids = ["../x", "a/b", "nul\x00byte", "new\nline", ".", "..", ".hidden", "rid-abc", "",
+            "ünïcode", "/etc/passwd", "tab\there", "x" * 400, "ok_name-1.2", "C:\\win"]
+    b = Batch(rids, [1] * len(rids))
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    names = dumped(hd.dir)
+    assert len(names) == len(rids) and len(set(names)) == len(rids)
+    # nothing escaped the dump directory, no sub-directories were made
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dumps"]
+    assert all(p.is_file() for p in hd.dir.iterdir())
+    for n in names:
+        assert SAFE_NAME.fullmatch(n) and not n.startswith(".") and len(n) < 200, n
+    assert "ok_name-1.2.safetensors" in names
+    got = {}
+    for n in names:
+        _, meta = load(hd.dir / n)
+        got[meta["rid"]] = n
+    assert set(got) == set(rids)  # verbatim, NUL and newline included
+    for r in rids:
+        assert hd.file_name(r) == got[r]
+
+
+def test_unwritable_directory_is_logged_and_counted_never_raised(hd, monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the dump directory should be")
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_DIR", str(blocker / "dumps"))
+    b = Batch(["w-0", "w-1"], [2, 3])
+    with caplog.at_level(logging.ERROR, logger="sglang.hidden_dump"):
+        hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)  # must not raise
+        assert hd.flush(10)
+    s = hd.stats()
+    assert s["errors"] == 2 and s["files_written"] == 0
+    recs = [r for r in caplog.records if r.name == "sglang.hidden_dump"]
+    assert len(recs) == 1 and "write_failed" in recs[0].getMessage()  # logged once
+
+
+def test_failed_write_goes_to_error_log_and_leaves_no_temporary(hd):
+    hd.dir.mkdir()
+    (hd.dir / "clash.safetensors").mkdir()  # the rename target is a directory
+    b = Batch(["clash", "fine"], [2, 2])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert (hd.dir / "fine.safetensors").is_file()
+    log = (hd.dir / "_hidden_dump_errors.log").read_text()
+    assert "write_failed" in log and "clash" in log and len(log.splitlines()) == 1
+    assert not [p for p in hd.dir.iterdir() if p.name.endswith(".tmp")]
+    assert hd.stats()["errors"] == 1
+
+
+def test_bad_inputs_never_raise(hd):
+    runner = make_runner()
+    hd.on_forward_end(runner, object(), object())
+    hd.on_forward_end(None, None, None)
+    b = Batch(["no-hs"], [2])
+    hd.on_forward_end(runner, b.forward_batch, types.SimpleNamespace(hidden_states=None))
+    # aux width is not K*H: logged and skipped
+    b = Batch(["bad-width"], [2], hidden=16, k=2)
+    hd.on_forward_end(make_runner(hidden=16), b.forward_batch, b.logits_output)
+    # rows do not add up to the lengths
+    b = Batch(["bad-rows"], [3])
+    b.forward_batch.extend_seq_lens_cpu = [5]
+    hd.on_forward_end(runner, b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == []
+    log = (hd.dir / "_hidden_dump_errors.log").read_text()
+    for kind in ("no_hidden_states", "width_mismatch", "shape_mismatch"):
+        assert kind in log
+    assert hd.stats()["errors"] >= 3
+
+
+def test_atomic_writes_no_partial_file_under_the_final_name(hd, monkeypatch):
+    slow_writes(monkeypatch, hd, delay=0.01, chunk=512)
+    b = Batch([f"atom-{i}" for i in range(4)], [40, 60, 30, 50], hidden=32, k=3)
+    seen_tmp = False
+    checked = set()
+    hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
+    deadline = time.time() + 30
+    while len(checked) < 4 and time.time() < deadline:
+        names = os.listdir(hd.dir) if hd.dir.exists() else []
+        seen_tmp |= any(n.endswith(".tmp") for n in names)
+        for n in names:
+            if n.endswith(".safetensors") and n not in checked:
+                i = int(n.split("-")[1].split(".")[0])
+                t, _ = load(hd.dir / n)  # complete the moment it is visible
+                assert torch.equal(t["hidden_states"], b.expected(i)[2])
+                checked.add(n)
+        time.sleep(0.002)
+    assert hd.flush(10)
+    assert seen_tmp, "the writer never used a temporary name"
+    assert len(checked) == 4
+
+
+def test_snapshot_is_taken_before_the_forward_reuses_its_buffers(hd, monkeypatch):
+    slow_writes(monkeypatch, hd, delay=0.02)
+    b = Batch(["snap"], [8])
+    want = [t.clone() for t in b.expected(0)]
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    b.aux.fill_(0)  # the next forward overwrites its output buffers in place
+    b.last.fill_(0)
+    b.input_ids.fill_(0)
+    assert hd.flush(10)
+    t, _ = load(hd.dir / "snap.safetensors")
+    assert torch.equal(t["aux_hidden_states"], want[1]) and torch.equal(t["input_ids"], want[0])
+
+
+def _request_bytes(T, hidden, k):
+    return T * (8 + 2 * k * hidden + 2 * hidden)
+
+
+def test_queue_bound_back_pressure(hd, monkeypatch):
+    per = _request_bytes(64, 32, 3)
+    cap = 3 * per + 10
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES", str(cap))
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_ON_FULL", "block")
+    hd.reset()
+    slow_writes(monkeypatch, hd, delay=0.03)
+    for j in range(4):
+        b = Batch([f"bp-{j}-{i}" for i in range(3)], [64] * 3, hidden=32, seed=j)
+        hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
+        assert hd.stats()["host_bytes_queued"] <= cap
+    assert hd.flush(20)
+    s = hd.stats()
+    assert s["host_bytes_peak"] <= cap and s["queued_bytes_peak"] <= cap
+    assert s["host_bytes_peak"] >= 2 * per  # it did queue
+    assert s["blocked"] > 0 and s["blocked_seconds"] > 0
+    assert s["dropped"] == 0 and s["files_written"] == 12
+    assert len(dumped(hd.dir)) == 12
+
+
+def test_queue_bound_counted_drop(hd, monkeypatch, caplog):
+    per = _request_bytes(64, 32, 3)
+    cap = 2 * per
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES", str(cap))
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_ON_FULL", "drop")
+    hd.reset()
+    slow_writes(monkeypatch, hd, delay=0.05)
+    with caplog.at_level(logging.WARNING, logger="sglang.hidden_dump"):
+        t0 = time.monotonic()
+        for j in range(3):
+            b = Batch([f"dr-{j}-{i}" for i in range(3)], [64] * 3, hidden=32, seed=j)
+            hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
+        forward_s = time.monotonic() - t0
+    assert hd.flush(20)
+    s = hd.stats()
+    assert s["host_bytes_peak"] <= cap
+    assert s["dropped"] > 0 and s["blocked"] == 0
+    assert s["files_written"] + s["dropped"] == 9 == s["requests_seen"]
+    assert len(dumped(hd.dir)) == s["files_written"]
+    assert forward_s < 0.5  # the forward never waited for the slow disk
+    drops = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(drops) == 1  # one clear line, the rest is counted
+
+
+def test_request_larger_than_the_cap_is_dropped_with_an_error(hd, monkeypatch):
+    monkeypatch.setenv("SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES", "1000")
+    hd.reset()
+    b = Batch(["huge", "tiny"], [64, 1], hidden=8)
+    hd.on_forward_end(make_runner(hidden=8), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["tiny.safetensors"]
+    s = hd.stats()
+    assert s["dropped"] == 1 and s["errors"] == 1
+    assert "SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES" in (hd.dir / "_hidden_dump_errors.log").read_text()
+
+
+def test_flush_timeout_and_stats_shape(hd, monkeypatch):
+    slow_writes(monkeypatch, hd, delay=0.3)
+    b = Batch(["ft-0", "ft-1"], [4, 4])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(0.05) is False  # honest about not being done
+    assert hd.flush(10) is True
+    s = hd.stats()
+    for k in ("files_written", "bytes_written", "dropped", "errors", "queued_bytes_peak",
+              "host_bytes_peak", "gpu_bytes_peak", "pinned_bytes", "blocked", "policy"):
+        assert k in s
+    assert s["policy"] == "block" and s["host_cap_bytes"] == 8 << 30
+
+
+def test_flush_at_exit(patched, tmp_path):
+    """A process that exits right after the forward still leaves every file, complete."""
+    d = tmp_path / "exit-dumps"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from hidden_dump_util import Batch, load_module, make_runner
+        hd = load_module(__import__("pathlib").Path({str(patched / MODULE)!r}))
+        real = hd._write_all
+        def slow(fd, mv):
+            time.sleep(0.05)
+            real(fd, mv)
+        hd._write_all = slow
+        b = Batch(["exit-0", "exit-1", "exit-2"], [5, 6, 7])
+        hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+        assert hd.stats()["files_written"] < 3
+        # no explicit flush: atexit must do it
+    """)
+    env = dict(os.environ, SGLANG_HIDDEN_DUMP_DIR=str(d))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert dumped(d) == ["exit-0.safetensors", "exit-1.safetensors", "exit-2.safetensors"]
+    for n in dumped(d):
+        load(d / n)
+
+
+def test_safe_name_is_injective_on_tricky_pairs(hd_module):
+    pairs = [("rid-YQ", "a"), ("A", "a"), ("x" * 151, "x" * 152), (".a", "rid-LmE")]
+    for a, b in pairs:
+        assert hd_module.safe_name(a) != hd_module.safe_name(b)
+    long = hd_module.safe_name("é" * 1000)
+    assert len(long) <= hd_module.MAX_NAME_LEN
+
+
+def test_writer_survives_concurrent_forwards(hd):
+    """Two threads calling the hook at once (it must stay consistent)."""
+    def run(tag):
+        for j in range(5):
+            b = Batch([f"{tag}-{j}"], [3], seed=j)
+            hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    ts = [threading.Thread(target=run, args=(t,)) for t in ("t1", "t2")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert hd.flush(10)
+    assert len(dumped(hd.dir)) == 10 and hd.stats()["errors"] == 0
