@@ -1018,21 +1018,30 @@ class Tracer:
         r = self.index.resolve(mod, local) if mod else None
         return r[1] if r and r[0] == "class" else None
 
-    def prefill_body(self, entry: _ClassRef) -> _ClassRef | None:
-        """The class whose forward the prefill CUDA graph captures (`_resolve_transformer_layer_model`)."""
+    def prefill_body(self, entry: _ClassRef) -> list[_ClassRef]:
+        """Classes whose forward the prefill CUDA graph captures (`_resolve_transformer_layer_model`):
+        `model.model`, else `model.language_model`, then `.model` until a class with `.layers`.
+        Every class an attribute may hold is followed (e.g. a config-dependent choice)."""
         idx = self.index
-        cur = None
+        cur: set = set()
         for attr in ("model", "language_model"):
-            cs = idx.attr_classes(entry, attr)
-            if cs:
-                cur = sorted(cs, key=lambda c: c.key)[0]
+            cur = set(idx.attr_classes(entry, attr))
+            if cur:
                 break
-        seen = set()
-        while cur is not None and not idx.has_attr(cur, "layers") and cur.key not in seen:
-            seen.add(cur.key)
-            cs = idx.attr_classes(cur, "model")
-            cur = sorted(cs, key=lambda c: c.key)[0] if cs else None
-        return cur
+        found: list[_ClassRef] = []
+        seen: set = set()
+        while cur:
+            nxt: set = set()
+            for c in sorted(cur, key=lambda c: c.key):
+                if c.key in seen:
+                    continue
+                seen.add(c.key)
+                if idx.has_attr(c, "layers"):
+                    found.append(c)
+                else:
+                    nxt |= idx.attr_classes(c, "model")
+            cur = nxt
+        return found
 
     def _runner(self) -> dict:
         if self._runner_reach is None:
@@ -1101,11 +1110,13 @@ class Tracer:
         if root is None:
             return {t: TraceResult(arch, t, False, "none", [f"{arch} (no forward)"]) for t in targets}
         parent = g.reach(root)
-        body = self.prefill_body(entry)
+        bodies = self.prefill_body(entry)
         body_reach: dict = {}
-        b = g._call_instance(body) if body is not None else None
-        if b is not None:
-            body_reach = g.reach(b)
+        body_nodes = [n for n in (g._call_instance(c) for c in bodies) if n is not None]
+        for n in body_nodes:
+            for m, via in g.reach(n).items():
+                body_reach.setdefault(m, (n, via))
+        b = next((n for n in body_nodes if n in parent), None)
         off = _flags_in(server_args)
         for t in targets:
             hit = next((n for n in parent if self._matches(n, t, idx)), None)
@@ -1114,15 +1125,17 @@ class Tracer:
                 out[t] = TraceResult(arch, t, False, "none", [g.label(n) for n in _chain(parent, last)])
                 continue
             res = TraceResult(arch, t, True, "model", [g.label(n) for n in _chain(parent, hit)])
-            if any(self._matches(n, t, idx) for n in body_reach):
+            inside = next((body_reach[n][0] for n in body_reach if self._matches(n, t, idx)), None)
+            if inside is not None:
                 res.warnings.append(GraphWarning(
                     "prefill", PREFILL_FLAG, "prefill" in off, True,
-                    f"{t.qualname} runs inside {body.name}.forward, which the prefill CUDA graph replays "
-                    f"(Python there runs only at capture); it runs on prefill batches only with {PREFILL_FLAG}"))
+                    f"{t.qualname} is in the transformer body the prefill CUDA graph captures "
+                    f"({g.label(inside)}): its Python runs only while the graph is captured on dummy batches, "
+                    f"never on real prefill batches, unless the server runs with {PREFILL_FLAG}"))
             res.warnings.append(GraphWarning(
                 "decode", DECODE_FLAG, "decode" in off, False,
-                f"{t.qualname} is inside {arch}.forward, which the decode CUDA graph replays; "
-                f"it runs on decode batches only with {DECODE_FLAG} (advisory)"))
+                f"{t.qualname} is inside {arch}.forward, which the decode CUDA graph captures whole: "
+                f"it runs on decode batches only with {DECODE_FLAG} (advisory: prefill capture is unaffected)"))
             out[t] = res
         return out
 

@@ -299,7 +299,7 @@ def test_factories_overrides_super_and_wrappers(small_tree):
         "Derived.forward [inherits BaseModel.forward]", "Derived.norm_step"]
     assert r2["BaseModel.norm_step"].reached  # super().norm_step
     # the prefill graph body is the object with .layers under .model / .language_model
-    assert t.prefill_body(t.entry_class("Wrapper")).name == "Derived"
+    assert [c.name for c in t.prefill_body(t.entry_class("Wrapper"))] == ["Derived"]
     assert [w.graph for w in r2["Layer.inner"].warnings] == ["prefill", "decode"]
 
 
@@ -331,12 +331,13 @@ def test_cli_trace_exit_codes_and_json(sglang_tree, tmp_path, capsys):
     out = capsys.readouterr()
     assert "NOT REACHED" not in out.out and "--disable-prefill-cuda-graph" in out.err
     assert "general_mm_embed_routine (managers/mm_utils.py) → DeepseekV3ForCausalLM.forward" in out.err
-    assert "warning: DeepseekV2Model.forward runs inside DeepseekV2Model.forward" in out.err
+    assert "warning: DeepseekV2Model.forward is in the transformer body the prefill CUDA graph captures" in out.err
     assert _cli("--patches", pd, "trace", "ds-hook-eager", "--arch", KIMI, "--tree", sglang_tree) == 0
     capsys.readouterr()
 
     # the model-runner hook, every architecture (summary), then --json
     assert _cli("--patches", pd, "trace", "runner", "--tree", sglang_tree) == 0
+    capsys.readouterr()
     assert _cli("--patches", pd, "--json", "trace", "runner", "--tree", sglang_tree) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["summary"]["not_reached"] == 0 and data["summary"]["archs"] > 200
