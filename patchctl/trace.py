@@ -381,11 +381,6 @@ class SourceIndex:
                     return c, node
         return None
 
-    def module_call_method(self, cls: _ClassRef):
-        """What `instance(...)` runs: `__call__` if the class hierarchy defines one, else `forward`."""
-        m = self.find_method(cls, "__call__")
-        return m or self.find_method(cls, "forward")
-
     def class_stores(self, cls: _ClassRef) -> dict[str, list[tuple[ast.FunctionDef, ast.expr]]]:
         """attr -> [(method, value)] for `self.attr = value` in the class's own methods, __init__ first."""
         hit = self._stores.get(cls.key)
@@ -589,6 +584,11 @@ class _FuncEnv:
             return self.name_classes(expr.id, _seen)
         if isinstance(expr, ast.Attribute) and _is_self(expr.value) and self.self_cls is not None:
             return self.idx.attr_classes(self.self_cls, expr.attr)
+        if isinstance(expr, ast.Attribute):  # self.language_model.model, local.attr
+            out = frozenset()
+            for c in self.instance_classes(expr.value, _seen):
+                out |= self.idx.attr_classes(c, expr.attr)
+            return out
         if isinstance(expr, ast.Subscript):
             return self.container_classes(expr.value, _seen)
         if isinstance(expr, ast.Call):
@@ -683,9 +683,10 @@ class CallGraph:
         seen: set = set()
 
         def add(n):
-            if n is not None and n not in seen and n != node:
-                seen.add(n)
-                out.append(n)
+            for x in (n if isinstance(n, list) else [n]):
+                if x is not None and x not in seen and x != node:
+                    seen.add(x)
+                    out.append(x)
 
         defining = None
         if self_cls is not None and "." in node.qualname:
@@ -696,8 +697,8 @@ class CallGraph:
             if isinstance(f, ast.Attribute):
                 v = f.value
                 if _is_self(v) and self_cls is not None:
-                    m = self.method_node(self_cls, f.attr)
-                    if m is not None:
+                    m = self.bound_method_nodes(self_cls, f.attr)
+                    if m:
                         add(m)
                         continue
                     for c in self.idx.attr_classes(self_cls, f.attr):
@@ -715,7 +716,15 @@ class CallGraph:
                 inst = env.instance_classes(v)
                 if inst:
                     for c in inst:
-                        add(self._call_instance(c) if f.attr == "forward" else self.method_node(c, f.attr))
+                        if f.attr == "forward":
+                            add(self._call_instance(c))
+                            continue
+                        m = self.bound_method_nodes(c, f.attr)
+                        if m:
+                            add(m)
+                        else:  # a module attribute called: self.language_model.model(...)
+                            for k in self.idx.attr_classes(c, f.attr):
+                                add(self._call_instance(k))
                     continue
                 r = self.idx.resolve_expr(mod, f, env.local_imports)
                 if r and r[0] == "func":
@@ -736,11 +745,25 @@ class CallGraph:
         self.idx._edges[node] = out
         return out
 
-    def _call_instance(self, cls: _ClassRef) -> _Node | None:
-        m = self.idx.module_call_method(cls)
-        if not m:
-            return None
-        return self.method_node(cls, m[1].name)
+    def bound_method_nodes(self, cls: _ClassRef, name: str) -> list[_Node]:
+        """What `instance.<name>(...)` runs: an instance attribute set in a method
+        (`self.forward = self.thinker.forward`) shadows the class's method."""
+        for c in self.idx.mro(cls):
+            for fn, value in self.idx.class_stores(c).get(name, ()):
+                if isinstance(value, ast.Attribute):
+                    env = _FuncEnv(self.idx, c.mod, fn, cls, {})
+                    nodes = [self.method_node(k, value.attr) for k in env.instance_classes(value.value)]
+                    nodes = [n for n in nodes if n is not None]
+                    if nodes:
+                        return nodes
+        m = self.method_node(cls, name)
+        return [m] if m is not None else []
+
+    def _call_instance(self, cls: _ClassRef) -> list[_Node]:
+        """`instance(...)`: nn.Module.__call__ runs `forward` (or the class's own `__call__`)."""
+        if self.idx.find_method(cls, "__call__"):
+            return self.bound_method_nodes(cls, "__call__")
+        return self.bound_method_nodes(cls, "forward")
 
     def _arg_bindings(self, env: _FuncEnv, fn: ast.FunctionDef, call: ast.Call) -> dict:
         """Module objects passed to a helper, by the helper's parameter name."""
@@ -766,10 +789,10 @@ class CallGraph:
         return frozenset()
 
     # -- walks
-    def reach(self, root: _Node, stop=None) -> dict[_Node, _Node | None]:
-        """BFS from root; returns node -> parent. `stop(node)` -> True ends the walk early."""
-        parent: dict[_Node, _Node | None] = {root: None}
-        q = deque([root])
+    def reach(self, roots: list[_Node], stop=None) -> dict[_Node, _Node | None]:
+        """BFS from roots; returns node -> parent (None for a root). `stop(node)` -> True ends the walk early."""
+        parent: dict[_Node, _Node | None] = {r: None for r in roots}
+        q = deque(roots)
         while q:
             n = q.popleft()
             if stop and stop(n):
@@ -1050,7 +1073,7 @@ class Tracer:
             if mod and "ModelRunner" in mod.classes:
                 root = self.graph.method_node(_ClassRef(mod, mod.classes["ModelRunner"]), "forward")
                 if root is not None:
-                    self._runner_reach = self.graph.reach(root)
+                    self._runner_reach = self.graph.reach([root])
         return self._runner_reach
 
     @staticmethod
@@ -1103,29 +1126,44 @@ class Tracer:
                 results.update(self._trace_model(arch, entry, model_targets, server_args))
         return [results[t] for t in targets]
 
+    def _labels(self, chain: list[_Node], entry: _ClassRef, t: ChangedFunction) -> list[str]:
+        g = self.graph
+        out = []
+        for n in chain:
+            text = g.label(n)
+            if n.qualname == t.qualname and not self._matches(n, t, self.index):
+                mod = self.index.module(n.mod)
+                text += f" ({_short(mod.rel)}, not {_short(t.file)})" if mod else ""
+            out.append(text)
+        if chain and chain[0].self_cls != entry.key:  # forward bound in __init__ (self.forward = self.x.forward)
+            out.insert(0, f"{entry.name}.forward (bound in __init__)")
+        return out
+
     def _trace_model(self, arch, entry, targets, server_args) -> dict:
         g, idx = self.graph, self.index
-        root = g.method_node(entry, "forward")
-        out = {}
-        if root is None:
-            return {t: TraceResult(arch, t, False, "none", [f"{arch} (no forward)"]) for t in targets}
-        parent = g.reach(root)
+        roots = g.bound_method_nodes(entry, "forward")
+        if not roots:
+            return {t: TraceResult(arch, t, False, "none", [f"{arch} (no forward found)"]) for t in targets}
+        parent = g.reach(roots)
+        hits = {t: next((n for n in parent if self._matches(n, t, idx)), None) for t in targets}
         bodies = self.prefill_body(entry)
+        body_nodes = [n for c in bodies for n in g._call_instance(c)]
         body_reach: dict = {}
-        body_nodes = [n for n in (g._call_instance(c) for c in bodies) if n is not None]
-        for n in body_nodes:
-            for m, via in g.reach(n).items():
-                body_reach.setdefault(m, (n, via))
+        if any(hits.values()):
+            for n in body_nodes:
+                for m in g.reach([n]):
+                    body_reach.setdefault(m, n)
         b = next((n for n in body_nodes if n in parent), None)
         off = _flags_in(server_args)
+        out = {}
         for t in targets:
-            hit = next((n for n in parent if self._matches(n, t, idx)), None)
+            hit = hits[t]
             if hit is None:
                 last = self._closest(parent, t, b)
-                out[t] = TraceResult(arch, t, False, "none", [g.label(n) for n in _chain(parent, last)])
+                out[t] = TraceResult(arch, t, False, "none", self._labels(_chain(parent, last), entry, t))
                 continue
-            res = TraceResult(arch, t, True, "model", [g.label(n) for n in _chain(parent, hit)])
-            inside = next((body_reach[n][0] for n in body_reach if self._matches(n, t, idx)), None)
+            res = TraceResult(arch, t, True, "model", self._labels(_chain(parent, hit), entry, t))
+            inside = next((body_reach[n] for n in body_reach if self._matches(n, t, idx)), None)
             if inside is not None:
                 res.warnings.append(GraphWarning(
                     "prefill", PREFILL_FLAG, "prefill" in off, True,
