@@ -784,7 +784,7 @@ class CallGraph:
         return out
 
     def _module_arg(self, env: _FuncEnv, expr: ast.expr) -> frozenset:
-        if isinstance(expr, ast.Name) or (isinstance(expr, ast.Attribute) and _is_self(expr.value)):
+        if isinstance(expr, (ast.Name, ast.Attribute)):  # self.language_model, self.language_model.model, local
             return env.instance_classes(expr)
         return frozenset()
 
@@ -1336,13 +1336,34 @@ def _print_report(app, report: dict, title: str, details: bool) -> None:
 
 
 def _log_findings(app, report: dict, verbose: bool) -> None:
+    """Not-reached results and blocking warnings on stderr; one line per finding with --arch or -v,
+    grouped by changed function for an every-architecture sweep."""
     results: list[TraceResult] = report["_results"]
+    if not report["all_archs"] or verbose:
+        for r in results:
+            if not r.reached:
+                app.info(f"{r.arch}: {r.target}: {r.describe()}")
+            for w in r.warnings:
+                if not w.mitigated and (w.blocking or verbose):
+                    app.info(f"{r.arch}: {'warning' if w.blocking else 'note'}: {w.message}")
+        return
+    by_target: dict = {}
     for r in results:
-        if not r.reached:
-            app.info(f"{r.arch}: {r.target}: {r.describe()}")
-        for w in r.warnings:
-            if not w.mitigated and (w.blocking or verbose):
-                app.info(f"{r.arch}: {'warning' if w.blocking else 'note'}: {w.message}")
+        by_target.setdefault(r.target, []).append(r)
+    for t, rs in by_target.items():
+        reached = [r.arch for r in rs if r.reached]
+        missed = [r.arch for r in rs if not r.reached]
+        warned = [r.arch for r in rs if any(w.blocking and not w.mitigated for w in r.warnings)]
+
+        def few(xs, n=8):
+            return ", ".join(xs[:n]) + (f", … (+{len(xs) - n})" if len(xs) > n else "")
+
+        if missed:
+            app.info(f"{t}: reached for {len(reached)} of {len(rs)} architectures"
+                     + (f" ({few(reached)})" if reached else "") + "; -v or --arch lists each chain")
+        if warned:
+            w = next(w for r in rs for w in r.warnings if w.blocking and not w.mitigated)
+            app.info(f"{t}: warning for {len(warned)} architecture(s) ({few(warned)}): {w.message}")
 
 
 def check_reachability(tree: Path, series, archs: list[str], app) -> bool:
