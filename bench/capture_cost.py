@@ -133,9 +133,9 @@ class StandIn:
         self.last_buf = torch.empty(Tmax, H, device=dev, dtype=dt)
         self.ids_buf = torch.empty(Tmax, device=dev, dtype=torch.int64)
 
-    def prefill(self, T: int):
+    def prefill(self, T: int, layers: int | None = None):
         x = torch.randn(T, self.H, device=self.dev, dtype=torch.bfloat16)
-        for _ in range(self.L):
+        for _ in range(self.L if layers is None else layers):
             x = torch.relu(x @ self.W1) @ self.W2
             x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
         return x
@@ -268,7 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--requests", type=int, default=4, help="requests per batch")
     ap.add_argument("--batches", type=int, default=None, help="timed batches per phase")
-    ap.add_argument("--sustained-gb", type=float, default=None, help="bytes per sustained phase")
+    ap.add_argument("--sustained-gb", type=float, default=None, help="GB per sustained phase")
+    ap.add_argument("--sustained-layers", type=int, default=4,
+                    help="MLP pairs of the (disk-bound) sustained phase's light prefill")
     ap.add_argument("--host-cap", type=float, default=None, help="GiB; hook's host queue cap")
     ap.add_argument("--gpu-cap", type=float, default=None, help="GiB; hook's GPU snapshot cap")
     ap.add_argument("--dir", default=None, help="dump directory (local disk)")
@@ -334,14 +336,14 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
 
-        def batch(kind, tag, i, expected):
+        def batch(kind, tag, i, expected, layers=None):
             nonlocal seed
             seed += 1
             rids = [f"{tag}-T{T}-b{i}-r{j}" for j in range(len(lens))]
             fb = types.SimpleNamespace(forward_mode=Mode(), rids=rids, extend_seq_lens_cpu=lens,
                                        extend_prefix_lens_cpu=[0] * len(lens))
             s = timer.start()
-            w.prefill(T)
+            w.prefill(T, layers)
             aux, last, ids = w.outputs(T, seed)
             fb.input_ids = ids
             hook_cpu, hs = 0.0, None
@@ -414,7 +416,8 @@ def main(argv=None) -> int:
         exp = {}
         n_sus = max(2, int(sustained * 1e9 // bytes_per_batch))
         t0 = time.perf_counter()
-        sus = [batch("hook", "sus", i, exp) for i in range(n_sus)]
+        # a light prefill (L_sus MLP pairs) produces far faster than the disk writes
+        sus = [batch("hook", "sus", i, exp, layers=a.sustained_layers) for i in range(n_sus)]
         hd.flush(600)
         dt = time.perf_counter() - t0
         st2 = hd.stats()
@@ -424,6 +427,8 @@ def main(argv=None) -> int:
             "batches": n_sus, "seconds": dt, "files": st2["files_written"],
             "bytes": st2["bytes_written"], "files_per_s": st2["files_written"] / dt,
             "gbps": st2["bytes_written"] / dt / 1e9, "forward_ms": [x[0] for x in sus],
+            "produced_gbps": n_sus * bytes_per_batch / 1e9 / max(1e-9, sum(x[0] for x in sus) / 1e3),
+            "layers": a.sustained_layers,
             "stats": st2, "verify": v2,
             "blocked_fraction": st2["blocked_seconds"] / dt,
         }
@@ -439,11 +444,76 @@ def main(argv=None) -> int:
             "cold_first_ms": r["cold_hook_ms"][0],
         }
         res["sizes"][str(T)] = r
+        print(f"T={T}: cold first batch {r['cold_hook_ms'][0]:.1f} ms (hook CPU "
+              f"{r['cold_hook_cpu_ms'][0]:.1f} ms); hook on stream {r['summary']['hook_stream_ms']:.2f} ms",
+              flush=True)
         print(f"T={T}: base {b:.1f} ms, hook {h:.1f} ms ({r['summary']['added_pct']:+.2f}%), naive "
               f"{r['summary']['naive_ms']:.1f} ms; sustained {r['sustained']['gbps']:.2f} GB/s; "
               f"verified {v['verified']}+{v2['verified']}, corrupted {v['corrupted'] + v2['corrupted']}",
               flush=True)
         hd.reset()
+
+    # ---- edge paths on the device: a request larger than the GPU budget (copied on the
+    # forward stream), and the drop policy under a small host cap
+    edge = {}
+    T = sizes[0]
+    lens = split_lengths(T, a.requests)
+
+    def run_batches(tag, n, layers=None):
+        nonlocal seed
+        exp, ms = {}, []
+        for i in range(n):
+            seed += 1
+            rids = [f"{tag}-T{T}-b{i}-r{j}" for j in range(len(lens))]
+            fb = types.SimpleNamespace(forward_mode=Mode(), rids=rids, extend_seq_lens_cpu=lens,
+                                       extend_prefix_lens_cpu=[0] * len(lens))
+            s0 = timer.start()
+            w.prefill(T, layers)
+            aux, last, ids = w.outputs(T, seed)
+            fb.input_ids = ids
+            hd.on_forward_end(mr, fb, types.SimpleNamespace(hidden_states=aux, last_hidden_states=last))
+            ms.append(timer.stop(s0))
+            off = 0
+            for rid, n_ in zip(rids, lens):
+                exp[hd.file_name(rid)] = (rid, seed, off, n_, T)
+                off += n_
+        hd.flush(600)
+        return exp, ms
+
+    small = max(lens) * (8 + 2 * K * H + 2 * H) // 2  # below the largest request
+    os.environ["SGLANG_HIDDEN_DUMP_MAX_GPU_BYTES"] = str(small)
+    hd.reset()
+    exp, ms = run_batches("direct", 3)
+    st = hd.stats()
+    edge["direct"] = {"gpu_cap": small, "stats": st, "forward_ms": ms,
+                      "verify": verify(dump, exp, dev, H, K)}
+    clean(dump)
+    os.environ["SGLANG_HIDDEN_DUMP_MAX_GPU_BYTES"] = str(gpu_cap)
+    os.environ["SGLANG_HIDDEN_DUMP_ON_FULL"] = "drop"
+    os.environ["SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES"] = str(max(1, host_cap // 16))
+    hd.reset()
+    T = sizes[1] if len(sizes) > 1 else sizes[0]
+    lens = split_lengths(T, a.requests)
+    exp, ms = run_batches("drop", 12, layers=a.sustained_layers)
+    st = hd.stats()
+    present = {k: v for k, v in exp.items() if (dump / k).exists()}
+    vd = verify(dump, present, dev, H, K)
+    vd["missing_equals_dropped"] = len(exp) - len(present) == st["dropped"]
+    edge["drop"] = {"host_cap": host_cap // 16, "stats": st, "forward_ms": ms, "verify": vd}
+    clean(dump)
+    os.environ["SGLANG_HIDDEN_DUMP_ON_FULL"] = "block"
+    os.environ["SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES"] = str(host_cap)
+    hd.reset()
+    res["edge"] = edge
+    for k, e in edge.items():
+        total_corrupt += e["verify"]["corrupted"] + e["verify"]["tmp_leftovers"]
+    print(f"edge: direct (GPU cap {small / 2**20:.0f} MiB < request): {edge['direct']['stats']['direct_copies']} "
+          f"direct copies, verified {edge['direct']['verify']['verified']}, corrupted "
+          f"{edge['direct']['verify']['corrupted']}; drop (host cap {host_cap / 16 / 2**30:.2f} GiB): "
+          f"{edge['drop']['stats']['files_written']} written, {edge['drop']['stats']['dropped']} dropped "
+          f"(missing == dropped: {vd['missing_equals_dropped']}), host peak "
+          f"{edge['drop']['stats']['host_bytes_peak'] / 2**30:.2f} GiB, verified {vd['verified']}, "
+          f"corrupted {vd['corrupted']}; forward ms median {statistics.median(ms):.1f}", flush=True)
 
     res["disk_rate_gbps_after"] = disk_rate(dump, dd_bytes)
     # compare against the best the disk showed in this run (the stricter choice)
@@ -453,7 +523,7 @@ def main(argv=None) -> int:
 
     # ---- table
     rows = ["| T tokens | MB/batch | prefill ms (spread) | + hook ms (%) | hook on stream ms (%) "
-            "| hook CPU ms | naive ms (+%) | sustained GB/s (% of disk) | files/s | blocked % "
+            "| hook CPU ms | naive ms (+%) | sustained GB/s (% of disk) [produced] | files/s | blocked % "
             "| peak host / cap GiB | peak GPU / cap GiB | pinned GiB | extra GPU GiB | files ok / bad |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for T, r in res["sizes"].items():
@@ -470,7 +540,7 @@ def main(argv=None) -> int:
             f"{s['added_ms']:+.2f} ({s['added_pct']:+.2f}%) | {s['hook_stream_ms']:.2f} "
             f"({s['hook_stream_pct']:.2f}%) | {s['hook_cpu_ms']:.2f} | "
             f"{s['naive_ms']:.0f} ({s['naive_added_pct']:+.0f}%) | {su['gbps']:.2f} "
-            f"({100 * su['gbps'] / disk:.0f}%) | {su['files_per_s']:.1f} | "
+            f"({100 * su['gbps'] / disk:.0f}%) [{su['produced_gbps']:.1f}] | {su['files_per_s']:.1f} | "
             f"{100 * su['blocked_fraction']:.0f} | "
             f"{hp / 2**30:.2f} / {host_cap / 2**30:.2f} | {gp / 2**30:.2f} / {gpu_cap / 2**30:.2f} | "
             f"{pin / 2**30:.2f} | {r.get('gpu_extra_peak_bytes', 0) / 2**30:.2f} | {ok} / {badn} |")
