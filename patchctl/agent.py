@@ -558,6 +558,16 @@ def pid_on_port(port):
     return None
 
 
+def pids_by_cmdline(argv):
+    """Processes running exactly this argv (a multi-node worker serves no HTTP port to find it by)."""
+    me = os.getpid()
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me and proc_cmdline(int(d)) == argv and pid_alive(int(d)):
+            out.append(int(d))
+    return sorted(out)
+
+
 class ProcessManager(object):
     """Start the server detached in its own session; stop its whole process group."""
 
@@ -575,6 +585,9 @@ class ProcessManager(object):
         if rec and rec.get("pid") and pid_alive(rec["pid"]) and proc_start_time(rec["pid"]) == rec.get("start_time"):
             return rec["pid"], rec
         pid = pid_on_port(self.cfg["port"])
+        if not pid and self.cfg.get("argv"):
+            found = pids_by_cmdline(self.cfg["argv"])
+            pid = found[0] if len(found) == 1 else None
         return pid, None
 
     def current_config(self):

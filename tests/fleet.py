@@ -155,6 +155,14 @@ class Fleet:
         for h in self.hosts:
             self._lay_host(h, layout)
         self.known_hosts = known_hosts_for(self.ssh, self.base / "known_hosts")
+        self.layout = layout
+        self.inventory = self.base / "inventory.toml"
+        self.write_inventory(server=server, host_overrides=host_overrides, servers=servers, groups=groups)
+
+    def write_inventory(self, *, server: dict | None = None, host_overrides: dict | None = None,
+                        servers: dict | None = None, groups: dict | None = None, prepend: str = "") -> None:
+        """(Re)write the inventory: each host's own port, log and tree; overrides merged per host."""
+        layout = self.layout
         overrides = {}
         for h in self.hosts:
             o = {"server": {"port": h.server_port, "log": str(h.dir / "server.log")}}
@@ -168,9 +176,11 @@ class Fleet:
             overrides[h.name] = o
         srv = {"command": SERVER_COMMAND, "start_timeout": 60, "stop_timeout": 10}
         srv.update(server or {})
-        self.inventory = self.base / "inventory.toml"
         text = inventory_toml(self.ssh, known_hosts=self.known_hosts, server=srv,
                               host_overrides=overrides, servers=servers, groups=groups)
+        if prepend:  # hosts before the fleet's own, in inventory order
+            head, sep, rest = text.partition('[hosts."')
+            text = head + prepend + "\n" + sep + rest
         self.inventory.write_text(text)
 
     def _lay_host(self, h: TestHost, layout: str):
@@ -217,10 +227,14 @@ class Fleet:
         return p, json.loads(p.stdout) if p.stdout.strip().startswith("[") else [json.loads(l) for l in p.stdout.splitlines() if l.strip()]
 
     # --- servers -------------------------------------------------------------------------------
-    def start_server(self, h: TestHost, env: dict | None = None) -> int:
+    def server_argv_for(self, h: TestHost, extra: list[str] = ()) -> list[str]:
+        """What the inventory's command renders to for this host (so patchctl can recognise the process)."""
+        return [sys.executable, "-m", "patchctl.simserver", "--model-path", f"{h.state}/../model",
+                "--sglang-root", str(self.root_of(h)), "--host", "127.0.0.1", "--port", str(h.server_port), *extra]
+
+    def start_server(self, h: TestHost, env: dict | None = None, extra: list[str] = (), wait: bool = True) -> int:
         """Start the host's unpatched server the way an operator would (outside patchctl); wait until ready."""
-        argv = [sys.executable, "-m", "patchctl.simserver", "--model-path", str(h.dir / "model"),
-                "--sglang-root", str(self.root_of(h)), "--host", "127.0.0.1", "--port", str(h.server_port)]
+        argv = self.server_argv_for(h, extra)
         e = dict(os.environ)
         if self.light:
             e["PATCHCTL_SIM_LIGHT"] = "1"
@@ -228,6 +242,8 @@ class Fleet:
         with open(h.dir / "server.log", "ab") as log:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=e,
                                  start_new_session=True)
+        if not wait:
+            return p.pid
         wait_for(lambda: http_status(h.server_port, "/health_generate") == 200 or p.poll() is not None, 90,
                  what=f"server of {h.name} ready")
         assert p.poll() is None, (h.dir / "server.log").read_text()[-2000:]
@@ -261,4 +277,15 @@ class Fleet:
                     except OSError:
                         pass
                 wait_for(lambda: pid_on_port(h.server_port) != pid, 10, what="server killed")
+        for d in os.listdir("/proc"):  # multi-node workers hold no port: find them by their tree
+            if d.isdigit():
+                try:
+                    cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if b"patchctl.simserver" in cmd and str(self.base).encode() in cmd:
+                    try:
+                        os.kill(int(d), signal.SIGKILL)
+                    except OSError:
+                        pass
         stop_hosts(self.ssh)
