@@ -26,9 +26,13 @@ and, for plain functions, the module classes passed in as arguments):
 * Patched files are read from the scratch directory first, pristine tree second;
   each file is parsed at most once, and only when the walk reaches it.
 
-What counts as reached for every architecture: any function in
-`sglang/srt/model_executor/model_runner.py` (the model runner runs eagerly for
-every model); other code outside the model is tried from `ModelRunner.forward`.
+What counts as reached for every architecture: anything in
+`sglang/srt/model_executor/` (the model runner layer, e.g. `ModelRunner.forward`,
+runs eagerly for every model; the chain is shown when the walk from
+`ModelRunner.forward` finds it), and other code outside `models/` and `layers/`
+that the walk from `ModelRunner.forward` reaches. A changed `__init__` /
+`load_weights` / `post_load_weights` of a class the model's forward walk
+reaches counts as reached (it runs when the model is built or loaded).
 
 CUDA-graph rule (SGLang 0.5.23, `model_executor/runner/*_cuda_graph_runner.py`):
 
@@ -79,6 +83,9 @@ from patchctl.errors import BadInput, PatchctlError
 
 MODEL_RUNNER_FILE = "sglang/srt/model_executor/model_runner.py"
 MODELS_DIR = "sglang/srt/models"
+LAYERS_DIR = "sglang/srt/layers"
+RUNNER_DIR = "sglang/srt/model_executor"
+SETUP_METHODS = ("__init__", "load_weights", "post_load_weights")
 
 PREFILL_FLAG = "--disable-prefill-cuda-graph"
 DECODE_FLAG = "--disable-decode-cuda-graph"
@@ -1105,16 +1112,17 @@ class Tracer:
         results: dict[ChangedFunction, TraceResult] = {}
         model_targets = []
         for t in targets:
-            if t.file == MODEL_RUNNER_FILE:
-                results[t] = TraceResult(arch, t, True, "model_runner", [f"{t.qualname} ({_short(t.file)})"])
-            elif not t.file.startswith((MODELS_DIR + "/", "sglang/srt/layers/")):
+            runner_walk = None
+            if t.file.startswith(RUNNER_DIR + "/") or not t.file.startswith((MODELS_DIR + "/", LAYERS_DIR + "/")):
                 rr = self._runner()
                 hit = next((n for n in rr if self._matches(n, t, self.index)), None)
                 if hit is not None:
-                    chain = [self.graph.label(n) for n in _chain(rr, hit)]
-                    results[t] = TraceResult(arch, t, True, "model_runner", chain)
-                    continue
-                model_targets.append(t)
+                    runner_walk = [self.graph.label(n) for n in _chain(rr, hit)]
+            if runner_walk is not None:
+                results[t] = TraceResult(arch, t, True, "model_runner", runner_walk)
+            elif t.file.startswith(RUNNER_DIR + "/"):
+                # the model-runner layer runs for every model, whether or not the walk can show the path
+                results[t] = TraceResult(arch, t, True, "model_runner", [f"{t.qualname} ({_short(t.file)})"])
             else:
                 model_targets.append(t)
         if model_targets:
@@ -1158,6 +1166,15 @@ class Tracer:
         out = {}
         for t in targets:
             hit = hits[t]
+            if hit is None and t.qualname.rsplit(".", 1)[-1] in SETUP_METHODS and "." in t.qualname:
+                # construction / weight loading: runs once, eagerly, for every class that is part of the model
+                owner = next((n for n in parent if n.self_cls is not None and any(
+                    c.name == t.qualname.split(".")[0] and c.mod.rel == t.file
+                    for c in idx.mro(g._class(n.self_cls) or entry))), None)
+                if owner is not None:
+                    out[t] = TraceResult(arch, t, True, "model", self._labels(_chain(parent, owner), entry, t)
+                                         + [f"{t.qualname} (runs when the model is built / loaded, not in forward)"])
+                    continue
             if hit is None:
                 last = self._closest(parent, t, b)
                 out[t] = TraceResult(arch, t, False, "none", self._labels(_chain(parent, last), entry, t))

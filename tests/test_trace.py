@@ -180,6 +180,17 @@ def test_decode_graph_is_advisory_and_outer_forward_has_no_prefill_warning(trace
     assert r.ok
 
 
+def test_model_runner_layer_and_construction_rules(tracer):
+    eager = fn("sglang/srt/model_executor/runner/eager_runner.py", "EagerRunner.execute")
+    init = fn(LLAMA, "LlamaModel.__init__")
+    ds_init = fn(DS, "DeepseekV2Model.__init__")
+    r_eager, r_init, r_ds = tracer.trace("LlamaForCausalLM", [eager, init, ds_init])
+    assert r_eager.reached and r_eager.via == "model_runner" and not r_eager.warnings
+    assert r_init.reached and r_init.chain[-1].startswith("LlamaModel.__init__ (runs when the model is built")
+    assert not r_init.warnings  # construction runs once, eagerly
+    assert not r_ds.reached
+
+
 def test_whole_series_check_time_on_cached_tree(sglang_tree, capsys):
     series = FakeSeries((FakePatch("0001.patch", HOOK_MODULE), FakePatch("0002.patch", runner_hook_patch(sglang_tree))),
                         FakeSmoke(hook=FakeHook(MR, "ModelRunner.forward", "hidden_dump.on_forward_end")))
