@@ -1391,7 +1391,8 @@ class Agent(object):
             out["server_before"] = before
         elif restart:
             out.update(self._restore_server(before, state))
-        t.append_history({"op": "rollback", "run_id": self.run_id, "outcome": reason, "from": self._snapshot(m) and {"series": m["series"], "version": m["version"]},
+        t.append_history({"op": "rollback", "run_id": self.run_id, "reason": reason,
+                          "outcome": "to %s %s" % (state["series"], state["version"]) if state else "to clean", "from": self._snapshot(m) and {"series": m["series"], "version": m["version"]},
                           "to": out["to"], "files": out["files"], "state": state, "server": out.get("server")})
         return out
 

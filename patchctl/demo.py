@@ -49,7 +49,8 @@ def setup() -> Path:
     if not healthy(PORT):
         say(f"starting the demo host's unpatched server (SGLang stand-in) on 127.0.0.1:{PORT}")
         with open(demo / "server.log", "ab") as log:
-            subprocess.Popen([sys.executable, "-m", "patchctl.simserver", "--model-path", str(demo / "model"),
+            # exactly what the inventory's command renders to, as an operator's own start would be
+            subprocess.Popen([sys.executable, "-m", "patchctl.simserver", "--model-path", f"{demo / 'state'}/../model",
                               "--sglang-root", str(tree), "--host", "127.0.0.1", "--port", str(PORT)],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 120

@@ -28,7 +28,7 @@ CONTROLLER_PYTHON = "controller"
 
 @dataclass
 class ServerConfig:
-    """How the host's SGLang server is run. `command` may use {python} {port} {host} {state_dir}."""
+    """How the host's SGLang server is run. `command` may use {python} {port} {host} {state_dir} {sglang_root}."""
 
     manager: str = "process"
     command: str = ""  # empty: no server configured (restart/smoke steps refuse)
