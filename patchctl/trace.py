@@ -258,6 +258,7 @@ class SourceIndex:
         self._attr: dict[tuple, frozenset] = {}
         self._returns: dict[tuple, frozenset] = {}
         self._stores: dict[tuple, dict] = {}
+        self._facts: dict[int, tuple] = {}
         # Packages the walk descends into. Outside them (kernels, external libraries) nothing is parsed;
         # Tracer widens this to the package of every target.
         self.scope: tuple[str, ...] = ("sglang.srt",)
@@ -313,6 +314,15 @@ class SourceIndex:
         if name in mod.aliases:
             return self.resolve_expr(mod, mod.aliases[name], None, _depth + 1)
         return None
+
+    def facts(self, fn: ast.AST, mod: _Module) -> "_Facts":
+        """One pass over a function body, memoised (keyed by node identity; the ASTs live in self._mods)."""
+        hit = self._facts.get(id(fn))
+        if hit is not None and hit[0] is fn:
+            return hit[1]
+        f = _Facts(fn, mod)
+        self._facts[id(fn)] = (fn, f)
+        return f
 
     def in_scope(self, modname: str) -> bool:
         return any(modname == p or modname.startswith(p + ".") for p in self.scope)
@@ -395,7 +405,7 @@ class SourceIndex:
             return hit
         out: dict[str, list] = {}
         for fn in sorted(_methods(cls.node), key=lambda f: f.name != "__init__"):
-            for attr, value in _facts(fn, cls.mod).stores:
+            for attr, value in self.facts(fn, cls.mod).stores:
                 out.setdefault(attr, []).append((fn, value))
         for node in cls.node.body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -434,7 +444,7 @@ class SourceIndex:
         self._returns[key] = frozenset()
         env = _FuncEnv(self, mod, fn, self_cls, {})
         found: set = set()
-        for value in _facts(fn, mod).returns:
+        for value in self.facts(fn, mod).returns:
             found |= env.instance_classes(value)
         res = frozenset(found)
         self._returns[key] = res
@@ -497,18 +507,6 @@ class _Facts:
                 self.returns.append(node.value)
 
 
-_FACTS: dict[int, tuple[ast.AST, _Facts]] = {}
-
-
-def _facts(fn: ast.AST, mod: _Module) -> _Facts:
-    hit = _FACTS.get(id(fn))
-    if hit is not None and hit[0] is fn:
-        return hit[1]
-    f = _Facts(fn, mod)
-    _FACTS[id(fn)] = (fn, f)
-    return f
-
-
 def _is_self(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Name) and expr.id == "self"
 
@@ -522,7 +520,7 @@ class _FuncEnv:
         self.fn = fn
         self.self_cls = self_cls
         self.bindings = bindings  # parameter name -> frozenset of _ClassRef
-        facts = _facts(fn, mod)
+        facts = idx.facts(fn, mod)
         self.facts = facts
         self.local_imports = facts.imports
         self._iter_locals = facts.iter_locals
