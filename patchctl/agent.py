@@ -503,17 +503,18 @@ def build_server_config(req, profile=None, capture_layers=None):
               "port": srv["port"], "host": srv["host"], "state_dir": state_dir}
     if "{sglang_root}" in srv["command"]:
         values["sglang_root"] = locate_tree(req.get("sglang_root", "auto"))
-    argv = render_command(srv["command"], values)
+    argv = render_command(srv["command"], values) if srv.get("command") else []
     env = dict((k, expand_placeholders(str(v), values)) for k, v in (srv.get("env") or {}).items())
     series = None
+    extra = []
     if profile:
-        argv += list(profile.get("server_args") or [])
+        extra = list(profile.get("server_args") or [])
         if capture_layers:
-            argv += [profile.get("layers_arg") or "--return-aux-hidden-state-layer-ids"] + [str(x) for x in capture_layers]
+            extra += [profile.get("layers_arg") or "--return-aux-hidden-state-layer-ids"] + [str(x) for x in capture_layers]
         for k, v in (profile.get("env") or {}).items():
             env[k] = expand_placeholders(str(v), values)
         series = profile.get("series")
-    return {"manager": srv.get("manager", "process"), "argv": argv, "env": env,
+    return {"manager": srv.get("manager", "process"), "argv": argv + extra, "extra_args": extra, "env": env,
             "log": expand(srv.get("log") or os.path.join(state_dir, "server.log")),
             "host": srv["host"], "port": int(srv["port"]), "unit": srv.get("unit"),
             "start_timeout": float(srv.get("start_timeout") or 1800),
@@ -654,6 +655,8 @@ class ProcessManager(object):
         return {"stopped": pid, "killed": killed}
 
     def start(self, cfg):
+        if not cfg["argv"]:
+            raise AgentError("bad_input", "no server command configured for this host ([hosts.X.server] command)")
         self.cfg = cfg
         log = cfg["log"]
         d = os.path.dirname(log)
@@ -709,14 +712,19 @@ class SystemdManager(object):
         return p.stdout.decode(errors="replace")
 
     def current_config(self):
-        cfg = dict(self.cfg)
+        """What is in force: the drop-in on disk (and, if patchctl wrote it, the profile it came from)."""
         try:
             with open(self.dropin, "rb") as f:
-                cfg["dropin"] = f.read().decode()
+                dropin = f.read().decode()
         except FileNotFoundError:
-            cfg["dropin"] = None
-        out = subprocess.run(["systemctl", "is-active", self.unit], stdout=subprocess.PIPE).stdout.decode().strip()
-        cfg["running"] = out == "active"
+            dropin = None
+        rec = read_json(server_state_path(self.state_dir)) or {}
+        if rec.get("config") and rec["config"].get("dropin") == dropin and dropin is not None:
+            cfg = dict(rec["config"])
+        else:
+            cfg = dict(self.cfg, argv=[], extra_args=[], env={}, series=None, profile=None, capture_layers=None)
+        cfg["dropin"] = dropin
+        cfg["running"] = self.alive()
         return cfg
 
     def stop(self):
@@ -728,21 +736,24 @@ class SystemdManager(object):
         lines = ["# written by patchctl for series %s; removed on rollback" % cfg.get("series"), "[Service]"]
         for k, v in sorted(cfg["env"].items()):
             lines.append("Environment=%s" % _systemd_quote("%s=%s" % (k, v)))
-        extra = (cfg.get("profile") or {}).get("server_args") or []
-        if extra or cfg.get("capture_layers"):
-            lines.append("Environment=%s" % _systemd_quote("PATCHCTL_EXTRA_ARGS=" + " ".join(shlex.quote(a) for a in cfg["argv"][len(cfg.get("base_argv") or []):])))
+        # The unit's ExecStart must end with $PATCHCTL_EXTRA_ARGS (systemd splits it into words).
+        lines.append("Environment=%s" % _systemd_quote("PATCHCTL_EXTRA_ARGS=" + " ".join(cfg.get("extra_args") or [])))
         return "\n".join(lines) + "\n"
 
     def start(self, cfg):
-        if cfg.get("dropin") is not None or cfg.get("series"):
-            text = cfg["dropin"] if cfg.get("dropin") is not None else self.render_dropin(cfg)
+        cfg = dict(cfg)
+        cfg.pop("running", None)
+        if cfg.get("dropin") is None and cfg.get("series"):
+            cfg["dropin"] = self.render_dropin(cfg)
+        if cfg.get("dropin") is not None:
             if not os.path.isdir(self.dropin_dir):
                 os.makedirs(self.dropin_dir)
-            write_atomic(self.dropin, text.encode())
+            write_atomic(self.dropin, cfg["dropin"].encode())
         elif os.path.exists(self.dropin):
-            os.unlink(self.dropin)
+            os.unlink(self.dropin)  # patchctl's own file: the unit as it was before any deploy
         self._ctl("daemon-reload")
         self._ctl("restart", self.unit)
+        write_json(server_state_path(self.state_dir), {"config": cfg, "started_at": now()})
         event("server_start", unit=self.unit)
         self.cfg = cfg
         return {"unit": self.unit}
@@ -1167,6 +1178,8 @@ class Agent(object):
             [p["sha256"] for p in m["patches"]] == [p["sha256"] for p in series["patches"]]
         mgr, _ = self.base_manager()
         server_before = mgr.current_config() if self.req.get("restart") else None
+        if self.req.get("restart"):
+            self._check_dump_space(series.get("smoke") or {})
         if same:
             t.release(self.run_id)
             return {"changed": False, "note": "%s %s is already applied" % (series["name"], series["version"]),
@@ -1202,6 +1215,22 @@ class Agent(object):
         return {"changed": True, "files": [c["path"] for c in changes], "patches": result["patches"],
                 "replaced": self._snapshot(m), "version": version, "root": t.root, "history_id": hid,
                 "server_before": server_before, "manifest": manifest}
+
+    def _check_dump_space(self, profile):
+        """Dumps cost 8·H bytes per token (57 GB per million tokens at H = 7168): say how much room there is."""
+        cfg = self.server_cfg(profile)
+        d = cfg["env"].get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
+        if not d:
+            return
+        probe = expand(d)
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe).free
+        min_free = int(self.req.get("min_free_bytes") or 1 << 30)
+        if free < min_free:
+            raise AgentError("bad_input", "only %.1f GiB free for dumps at %s (need at least %.1f GiB)" % (
+                free / 2.0 ** 30, expand(d), min_free / 2.0 ** 30))
+        self.notes.append("%.0f GiB free for dumps at %s" % (free / 2.0 ** 30, expand(d)))
 
     def _snapshot(self, m):
         if not m:

@@ -1,0 +1,112 @@
+"""The on-host agent's pieces on their own: version clauses, command rendering, dump validation, systemd drop-ins."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from patchctl import agent
+
+
+@pytest.mark.parametrize("version,clauses,ok", [
+    ("0.5.23", [["==", "0.5.23"]], True),
+    ("0.5.23", [["==", "0.5.22"]], False),
+    ("0.5.23", [[">=", "0.5.20"], ["<", "0.6"]], True),
+    ("0.5.23", [["==", "0.5.*"]], True),
+    ("0.6.0", [["==", "0.5.*"]], False),
+    ("0.5.23", [["~=", "0.5.20"]], True),
+    ("0.5.10", [[">", "0.5.9"]], True),  # numeric, not lexical
+    ("0.5.23", [["!=", "0.5.23"]], False),
+])
+def test_version_clauses(version, clauses, ok):
+    assert agent.version_matches(version, clauses) is ok
+
+
+def test_command_placeholders_are_single_words_and_no_shell_runs(tmp_path):
+    argv = agent.render_command("{python} -m srv --root {state_dir} --port {port}",
+                                {"python": "/opt/my env/bin/python", "state_dir": "/x/$(touch y); `z`", "port": 1})
+    assert argv == ["/opt/my env/bin/python", "-m", "srv", "--root", "/x/$(touch y); `z`", "--port", "1"]
+    with pytest.raises(agent.AgentError) as e:
+        agent.render_command("{python} {nope}", {"python": "p"})
+    assert e.value.kind == "bad_input"
+
+
+def _dump(path, T=5, H=8, K=3, layers=(2, 4, 5), ids=None, mutate=None, prefix="0", dtype=torch.bfloat16):
+    ids = ids if ids is not None else list(range(10, 10 + T))
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(T, K * H, generator=g).to(dtype)
+    hid = torch.randn(T, H, generator=g).to(dtype)
+    if mutate:
+        mutate(aux, hid)
+    save_file({"input_ids": torch.tensor(ids, dtype=torch.int64), "aux_hidden_states": aux, "hidden_states": hid},
+              str(path), metadata={"format_version": "1", "rid": "r", "num_tokens": str(T), "prefix_len": prefix,
+                                   "hidden_size": str(H), "layers": json.dumps(list(layers)), "model_arch": "X",
+                                   "dtype": "bfloat16"})
+    return ids
+
+
+def test_validate_dump_accepts_a_good_file(tmp_path):
+    p = tmp_path / "a.safetensors"
+    ids = _dump(p)
+    assert agent.validate_dump(str(p), ids, [2, 4, 5], 8) == []
+
+
+@pytest.mark.parametrize("kw,expect", [
+    ({"mutate": lambda a, h: a.__setitem__((1, 9), float("nan"))}, "NaN"),
+    ({"mutate": lambda a, h: h.__setitem__((0, 0), float("inf"))}, "hidden_states has NaN"),
+    ({"mutate": lambda a, h: a[:, 8:16].zero_()}, "all zeros"),
+    ({"mutate": lambda a, h: a[:, 16:24].copy_(a[:, 0:8])}, "identical"),
+    ({"prefix": "3"}, "prefix_len"),
+    ({"layers": (2, 4, 6)}, "layers"),
+    ({"dtype": torch.float16}, "expected BF16"),
+])
+def test_validate_dump_catches(tmp_path, kw, expect):
+    p = tmp_path / "a.safetensors"
+    ids = _dump(p, **kw)
+    problems = agent.validate_dump(str(p), ids, [2, 4, 5], 8)
+    assert any(expect in x for x in problems), problems
+
+
+def test_validate_dump_wrong_ids_and_truncation(tmp_path):
+    p = tmp_path / "a.safetensors"
+    ids = _dump(p)
+    assert any("input_ids differ" in x for x in agent.validate_dump(str(p), [1] + ids[1:], [2, 4, 5], 8))
+    assert any("expected I64 [6]" in x for x in agent.validate_dump(str(p), ids + [1], [2, 4, 5], 8))
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) - 7])
+    assert any("unreadable" in x or "past the end" in x for x in agent.validate_dump(str(p), ids, [2, 4, 5], 8))
+
+
+def test_systemd_manager_writes_a_dropin_and_restores_the_previous_one(tmp_path, monkeypatch):
+    # systemd cannot run in this container: a recording systemctl stands in for it, the drop-in is real
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "calls"
+    sc = bindir / "systemctl"
+    sc.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n[ \"$1\" = is-active ] && echo active\nexit 0\n")
+    sc.chmod(sc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    req = {"state_dir": str(tmp_path / "state"), "python": "/usr/bin/python3", "sglang_root": "auto",
+           "server": {"manager": "systemd", "unit": "sglang.service", "command": "", "host": "127.0.0.1", "port": 1}}
+    profile = {"series": "hidden-dump", "server_args": ["--enable-return-aux-hidden-states"], "layers_arg": "--ids",
+               "env": {"SGLANG_HIDDEN_DUMP_DIR": "{state_dir}/dumps"}}
+    os.makedirs(req["state_dir"])
+    cfg = agent.build_server_config(req, profile, [3, 31, 59])
+    mgr = agent.SystemdManager(req["state_dir"], cfg)
+    mgr.dropin_dir = str(tmp_path / "sglang.service.d")
+    mgr.dropin = os.path.join(mgr.dropin_dir, "50-patchctl.conf")
+    before = mgr.current_config()
+    assert before["dropin"] is None and before["running"]
+    mgr.start(cfg)
+    text = open(mgr.dropin).read()
+    assert f'Environment="SGLANG_HIDDEN_DUMP_DIR={tmp_path}/state/dumps"' in text
+    assert 'Environment="PATCHCTL_EXTRA_ARGS=--enable-return-aux-hidden-states --ids 3 31 59"' in text
+    mgr.start(dict(before))  # rollback: the unit's previous state, i.e. no drop-in
+    assert not os.path.exists(mgr.dropin)
+    assert open(calls).read().count("restart sglang.service") == 2
