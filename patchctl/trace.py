@@ -24,7 +24,11 @@ and, for plain functions, the module classes passed in as arguments):
   to helper functions (the multimodal wrapper pattern: `language_model=self.
   language_model` and the helper calls `language_model(...)`).
 * Patched files are read from the scratch directory first, pristine tree second;
-  each file is parsed at most once, and only when the walk reaches it.
+  each file is parsed at most once, and only when the walk reaches it. The walk
+  stays inside `sglang.srt` (plus the package of any target outside it), so the
+  kernel packages are not parsed for nothing.
+* An instance attribute that shadows a method (`self.forward =
+  self.thinker.forward` in `__init__`) is followed instead of the method.
 
 What counts as reached for every architecture: anything in
 `sglang/srt/model_executor/` (the model runner layer, e.g. `ModelRunner.forward`,
@@ -54,14 +58,20 @@ CUDA-graph rule (SGLang 0.5.23, `model_executor/runner/*_cuda_graph_runner.py`):
   smoke and the capture contract are prefill-only, and disabling the decode
   graph costs far more than it would tell.
 * Code reached only through the model runner (outside the model) never warns.
+* A model without that `.model` / `.language_model` chain to `.layers` gets no
+  prefill warning: SGLang's breakable/full backends cannot capture it either.
 * The rule is conservative: SGLang auto-disables the prefill graph at start-up
   for some configurations (pipeline parallel, some multimodal models, ...); the
-  static check cannot see those and still warns.
+  static check cannot see those and still warns. The `tc_piecewise` backend
+  (opt-in) compiles the whole outer forward; not modelled.
 
 Exit status of `patchctl trace`: 0 when every changed function is reached for
 every requested architecture and no blocking warning is left unmitigated by the
 series' smoke `server_args`; 1 otherwise (the series would not work, or would
 silently do nothing, for that model); 2 for bad input (unknown arch, no tree).
+Without `--arch` every registered architecture is traced and summarised; a hook
+inside one model family is then "not reached" for the others and the exit
+status is 1, by design: name the architectures you serve with `--arch`.
 """
 
 from __future__ import annotations
@@ -71,7 +81,6 @@ import difflib
 import json
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections import deque
