@@ -570,3 +570,24 @@ def test_writer_survives_concurrent_forwards(hd):
         t.join()
     assert hd.flush(10)
     assert len(dumped(hd.dir)) == 10 and hd.stats()["errors"] == 0
+
+
+def test_failed_snapshot_gives_its_budget_back(hd, monkeypatch):
+    real = hd._fill
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(hd, "_fill", flaky)
+    b = Batch(["oom-0"], [4])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)  # must not raise
+    assert hd.stats()["host_bytes_queued"] == 0 and hd.stats()["errors"] == 1
+    b = Batch(["oom-1"], [4])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["oom-1.safetensors"]
+    assert "hook_failed" in (hd.dir / "_hidden_dump_errors.log").read_text()
