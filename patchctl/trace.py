@@ -1120,7 +1120,9 @@ class Tracer:
         model_targets = []
         for t in targets:
             runner_walk = None
-            if t.file.startswith(RUNNER_DIR + "/") or not t.file.startswith((MODELS_DIR + "/", LAYERS_DIR + "/")):
+            if t.file == MODEL_RUNNER_FILE:
+                runner_walk = [f"{t.qualname} ({_short(t.file)})"]  # the runner itself: no walk needed
+            elif t.file.startswith(RUNNER_DIR + "/") or not t.file.startswith((MODELS_DIR + "/", LAYERS_DIR + "/")):
                 rr = self._runner()
                 hit = next((n for n in rr if self._matches(n, t, self.index)), None)
                 if hit is not None:

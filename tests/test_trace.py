@@ -192,22 +192,22 @@ def test_model_runner_layer_and_construction_rules(tracer):
 
 
 def test_whole_series_check_time_on_cached_tree(sglang_tree, capsys):
-    series = FakeSeries((FakePatch("0001.patch", HOOK_MODULE), FakePatch("0002.patch", runner_hook_patch(sglang_tree))),
-                        FakeSmoke(hook=FakeHook(MR, "ModelRunner.forward", "hidden_dump.on_forward_end")))
-    t0 = time.perf_counter()
-    report = tr.check_series(sglang_tree, series)
-    runner_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    report2 = tr.check_series(sglang_tree, _deepseek_series(sglang_tree))
-    model_all_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tr.check_series(sglang_tree, _deepseek_series(sglang_tree), [KIMI])
-    model_one_s = time.perf_counter() - t0
+    """Wall and CPU time of whole-series checks (printed, not asserted: shared CI boxes are noisy)."""
+    runner_series = FakeSeries((FakePatch("0001.patch", HOOK_MODULE), FakePatch("0002.patch", runner_hook_patch(sglang_tree))),
+                               FakeSmoke(hook=FakeHook(MR, "ModelRunner.forward", "hidden_dump.on_forward_end")))
+    cases = [("ModelRunner hook, every arch", runner_series, None),
+             (f"DeepseekV2Model hook, --arch {KIMI}", _deepseek_series(sglang_tree), [KIMI]),
+             ("DeepseekV2Model hook, every arch", _deepseek_series(sglang_tree), None)]
+    lines = []
+    for label, series, archs in cases:
+        w0, c0 = time.perf_counter(), time.process_time()
+        report = tr.check_series(sglang_tree, series, archs)
+        lines.append(f"{label}: {time.perf_counter() - w0:.2f}s wall, {time.process_time() - c0:.2f}s CPU "
+                     f"({len(report['archs'])} archs, {report['modules_parsed']} modules parsed)")
+        if series is runner_series:
+            assert report["ok"]
     with capsys.disabled():
-        print(f"\n[trace timing] ModelRunner hook series, all {len(report['archs'])} archs: {runner_s:.2f}s; "
-              f"DeepseekV2Model hook, all archs: {model_all_s:.2f}s ({report2['modules_parsed']} modules parsed); "
-              f"DeepseekV2Model hook, --arch {KIMI}: {model_one_s:.2f}s")
-    assert report["ok"]
+        print("\n[trace timing] " + "; ".join(lines))
 
 
 # --------------------------------------------------------------------------- resolution rules on a small tree
