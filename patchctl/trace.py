@@ -79,8 +79,10 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections import deque
@@ -1288,11 +1290,8 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
             archs = sorted(tracer.registry)
         targets = series_targets(tracer, scratch, series)
         server_args = tuple(getattr(getattr(series, "smoke", None), "server_args", ()) or ())
-        results: list[TraceResult] = []
-        for a in archs:
-            results.extend(tracer.trace(a, targets, server_args))
+        results, parsed = _sweep(tracer, scratch, archs, targets, server_args)
         elapsed = time.perf_counter() - t0
-        parsed = tracer.index.parsed
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     not_reached = [r for r in results if not r.reached]
@@ -1333,6 +1332,49 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
         "modules_parsed": parsed,
         "_results": results,
     }
+
+
+def _sweep_worker(job) -> tuple[list[TraceResult], int]:
+    tree, scratch, archs, targets, server_args = job
+    t = Tracer(tree, scratch)
+    out: list[TraceResult] = []
+    for a in archs:
+        out.extend(t.trace(a, targets, server_args))
+    return out, t.index.parsed
+
+
+def _jobs(n_archs: int) -> int:
+    env = os.environ.get("PATCHCTL_TRACE_JOBS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), max(1, n_archs))
+    cpus = os.cpu_count() or 1
+    if n_archs < 32 or cpus < 4 or sys.platform == "win32":  # two cores: duplicated parses eat the gain
+        return 1
+    return min(cpus, 8)
+
+
+def _sweep(tracer: Tracer, scratch: Path, archs: list[str], targets: list[ChangedFunction], server_args):
+    """Trace every arch; a many-arch sweep over model-side targets is split across forked workers
+    (parsing dominates; each worker gets a contiguous run of archs, so model families share parses).
+    PATCHCTL_TRACE_JOBS=1 forces one process."""
+    model_side = any(not t.file.startswith(RUNNER_DIR + "/") for t in targets)
+    jobs = _jobs(len(archs)) if model_side else 1
+    if jobs > 1:
+        import multiprocessing
+
+        size = -(-len(archs) // jobs)
+        chunks = [archs[i:i + size] for i in range(0, len(archs), size)]
+        try:
+            with multiprocessing.get_context("fork").Pool(len(chunks)) as pool:
+                parts = pool.map(_sweep_worker, [(tracer.tree, tracer.index.scratch, c, targets, server_args)
+                                                 for c in chunks])
+            return [r for rs, _ in parts for r in rs], sum(n for _, n in parts)
+        except (OSError, ValueError):  # no fork / no semaphores here: fall back to one process
+            pass
+    results: list[TraceResult] = []
+    for a in archs:
+        results.extend(tracer.trace(a, targets, server_args))
+    return results, tracer.index.parsed
 
 
 def _warning_text(w: GraphWarning) -> str:

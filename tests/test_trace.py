@@ -191,6 +191,16 @@ def test_model_runner_layer_and_construction_rules(tracer):
     assert not r_ds.reached
 
 
+def test_parallel_sweep_matches_serial(sglang_tree, monkeypatch):
+    archs = sorted(tr.entry_classes(sglang_tree))[:6] + [KIMI, "LlamaForCausalLM", "DeepseekV3ForCausalLM"]
+    series = _deepseek_series(sglang_tree)
+    monkeypatch.setenv("PATCHCTL_TRACE_JOBS", "1")
+    serial = tr.check_series(sglang_tree, series, archs)
+    monkeypatch.setenv("PATCHCTL_TRACE_JOBS", "3")
+    parallel = tr.check_series(sglang_tree, series, archs)
+    assert serial["results"] == parallel["results"] and serial["summary"] == parallel["summary"]
+
+
 def test_whole_series_check_time_on_cached_tree(sglang_tree, capsys):
     """Wall and CPU time of whole-series checks (printed, not asserted: shared CI boxes are noisy)."""
     runner_series = FakeSeries((FakePatch("0001.patch", HOOK_MODULE), FakePatch("0002.patch", runner_hook_patch(sglang_tree))),
