@@ -22,7 +22,7 @@ in the queue), naive (forward + synchronous .cpu() + safetensors save + fsync), 
 own rate is measured in the same run (dd-like 16 MiB writes + fsync).  Prints a markdown
 table and writes JSON.
 
-    python bench/capture_cost.py                   # CUDA, full (H200: about 3-4 minutes)
+    python bench/capture_cost.py                   # CUDA, full (H200: about 3 minutes, ~35 GB free disk)
     python bench/capture_cost.py --cpu --quick     # CPU smoke run: keeps the bench from rotting
 """
 
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     L = a.layers or (2 if quick else 30)
     K = a.k
     nb = a.batches or (3 if quick else 8)
-    sustained = a.sustained_gb if a.sustained_gb is not None else (0.02 if quick else 12.0)
+    sustained = a.sustained_gb if a.sustained_gb is not None else (0.02 if quick else 30.0)
     host_cap = int((a.host_cap if a.host_cap is not None else (0.004 if quick else 8.0)) * (1 << 30))
     gpu_cap = int((a.gpu_cap if a.gpu_cap is not None else (0.004 if quick else 2.0)) * (1 << 30))
     layers = [2, 30, 58][:K] if K == 3 else list(range(2, 2 + K))
