@@ -591,3 +591,17 @@ def test_failed_snapshot_gives_its_budget_back(hd, monkeypatch):
     assert hd.flush(10)
     assert dumped(hd.dir) == ["oom-1.safetensors"]
     assert "hook_failed" in (hd.dir / "_hidden_dump_errors.log").read_text()
+
+
+def test_capture_cost_bench_runs_on_cpu(tmp_path):
+    """bench/capture_cost.py --cpu --quick: the GPU benchmark must not rot on CPU-only CI."""
+    out = tmp_path / "cost.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" /
+                        "capture_cost.py"), "--cpu", "--quick", "--dir", str(tmp_path / "d"),
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["corrupted_total"] == 0 and set(res["sizes"]) == {"256", "512"}
+    for s in res["sizes"].values():
+        assert s["sustained"]["verify"]["verified"] > 0 and s["hook_phase"]["verify"]["corrupted"] == 0
+    assert "| T tokens |" in r.stdout
