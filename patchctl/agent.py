@@ -939,6 +939,20 @@ def model_facts(cfg):
     return facts
 
 
+def model_arch_of(argv):
+    """architectures[0] of the config.json in the server command's --model-path, when it is a local dir."""
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--model-path", "--model"):
+            conf = os.path.join(expand(argv[i + 1]), "config.json")
+            try:
+                with open(conf) as f:
+                    archs = json.load(f).get("architectures") or []
+                return archs[0] if archs else None
+            except (OSError, ValueError):
+                return None
+    return None
+
+
 def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None):
     """Send the profile's prompts, validate each dump, remove the smoke's own files (and only those)."""
     profile = cfg.get("profile")
@@ -1111,6 +1125,7 @@ class Agent(object):
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
         f["free_bytes"] = shutil.disk_usage(self.state_dir).free
+        f["model_arch"] = model_arch_of(cfg["argv"])
         return f
 
     def _server_status(self, mgr, cfg, probe_health=True):

@@ -349,11 +349,12 @@ class UnitDeploy:
             outcome, msg = _host_error(e)
             if isinstance(e, (AgentLost,)) or outcome == "unknown":
                 applied.append(s)  # we cannot know: treat as touched
-            if applied:
-                rb = self.rollback(applied, f"{s.host.name}: {msg}", restart_server=False)
-                if outcome in ("unknown",) or not rb:
-                    return UnitResult(self.names, "rollback failed" if not rb else "unknown", msg, touched=True)
-                return UnitResult(self.names, "failed, rolled back (verified)" if outcome == "failed" else outcome, msg, touched=True)
+            if applied:  # the server was not touched yet: putting the files back is the whole rollback
+                if not self.rollback(applied, f"{s.host.name}: {msg}", restart_server=False):
+                    return UnitResult(self.names, "rollback failed", f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
+                if outcome in ("failed", "unknown"):
+                    outcome = "failed, rolled back (verified)"
+                return UnitResult(self.names, outcome, msg, touched=True)
             self.release_all()
             return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
         changed = bool(applied)
@@ -767,7 +768,35 @@ def run_plan(app: App, args) -> int:
                       d["restart"], "\n".join(d["blockers"]) or "-")
         return t
 
-    return _simple(app, args, "plan", per_host, render, exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2))
+    reach_cache: dict[str, dict] = {}
+
+    def reachability(arch: str) -> dict:
+        """Static trace of the series for the model a host serves (once per architecture)."""
+        if arch not in reach_cache:
+            from patchctl.release import fetch_release
+            from patchctl.trace import check_series
+
+            try:
+                version = series.pinned_version()
+                report = check_series(fetch_release(version), series, [arch]) if version else None
+                reach_cache[arch] = {"ok": report["ok"], "detail": report["detail"]} if report else None
+            except PatchctlError as e:
+                reach_cache[arch] = {"ok": False, "detail": str(e)}
+        return reach_cache[arch]
+
+    def per_host_traced(s: HostSession):
+        d = per_host(s)
+        arch = d.get("model_arch")
+        if arch:
+            r = reachability(arch)
+            if r is not None:
+                d["reachability"] = dict(r, arch=arch)
+                if not r["ok"]:
+                    d["blockers"].append(f"{arch}: {r['detail']}")
+        return d
+
+    return _simple(app, args, "plan", per_host_traced, render,
+                   exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2))
 
 
 def plan_host(series: Series, host: Host, probe: dict) -> dict:
@@ -802,7 +831,7 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
                                  + (", then smoke" if series.smoke.hook or series.smoke.prompts else ""))
     if not same and not srv.get("running"):
         restart += " (server not running now)"
-    return {"action": action, "files": files, "restart": restart, "blockers": blockers,
+    return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
             "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")),
             "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),
             "diff": {p.file: p.text for p in series.patches}}

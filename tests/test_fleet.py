@@ -149,6 +149,11 @@ def test_plan_touches_nothing_and_tells_what_apply_would_do(fleet):
     assert f.patchctl("apply", "hidden-dump", "--limit", "host1", "--no-restart").returncode == 0
     p, plan = f.json("plan", "hidden-dump", "--limit", "host0,host1")
     assert plan[1]["action"] == "nothing (already applied)"
+    assert plan[0]["model_arch"] == "LlamaForCausalLM" and plan[0]["reachability"]["ok"]
+    # a hook the served model never runs is caught before any restart
+    p, plan = f.json("plan", "hidden-dump-dead-hook", "--limit", "host0", expect=2)
+    assert any("--disable-prefill-cuda-graph" in b for b in plan[0]["blockers"]), plan[0]["blockers"]
+    assert snapshot(f)["host0"] == before["host0"]
 
 
 def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
