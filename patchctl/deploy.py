@@ -536,6 +536,7 @@ def _finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit:
         from patchctl.junit import write_junit
 
         write_junit(junit, f"patchctl {run.command}", rep.junit_cases())
+    rep.stop_live()
     if not app.json:
         app.err.print(rep.summary_table()) if app.err.is_terminal else app.out.print(rep.summary_table())
     return code

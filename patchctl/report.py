@@ -70,9 +70,14 @@ class Reporter:
         return self
 
     def __exit__(self, *exc):
+        self.stop_live()
+
+    def stop_live(self) -> None:
+        """Freeze the live table (its last frame stays on screen) before anything else is printed."""
         if self._live:
             self._live.update(self._render())
             self._live.stop()
+            self._live = None
 
     def emit(self, ev: dict) -> None:
         ev.setdefault("t", round(time.time(), 3))
