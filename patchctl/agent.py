@@ -44,10 +44,8 @@ import sys
 import tempfile
 import time
 
-try:  # on the controller (tests, `check`) and on hosts (bundled by patchctl.remote)
-    from patchctl import applier
-except ImportError:  # pragma: no cover
-    import applier  # type: ignore
+from patchctl import applier  # on hosts, patchctl.remote bundles these modules under the same names
+from patchctl.atomic import write_atomic
 
 FORMAT = 1
 HEALTH_PATH = "/health_generate"
@@ -108,26 +106,6 @@ def sha256_file(path):
 
 def expand(path):
     return os.path.abspath(os.path.expanduser(path))
-
-
-def write_atomic(path, data, mode=None):
-    """Write bytes under a temporary name beside `path`, fsync, rename into place."""
-    d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".patchctl-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_json(path, obj):
@@ -1333,7 +1311,6 @@ class Agent(object):
     def op_smoke(self):
         """Smoke against the running server; with `finalize`, mark the deploy verified and release the lock."""
         self.lock_agent()
-        t = self.tree
         mgr, base = self.base_manager()
         cur = mgr.current_config()
         if not cur.get("running"):

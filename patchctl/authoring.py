@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from patchctl.atomic import write_atomic
 from patchctl.errors import BadInput
 from patchctl.series import SERIES_FILE, load_series, validate_patch_text
 
@@ -159,20 +160,6 @@ def _series_name(name: str) -> str:
     return name
 
 
-def _write_atomic(path: Path, data: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _q(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
@@ -283,8 +270,8 @@ def _record(app, args, *, refresh: bool) -> int:
     old_patch = (sdir / fname).read_bytes() if (sdir / fname).exists() else None
     sdir.mkdir(parents=True, exist_ok=True)
     try:
-        _write_atomic(sdir / fname, text)
-        _write_atomic(toml_path, new_toml)
+        write_atomic(sdir / fname, text.encode("utf-8"))
+        write_atomic(toml_path, new_toml.encode("utf-8"))
         load_series(app.patches_dir, series_name, verify_hashes=False)
     except BaseException:
         if old_patch is None:

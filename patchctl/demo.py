@@ -9,7 +9,6 @@ against the shipped inventory's `local` host.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from patchctl.atomic import write_atomic
 
 STATUSES = ("passed", "failed", "error", "skipped")
 _BAD_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
@@ -58,15 +58,5 @@ def write_junit(path, suite_name: str, cases: list[dict]) -> Path:
     ET.indent(suites)
     data = ET.tostring(suites, encoding="utf-8", xml_declaration=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data + b"\n")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, data + b"\n")
     return path

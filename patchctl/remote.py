@@ -7,9 +7,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from patchctl.errors import BadInput, Failed, LockHeld, NeedsAttention, PatchctlError
+from patchctl.errors import NeedsAttention, PatchctlError
 
-AGENT_MODULES = ("applier", "agent")  # order matters: agent imports applier
+AGENT_MODULES = ("atomic", "applier", "agent")  # order matters: agent imports the others
 EVENT_PREFIX = "PATCHCTL-EVENT "
 
 _BOOTSTRAP = """
@@ -81,7 +81,5 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
                         + (f": {tail}" if tail else ""))
     if not answer["ok"]:
         err = answer["error"]
-        if err["kind"] == "bad_input":
-            raise AgentFailure("bad_input", err["message"], err.get("details"))
         raise AgentFailure(err["kind"], err["message"], err.get("details"))
     return answer["result"]

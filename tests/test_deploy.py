@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
-from fleet import Fleet, http_status, make_patch, real_patch, wait_for, write_series
+from fleet import Fleet, make_patch, real_patch, wait_for, write_series
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fleet import Fleet, http_status, wait_for
+from fleet import Fleet, wait_for
 from sshhosts import free_port
 
 CRASH = {"server": {"env": {"PATCHCTL_SIM_CRASH_AT_START": "1"}}}
@@ -182,7 +182,7 @@ def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
         assert all("host2" != s[0] for s in steps)
         for h in f.hosts[:2]:
             assert (h.root / "sglang/srt/hidden_dump.py").exists()
-        from patchctl.agent import pids_by_cmdline  # the worker serves no port: find it by its argv
+        # the worker serves no port: find it by its argv
         worker = [d for d in __import__("os").listdir("/proc") if d.isdigit() and b"--node-rank\x001" in
                   open(f"/proc/{d}/cmdline", "rb").read() and str(f.base).encode() in open(f"/proc/{d}/cmdline", "rb").read()]
         assert worker and b"--enable-return-aux-hidden-states" in open(f"/proc/{worker[0]}/cmdline", "rb").read()

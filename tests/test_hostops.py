@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from fleet import Fleet, make_patch, real_patch, tree_digest, wait_for, write_series
+from fleet import Fleet, real_patch, tree_digest, wait_for, write_series
 
 HD = {"0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
       "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")}
@@ -171,7 +170,6 @@ def test_lock_contention_exactly_one_proceeds(fleet2, tmp_path):
 def test_unlock_refuses_a_live_holder_and_releases_a_stale_one(fleet2):
     f = fleet2
     h = f.hosts[0]
-    tree_dirs = []
     assert f.patchctl("status").returncode == 0
     tree_dir = next((h.state / "trees").iterdir())
     live = {"run_id": "someone-else", "controller": "other-controller", "pid": 1, "who": "ops@other"}

@@ -1,0 +1,30 @@
+"""Atomic file replacement (standard library only: shipped to hosts with the agent)."""
+
+import os
+import tempfile
+
+
+def write_atomic(path, data, mode=None):
+    """Write bytes under a temporary name beside `path`, fsync, rename into place."""
+    d = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=".patchctl-", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is None:  # keep the mode of the file replaced; a new file gets the umask's default
+            try:
+                mode = os.stat(path).st_mode & 0o7777
+            except FileNotFoundError:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
