@@ -233,3 +233,26 @@ def test_unreachable_host_fails_fast_and_alone(tmp_path, sglang_tree):
             assert (h.root / "sglang/srt/hidden_dump.py").exists()
     finally:
         f.close()
+
+
+def test_rollback_to_a_history_entry(fleet2):
+    f = fleet2
+    h = f.hosts[0]
+    base = f.digest(h)
+    assert f.patchctl("apply", "hidden-dump", "--no-restart", "--limit", h.name).returncode == 0
+    v1 = f.digest(h)
+    hook2 = HD["0002.patch"].replace("# patchctl hidden-dump:", "# patchctl hidden-dump v2:")
+    write_series(f.patches, "hidden-dump", {"0001-hidden-dump-module.patch": HD["0001.patch"],
+                                            "0002-model-runner-hook.patch": hook2}, version="2.0.0")
+    assert f.patchctl("apply", "hidden-dump", "--no-restart", "--limit", h.name).returncode == 0
+    _, hist = f.json("history", "--limit", h.name)
+    first = next(e for e in hist[0]["history"] if e["op"] == "apply" and e["version"] == "1.0.0")
+    p = f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", first["id"])
+    assert p.returncode == 0, p.stderr
+    assert f.digest(h) == v1
+    _, st = f.json("status", "--limit", h.name)
+    assert st[0]["version"] == "1.0.0" and st[0]["drift"] == []
+    p = f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", "no-such-entry")
+    assert p.returncode == 2 and "no-such-entry" in p.stdout + p.stderr
+    assert f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", "clean").returncode == 0
+    assert f.digest(h) == base
