@@ -50,7 +50,7 @@ ANSIBLE_DIR = BENCH / "ansible"
 sys.path.insert(0, str(REPO / "tests"))
 
 from fleet import SERVER_COMMAND, http_status, tree_digest  # noqa: E402
-from sshhosts import free_port, inventory_toml, known_hosts_for, start_hosts, stop_hosts  # noqa: E402
+from sshhosts import _children, free_port, inventory_toml, known_hosts_for, start_hosts, stop_hosts  # noqa: E402
 
 from patchctl.agent import pid_on_port  # noqa: E402
 from patchctl.applier import touched_paths  # noqa: E402
@@ -82,6 +82,15 @@ def _proc_cpu(pid: int) -> float:
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _reaped_cpu(pid: int) -> float:
+    """CPU of a process's reaped descendants (cutime + cstime) plus its own."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in f[11:15]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -248,6 +257,15 @@ class BenchFleet:
                 p.wait(5)
 
     # --- counters -------------------------------------------------------------------------------
+    def host_cpu(self) -> float:
+        """CPU the hosts spent on SSH sessions: every sshd listener's reaped children (sshd session, the user's
+        shell and rc files, python with the agent or an Ansible module, git, fuser...). Servers started from a
+        session are detached (reparented away) and not included. Waits until the sessions are gone."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_children(h.proc.pid) for h in self.ssh if h.proc):
+            time.sleep(0.05)
+        return sum(_reaped_cpu(h.proc.pid) for h in self.ssh if h.proc)
+
     def counts(self) -> list[tuple[int, int, int]]:
         return [_sshd_counts(h) for h in self.ssh]
 
@@ -266,10 +284,11 @@ class BenchFleet:
                 "--json", *args]
         if args[0] in ("apply", "rollback", "status", "plan"):
             argv += ["--forks", str(self.n)]
-        before = self.counts()
+        before, hcpu0 = self.counts(), self.host_cpu()
         p, t_launch, wall, cpu = run_tool(argv, env, timeout)
         res = {"tool": "patchctl", "op": args[0], "argv": args, "exit": p.returncode, "wall": round(wall, 3),
-               "cpu": round(cpu, 3), **self.per_host(before, self.counts()), "loadavg_1m_after": os.getloadavg()[0]}
+               "cpu": round(cpu, 3), **self.per_host(before, self.counts()), "host_cpu": round(self.host_cpu() - hcpu0, 3),
+               "loadavg_1m_after": os.getloadavg()[0]}
         events = []
         for line in p.stdout.splitlines():
             line = line.strip()
@@ -286,12 +305,13 @@ class BenchFleet:
                    ANSIBLE_LOCAL_TEMP=str(self.base / "ansible" / "tmp"))
         argv = [shutil.which("ansible-playbook") or "ansible-playbook", "-i", str(self.ans_inventory),
                 str(ANSIBLE_DIR / playbook), "-e", "@" + str(self.ansible_vars(series, tag))]
-        before = self.counts()
+        before, hcpu0 = self.counts(), self.host_cpu()
         p, _t, wall, cpu = run_tool(argv, env, timeout)
         masters_cpu = self.close_control_masters()
         res = {"tool": "ansible", "op": playbook.removesuffix(".yml"), "series": series, "exit": p.returncode,
                "wall": round(wall, 3), "cpu": round(cpu + masters_cpu, 3), "cpu_control_masters": round(masters_cpu, 3),
-               **self.per_host(before, self.counts()), "loadavg_1m_after": os.getloadavg()[0]}
+               **self.per_host(before, self.counts()), "host_cpu": round(self.host_cpu() - hcpu0, 3),
+               "loadavg_1m_after": os.getloadavg()[0]}
         rescues = [(float(a), float(b)) for a, b in re.findall(r"BENCH-RESCUE \S+ ([\d.]+) ([\d.]+)", p.stdout)]
         if rescues:
             res["rescue_seconds_max"] = round(max(b - a for a, b in rescues), 3)
@@ -424,15 +444,16 @@ def bench_n(base: Path, n: int, pristine: Path, args) -> dict:
                 res["round"] = r
                 runs.append(res)
                 log(f"N={n} round {r + 1}: patchctl {op[0]:<8} exit {res['exit']} wall {res['wall']:6.2f}s "
-                    f"cpu {res['cpu']:6.2f}s conn/host {res['connections']['max']} cmd/host {res['commands']['max']}")
+                    f"cpu {res['cpu']:6.2f}s host {res['host_cpu']:6.2f}s conn/host {res['connections']['max']} cmd/host {res['commands']['max']}")
                 if res["exit"] != 0:
                     log(f"  !! {res.get('failure') or res.get('stderr_tail', '')[-800:]}")
-            for pb in ("deploy.yml", "rollback.yml") if "ansible" in args.tools else ():
+            ans_rounds = args.ansible_rounds if args.ansible_rounds is not None else (args.rounds if n <= 8 else 1)
+            for pb in ("deploy.yml", "rollback.yml") if "ansible" in args.tools and r < ans_rounds else ():
                 res = f.ansible(pb, "bench-hidden-dump", f"r{r}")
                 res["round"] = r
                 runs.append(res)
                 log(f"N={n} round {r + 1}: ansible  {res['op']:<8} exit {res['exit']} wall {res['wall']:6.2f}s "
-                    f"cpu {res['cpu']:6.2f}s conn/host {res['connections']['max']} cmd/host {res['commands']['max']}"
+                    f"cpu {res['cpu']:6.2f}s host {res['host_cpu']:6.2f}s conn/host {res['connections']['max']} cmd/host {res['commands']['max']}"
                     f" (+{res['subsystem_sessions']['max']} sftp)")
                 if res["exit"] != 0:
                     log(f"  !! {res.get('stdout_tail', '')[-1500:]}")
@@ -471,7 +492,8 @@ def summarise(results: list[dict], S: float) -> dict:
             if not rs:
                 continue
             row = {"n": n, "tool": tool, "op": op, "rounds": len(rs), "wall": med([x["wall"] for x in rs]),
-                   "cpu": med([x["cpu"] for x in rs]),
+                   "cpu": med([x["cpu"] for x in rs]), "host_cpu": med([x.get("host_cpu") for x in rs]),
+                   "loadavg": med([x.get("loadavg_1m_after") for x in rs]),
                    "conn_per_host": max(x["connections"]["max"] for x in rs),
                    "conn_per_host_min": min(x["connections"]["min"] for x in rs),
                    "cmd_per_host": max(x["commands"]["max"] for x in rs),
@@ -512,12 +534,42 @@ def summarise(results: list[dict], S: float) -> dict:
     return {"rows": out}
 
 
+def targets(summary: dict, S: float) -> list[dict]:
+    """Issue 7's targets, evaluated (reported, never asserted)."""
+    rows = {(r["n"], r["tool"], r["op"]): r for r in summary["rows"]}
+    ns = sorted({r["n"] for r in summary["rows"]})
+    out = []
+    a1, aN = rows.get((ns[0], "patchctl", "apply")), rows.get((ns[-1], "patchctl", "apply"))
+    if a1 and aN and ns[-1] != ns[0]:
+        ratio = aN["wall"] / a1["wall"]
+        out.append({"target": f"patchctl apply, {ns[-1]} hosts <= 1.5x the wall of {ns[0]}", "met": ratio <= 1.5,
+                    "measured": f"{aN['wall']:.2f}s / {a1['wall']:.2f}s = {ratio:.2f}x"})
+    p, a = rows.get((ns[-1], "patchctl", "apply")), rows.get((ns[-1], "ansible", "deploy"))
+    if p and a:
+        ratio = p["wall"] / a["wall"]
+        out.append({"target": f"patchctl <= 0.5x Ansible's wall at N={ns[-1]}", "met": ratio <= 0.5,
+                    "measured": f"{p['wall']:.2f}s / {a['wall']:.2f}s = {ratio:.2f}x"})
+    deploys = [r for r in summary["rows"] if r["tool"] == "patchctl" and r["op"] == "apply"]
+    if deploys:
+        cmax = max(r["cmd_per_host"] for r in deploys)
+        conn = {r["conn_per_host"] for r in deploys} | {r["conn_per_host_min"] for r in deploys}
+        out.append({"target": "<= 6 SSH commands and exactly 1 SSH connection per host per deploy",
+                    "met": cmax <= 6 and conn == {1}, "measured": f"max {cmax} commands, connections {sorted(conn)}"})
+    fails = [r for r in summary["rows"] if r["op"] == "apply-failing" and r.get("rollback_after_detect_max") is not None]
+    if fails:
+        worst = max(fails, key=lambda r: r["rollback_after_detect_max"])
+        out.append({"target": f"rollback of a failed smoke within S + 2 s = {S + 2:g}s of detection",
+                    "met": all(r["rollback_after_detect_max"] <= S + 2 for r in fails),
+                    "measured": ", ".join(f"N={r['n']}: {r['rollback_after_detect_max']:.2f}s" for r in fails)})
+    return out
+
+
 def table_md(summary: dict, S: float) -> str:
     def f(v, fmt="{:.2f}"):
         return "—" if v is None else fmt.format(v)
 
-    lines = ["| N | tool | op | wall s (median) | ctrl CPU s | conn/host | cmd/host | ratios / notes |",
-             "|---:|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| N | tool | op | wall s (median) | ctrl CPU s | host SSH CPU s | conn/host | cmd/host | ratios / notes |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for r in summary["rows"]:
         cmd = f"{r['cmd_per_host']}" + (f" +{r['sftp_per_host']} sftp" if r.get("sftp_per_host") else "")
         conn = f"{r['conn_per_host']}" if r["conn_per_host"] == r["conn_per_host_min"] else f"{r['conn_per_host_min']}–{r['conn_per_host']}"
@@ -535,7 +587,7 @@ def table_md(summary: dict, S: float) -> str:
             notes.append(f"rescue block {f(r.get('rescue_seconds_max'))} s")
         if r["exit"] not in ([0], [1]) or (r["op"].endswith("failing") and r["exit"] == [0]):
             notes.append(f"exit {r['exit']}")
-        lines.append(f"| {r['n']} | {r['tool']} | {r['op']} | {f(r['wall'])} | {f(r['cpu'])} | {conn} | {cmd} | {'; '.join(notes)} |")
+        lines.append(f"| {r['n']} | {r['tool']} | {r['op']} | {f(r['wall'])} | {f(r['cpu'])} | {f(r.get('host_cpu'))} | {conn} | {cmd} | {'; '.join(notes)} |")
     return "\n".join(lines)
 
 
@@ -551,6 +603,9 @@ def main(argv=None) -> int:
                          "light: no torch, `apply --no-smoke`, no smoke for either tool")
     ap.add_argument("--ansible-pipelining", action="store_true", help="turn Ansible pipelining on (default: its default, off)")
     ap.add_argument("--no-failure", action="store_true", help="skip the failing-smoke case")
+    ap.add_argument("--ansible-rounds", type=int, default=None,
+                    help="rounds in which Ansible runs too (default: all rounds for N <= 8, one round above: an Ansible "
+                         "deploy of 32 hosts takes minutes on two cores)")
     ap.add_argument("--tools", default="patchctl,ansible", help="which tools to run (default patchctl,ansible)")
     ap.add_argument("--ansible-failure-n", default=None,
                     help="fleet sizes at which Ansible's failing deploy (rescue) also runs (default: the smallest N; "
@@ -572,6 +627,13 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_term)
 
+    # warm-up, untimed: byte-compile whatever changed since the last run (others edit the tree)
+    subprocess.run([sys.executable, "-m", "patchctl", "--help"], capture_output=True)
+    subprocess.run([shutil.which("ansible-playbook"), "--version"], capture_output=True)
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    provenance = {"commit": git("rev-parse", "--short", "HEAD"), "dirty": git("status", "--porcelain", "--", "patchctl").splitlines(),
+                  "ansible": git("--version") and subprocess.run([shutil.which("ansible-playbook"), "--version"],
+                                                                 capture_output=True, text=True).stdout.splitlines()[0]}
     pristine = fetch_release(SGLANG_VERSION)
     t_digest = time.monotonic()
     digest0 = tree_digest(pristine)
@@ -595,10 +657,13 @@ def main(argv=None) -> int:
         if args.workdir is None:
             shutil.rmtree(base, ignore_errors=True)
     summary = summarise(results, args.start_delay)
-    md = table_md(summary, args.start_delay)
+    summary["targets"] = targets(summary, args.start_delay)
+    md = table_md(summary, args.start_delay) + "\n\n" + "\n".join(
+        f"- {'MET' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}: {t['target']} — measured {t['measured']}"
+        for t in summary["targets"])
     doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
            "cpus": os.cpu_count(), "start_delay": args.start_delay, "rounds": args.rounds, "hosts": ns,
-           "new_server": args.new_server, "tools": sorted(args.tools),
+           "new_server": args.new_server, "tools": sorted(args.tools), "provenance": provenance,
            "loadavg_at_end": os.getloadavg(), "ansible_pipelining": args.ansible_pipelining,
            "ansible_poll_delay": POLL_DELAY, "pristine_digest_unchanged": digest1 == digest0,
            "total_seconds": round(time.monotonic() - t0, 1), "summary": summary, "table_md": md, "results": results}
