@@ -4,6 +4,7 @@ a two-node server as a unit, plan, and the machine-readable outputs (JSON events
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -38,6 +39,20 @@ def fleet(fleet8):
 
 def events(p):
     return [json.loads(l) for l in p.stdout.splitlines() if l.strip()]
+
+
+def cmdlines_with(*needles: bytes) -> list[bytes]:
+    """Command lines of live processes containing every needle (processes may exit while we look)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if all(n in cmd for n in needles):
+                out.append(cmd)
+    return out
 
 
 def snapshot(f):
@@ -183,9 +198,8 @@ def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
         for h in f.hosts[:2]:
             assert (h.root / "sglang/srt/hidden_dump.py").exists()
         # the worker serves no port: find it by its argv
-        worker = [d for d in __import__("os").listdir("/proc") if d.isdigit() and b"--node-rank\x001" in
-                  open(f"/proc/{d}/cmdline", "rb").read() and str(f.base).encode() in open(f"/proc/{d}/cmdline", "rb").read()]
-        assert worker and b"--enable-return-aux-hidden-states" in open(f"/proc/{worker[0]}/cmdline", "rb").read()
+        worker = cmdlines_with(b"--node-rank\x001", str(f.base).encode())
+        assert len(worker) == 1 and b"--enable-return-aux-hidden-states" in worker[0]
         # a failing series rolls the unit back as a unit, both nodes on the old config
         p = f.patchctl("--json", "apply", "hidden-dump-dead-hook", "--limit", "kimi")
         assert p.returncode == 1, p.stderr
