@@ -643,6 +643,7 @@ def main(argv=None) -> int:
     def on_term(signum, frame):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
 
     # warm-up, untimed: byte-compile whatever changed since the last run (others edit the tree)
     subprocess.run([sys.executable, "-m", "patchctl", "--help"], capture_output=True)
@@ -693,4 +694,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted: every server and sshd the bench started is stopped")
+        sys.exit(130)
