@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from patchctl import remote
@@ -214,7 +214,6 @@ class UnitResult:
     outcome: str
     message: str = ""
     touched: bool = False  # files or server of this unit were changed by this run
-    per_host: dict = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -243,6 +242,8 @@ class Run:
         self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
         self.sessions: dict[str, HostSession] = {}
         self.reporter: Reporter | None = None
+        self.series_req: dict | None = None  # apply: the series as sent to every host (built once)
+        self.repo_commit: str | None = None
 
     def session(self, host: Host) -> HostSession:
         if host.name not in self.sessions:
@@ -281,7 +282,7 @@ class Run:
 
 
 def _host_error(e: Exception) -> tuple[str, str]:
-    """(outcome, message) for a failure before anything on the host changed."""
+    """(outcome, message) for an error a host step raised."""
     from patchctl.transport import ConnectionLost, HostKeyRefused, HostUnreachable
 
     if isinstance(e, HostUnreachable):
@@ -325,8 +326,7 @@ class UnitDeploy:
 
     def run_unit(self) -> UnitResult:
         restart = not self.opts.no_restart
-        sreq = series_request(self.series)
-        commit = repo_commit(self.run.app.patches_dir)
+        sreq, commit = self.run.series_req, self.run.repo_commit
         applied: list[HostSession] = []
         results: dict[str, dict] = {}
 
@@ -377,7 +377,7 @@ class UnitDeploy:
             sm = res["smoke"]
             return UnitResult(self.names, "deployed",
                               f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
-                              touched=True, per_host={self.head.host.name: sm})
+                              touched=True)
         except Exception as e:  # noqa: BLE001
             outcome, msg = _host_error(e)
             if self.opts.on_fail == "halt":
@@ -545,6 +545,7 @@ def _finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit:
 def run_apply(app: App, args) -> int:
     series = load_series(app.patches_dir, args.series)
     run = Run(app, args, "apply")
+    run.series_req, run.repo_commit = series_request(series), repo_commit(app.patches_dir)
     units = run.units()
     sizes = plan_batches(len(units), args.canary, args.batch)
     max_fail = parse_max_fail(args.max_fail, len(units))
