@@ -11,11 +11,13 @@ stand-in server in LIGHT mode (no torch) whose start-up takes S seconds, started
 
 Then, alternating the tools for R rounds on the same hosts:
   patchctl plan, apply (full deploy with smoke), status, rollback;  ansible deploy.yml, rollback.yml
-and once per N the failure case (the new server dies on the first smoke request) for both tools.
+(Ansible in the first 2 rounds at N <= 8, the first round above), and the failure case (the new server
+dies on the first smoke request): patchctl at every N, Ansible's block/rescue at the smallest N.
 Measured: wall, controller CPU (RUSAGE_CHILDREN delta around the tool, plus Ansible's ControlPersist
-masters read from /proc before they are closed), SSH connections and commands per host from the sshd
-logs (not from the tools' own reporting), and from patchctl's --json events the slowest host's smoke
-seconds, server-ready seconds, and the failure-detection -> rollback-done time.
+masters read from /proc before they are closed), host-side CPU of the SSH sessions (the sshd listeners'
+reaped children), SSH connections and commands per host from the sshd logs (not from the tools' own
+reporting), and from patchctl's --json events the slowest host's smoke seconds, server-ready seconds,
+per-step timelines and the failure-detection -> rollback-done time.
 
 Smoke (--new-server full, the default): the server the deploy starts is the stand-in in FULL mode
 (torch, the tree's own hidden_dump hook, real safetensors dumps), because a light server has no hook
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -571,7 +572,6 @@ def targets(summary: dict, S: float) -> list[dict]:
                     "met": cmax <= 6 and conn == {1}, "measured": f"max {cmax} commands, connections {sorted(conn)}"})
     fails = [r for r in summary["rows"] if r["op"] == "apply-failing" and r.get("rollback_after_detect_max") is not None]
     if fails:
-        worst = max(fails, key=lambda r: r["rollback_after_detect_max"])
         out.append({"target": f"rollback of a failed smoke within S + 2 s = {S + 2:g}s of detection",
                     "met": all(r["rollback_after_detect_max"] <= S + 2 for r in fails),
                     "measured": ", ".join(f"N={r['n']}: {r['rollback_after_detect_max']:.2f}s" for r in fails)})
