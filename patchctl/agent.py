@@ -49,6 +49,7 @@ from patchctl.atomic import write_atomic
 
 FORMAT = 1
 HEALTH_PATH = "/health_generate"
+DUMP_WAIT_S = 10  # how long the smoke waits for the asynchronous writer's files to land
 
 
 class AgentError(Exception):
@@ -978,7 +979,7 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None):
         heartbeat(step="smoke", sent=i + 1)
     # the writer is asynchronous: wait (bounded) for every file to land
     expected = dict((rid, os.path.join(dump_dir, rid + ".safetensors")) for rid in sent)
-    deadline = time.time() + float(profile.get("dump_wait") or 10)
+    deadline = time.time() + DUMP_WAIT_S
     while time.time() < deadline and not all(os.path.exists(p) for p in expected.values()):
         heartbeat(step="smoke_wait_files")
         time.sleep(0.05)
@@ -1066,8 +1067,23 @@ class Agent(object):
                     raise
             if time.time() > deadline:
                 self._agent_lock.seek(0)
-                raise AgentError("locked", "another patchctl agent (pid %s) is working on this host" % self._agent_lock.read().strip())
+                pid = self._agent_lock.read().strip()
+                raise AgentError("locked", "another patchctl agent (pid %s) is working on this host" % pid,
+                                 **self._holder_details())
             time.sleep(0.1)
+
+    def _holder_details(self):
+        try:
+            h = self.tree.lock_holder()
+        except AgentError:
+            h = None
+        return {"holder": h} if h else {}
+
+    def _refuse_if_held(self):
+        """Fail at once (no waiting on the agent lock) when another run holds this tree."""
+        cur = self.tree.lock_holder()
+        if cur and cur.get("run_id") not in (self.run_id, self.req.get("break_stale")):
+            raise AgentError("locked", "locked by run %s" % cur.get("run_id"), holder=cur)
 
     def recover(self):
         rec = self.tree.recover()
@@ -1118,8 +1134,13 @@ class Agent(object):
         return out
 
     def op_status(self):
-        self.lock_agent()
-        self.recover()
+        try:  # a deploy may hold the host for a 30-minute restart: report read-only instead of waiting
+            self.lock_agent(wait=0)
+            self.recover()
+        except AgentError as e:
+            if e.kind != "locked":
+                raise
+            self.notes.append("%s; read-only status (no recovery attempted)" % e)
         f = self.facts()
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
@@ -1146,6 +1167,7 @@ class Agent(object):
 
     def op_apply(self):
         """Files part of a deploy: lock, recover, checks, one transition, manifest (pending until verified)."""
+        self._refuse_if_held()
         self.lock_agent()
         self._take_lock()
         t = self.tree
@@ -1282,6 +1304,7 @@ class Agent(object):
 
     def op_restart(self):
         """Stop the server, start it with the series' profile (or none), wait until it really serves."""
+        self._refuse_if_held()
         self.lock_agent()
         self._take_lock()
         if self.req.get("config"):  # an exact earlier config (multi-node rollback)
@@ -1346,6 +1369,7 @@ class Agent(object):
 
     def op_rollback(self):
         """Back to the previous (or given) state: files, then the server config in force before, proven healthy."""
+        self._refuse_if_held()
         self.lock_agent()
         self._take_lock()
         t = self.tree

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     def hostkeys(sp):
         sp.add_argument("--accept-new-host-keys", action="store_true",
                         help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
-        sp.add_argument("--forks", type=int, default=None, help="hosts worked on at once (default 16)")
+        sp.add_argument("--forks", type=int, default=None, help="hosts worked on at once (default 64)")
 
     sub.add_parser("series", help="list series and patches")
 

@@ -17,6 +17,7 @@ import re
 import secrets
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from patchctl.report import Reporter
 from patchctl.series import Series, load_series
 from patchctl.transport import open_transport
 
-DEFAULT_FORKS = 16
+DEFAULT_FORKS = 64  # units wait on remote restarts (minutes): threads are cheap, waves are not
 
 # Outcome → exit code (DESIGN.md). The run's code is the most severe of its units'.
 OUTCOME_EXIT = {
@@ -609,7 +610,7 @@ def _simple(app: App, args, command: str, per_host, render, exit_of=None) -> int
         s = run.session(h)
         try:
             return h.name, per_host(s), None
-        except PatchctlError as e:
+        except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
             return h.name, None, e
 
     try:
@@ -771,9 +772,14 @@ def run_plan(app: App, args) -> int:
         return t
 
     reach_cache: dict[str, dict] = {}
+    reach_lock = threading.Lock()  # one trace per architecture; ast.parse is not thread-safe on 3.11
 
     def reachability(arch: str) -> dict:
         """Static trace of the series for the model a host serves (once per architecture)."""
+        with reach_lock:
+            return _reachability(arch)
+
+    def _reachability(arch: str) -> dict:
         if arch not in reach_cache:
             from patchctl.release import fetch_release
             from patchctl.trace import check_series
