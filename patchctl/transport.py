@@ -147,6 +147,31 @@ class _LineSplitter:
             self.buf = b""
 
 
+def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks: list[bytes]) -> list[threading.Thread]:
+    """Threads that feed the script and drain stdout (whole) and stderr (line by line into `events`)."""
+
+    def drain_stdout():
+        try:
+            while chunk := read_out(65536):
+                out_chunks.append(chunk)
+        finally:
+            events.put(_DONE)
+
+    def drain_stderr():
+        try:
+            sp = _LineSplitter(events)
+            while chunk := read_err(65536):
+                sp.feed(chunk)
+            sp.flush()
+        finally:
+            events.put(_DONE)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (feed_stdin, drain_stdout, drain_stderr)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 class LocalTransport(Transport):
     """`connection = "local"`: the same one-command semantics with a subprocess (argv, no shell)."""
 
@@ -172,25 +197,7 @@ class LocalTransport(Transport):
                 except OSError:
                     pass
 
-        def read_stdout():
-            try:
-                while chunk := proc.stdout.read1(65536):
-                    out_chunks.append(chunk)
-            finally:
-                events.put(_DONE)
-
-        def read_stderr():
-            try:
-                sp = _LineSplitter(events)
-                while chunk := proc.stderr.read1(65536):
-                    sp.feed(chunk)
-                sp.flush()
-            finally:
-                events.put(_DONE)
-
-        threads = [threading.Thread(target=f, daemon=True) for f in (feed_stdin, read_stdout, read_stderr)]
-        for t in threads:
-            t.start()
+        threads = _start_pumps(feed_stdin, proc.stdout.read1, proc.stderr.read1, events, out_chunks)
         err_lines: list[str] = []
 
         def kill():
@@ -416,25 +423,7 @@ class SSHTransport(Transport):
                 except (OSError, EOFError, paramiko.SSHException):
                     pass  # the command ended (or the session died) before reading it all; seen below
 
-            def read_stdout():
-                try:
-                    while chunk := chan.recv(65536):
-                        out_chunks.append(chunk)
-                finally:
-                    events.put(_DONE)
-
-            def read_stderr():
-                try:
-                    sp = _LineSplitter(events)
-                    while chunk := chan.recv_stderr(65536):
-                        sp.feed(chunk)
-                    sp.flush()
-                finally:
-                    events.put(_DONE)
-
-            threads = [threading.Thread(target=f, daemon=True) for f in (feed_stdin, read_stdout, read_stderr)]
-            for t in threads:
-                t.start()
+            threads = _start_pumps(feed_stdin, chan.recv, chan.recv_stderr, events, out_chunks)
             err_lines: list[str] = []
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
