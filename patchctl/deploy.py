@@ -168,9 +168,7 @@ class HostSession:
                 self.note(n)
         except PatchctlError as e:
             if rec:
-                details = getattr(e, "details", {}) or {}
-                self.run.reporter.step_end(rec, False, str(e), {k: v for k, v in details.items() if k != "stage"} | (
-                    {"stage": details["stage"]} if "stage" in details else {}))
+                self.run.reporter.step_end(rec, False, str(e), dict(getattr(e, "details", None) or {}))
             raise
         if rec:
             self.run.reporter.step_end(rec, True, _step_summary(op, res), res)
@@ -382,11 +380,7 @@ class UnitDeploy:
         except Exception as e:  # noqa: BLE001
             outcome, msg = _host_error(e)
             if self.opts.on_fail == "halt":
-                for s in self.sessions:
-                    try:
-                        s.call("release")
-                    except Exception:
-                        pass
+                self.release_all()
                 return UnitResult(self.names, "halted (left as is)", f"{msg} — left patched for inspection (--on-fail halt)", touched=True)
             ok = self.rollback(self.sessions, msg, restart_server=True)
             return UnitResult(self.names, "failed, rolled back (verified)" if ok else "rollback failed",
