@@ -161,3 +161,21 @@ def test_connection_cut_during_restart_wait_recovers(fleet1):
     assert f.healthy(h)
     _, st = f.json("status")
     assert st[0]["state"] == "clean" and st[0]["lock"] is None
+
+
+def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(fleet1):
+    f, h = fleet1, fleet1.hosts[0]
+    write_series(f.patches, "crashes", {
+        "0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
+        "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")},
+        smoke_env={"PATCHCTL_SIM_CRASH_AT_START": "1"})
+    digest = f.digest(h)
+    p = f.patchctl("apply", "crashes", "--on-fail", "halt")
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "left patched for inspection" in p.stdout + p.stderr
+    assert (h.root / "sglang/srt/hidden_dump.py").exists()
+    p, st = f.json("status", expect=None)
+    assert st[0]["series"] == "crashes" and st[0]["state"] == "pending" and st[0]["lock"] is None
+    p = f.patchctl("rollback")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f.digest(h) == digest and f.healthy(h)
