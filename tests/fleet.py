@@ -115,6 +115,12 @@ def real_patch(series: str, fname: str) -> str:
     return (PATCHES / series / fname).read_text()
 
 
+def hidden_dump_patches() -> dict[str, str]:
+    """The real hidden-dump patches, for test series that change only the smoke profile."""
+    return {"0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
+            "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")}
+
+
 @dataclass
 class TestHost:
     ssh: SSHHost

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fleet import Fleet, make_patch, real_patch, wait_for, write_series
+from fleet import Fleet, hidden_dump_patches, make_patch, real_patch, wait_for, write_series
 
 
 @pytest.fixture
@@ -99,10 +99,7 @@ def test_import_error_rolls_back(fleet1, sglang_tree, tmp_path):
     at = max(i for i, l in enumerate(lines) if l.startswith("from __future__")) + 1
     broken_src = "".join(lines[:at] + ["import patchctl_no_such_module  # broken\n"] + lines[at:])
     broken = make_patch("sglang/srt/hidden_dump.py", src, broken_src)
-    write_series(f.patches, "broken-import", {
-        "0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-        "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch"),
-        "0003-break.patch": broken})
+    write_series(f.patches, "broken-import", {**hidden_dump_patches(), "0003-break.patch": broken})
     digest = f.digest(h)
     p = f.patchctl("apply", "broken-import")
     _assert_rolled_back(f, h, p, digest)
@@ -125,9 +122,7 @@ def _log(f, name):
 def test_failures_roll_back(fleet1, case, env, extra, expect):
     f, h = fleet1, fleet1.hosts[0]
     extra = extra.replace('layers_arg = "--x-no-such-flag"', "")
-    d = write_series(f.patches, f"bad-{case}", {
-        "0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-        "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")}, smoke_env=env, smoke_extra=extra)
+    d = write_series(f.patches, f"bad-{case}", hidden_dump_patches(), smoke_env=env, smoke_extra=extra)
     if case == "wrong-layers":  # server gets no layer flag: it captures its default [2, 4, 5]
         t = (d / "series.toml").read_text().replace('layers_arg = "--return-aux-hidden-state-layer-ids"',
                                                      'layers_arg = "--stand-in-ignores-this"')
@@ -142,9 +137,7 @@ def test_failures_roll_back(fleet1, case, env, extra, expect):
 
 def test_connection_cut_during_restart_wait_recovers(fleet1):
     f, h = fleet1, fleet1.hosts[0]
-    write_series(f.patches, "slow", {
-        "0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-        "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")},
+    write_series(f.patches, "slow", hidden_dump_patches(),
         smoke_env={"PATCHCTL_SIM_START_DELAY": "5"})
     digest = f.digest(h)
     proc = f.popen("apply", "slow")
@@ -165,9 +158,7 @@ def test_connection_cut_during_restart_wait_recovers(fleet1):
 
 def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(fleet1):
     f, h = fleet1, fleet1.hosts[0]
-    write_series(f.patches, "crashes", {
-        "0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-        "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")},
+    write_series(f.patches, "crashes", hidden_dump_patches(),
         smoke_env={"PATCHCTL_SIM_CRASH_AT_START": "1"})
     digest = f.digest(h)
     p = f.patchctl("apply", "crashes", "--on-fail", "halt")

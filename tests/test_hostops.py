@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet import Fleet, real_patch, tree_digest, wait_for, write_series
+from fleet import Fleet, hidden_dump_patches, tree_digest, wait_for, write_series
 
-HD = {"0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-      "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")}
+HD = hidden_dump_patches()
 
 
 @pytest.fixture

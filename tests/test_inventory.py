@@ -33,7 +33,7 @@ address = "bastion.example.com"
 user = "ops"
 
 [hosts.gpu-a]
-address = "10.0.0.11"
+address = "127.0.9.11"
 
 [hosts.gpu-a.server]
 port = 31000
@@ -41,7 +41,7 @@ capture_layers = [3, 31, 59]
 hidden_size = 7168
 
 [hosts.gpu-b]
-address = "10.0.0.12"
+address = "127.0.9.12"
 port = 2222
 state_dir = "/data/patch ctl/$(state)"
 
@@ -78,7 +78,7 @@ def fleet(tmp_path) -> Inventory:
 def test_defaults_and_overrides(fleet):
     assert list(fleet.hosts) == ["bastion", "gpu-a", "gpu-b", "gpu c; `rm -rf /`", "cpu-1"]
     a, b = fleet.hosts["gpu-a"], fleet.hosts["gpu-b"]
-    assert (a.address, a.port, a.user, a.identity_file) == ("10.0.0.11", 22, "root", "~/.ssh/id_ed25519")
+    assert (a.address, a.port, a.user, a.identity_file) == ("127.0.9.11", 22, "root", "~/.ssh/id_ed25519")
     assert (b.port, b.state_dir, b.sglang_root) == (2222, "/data/patch ctl/$(state)", "auto")
     assert a.known_hosts == "~/.ssh/known_hosts" and a.connection == "ssh" and a.ssh_config is True
     # server: key by key
@@ -215,10 +215,10 @@ BASE = """\
 user = "root"
 
 [hosts.a]
-address = "10.0.0.1"
+address = "127.0.9.1"
 
 [hosts.b]
-address = "10.0.0.2"
+address = "127.0.9.2"
 """
 
 ERRORS = [
@@ -266,16 +266,16 @@ ERRORS = [
                  id="gateway-unknown"),
     pytest.param(BASE + "gateway = \"u@h:99999\"\n", 9, ["hosts.b.gateway"], id="gateway-bad-port"),
     pytest.param(BASE + "gateway = \"bastoin\"\n", 9, ["hosts.b.gateway", "neither"], id="gateway-typo"),
-    pytest.param(BASE.replace("address = \"10.0.0.1\"", "address = \"10.0.0.1\"\ngateway = \"b\"")
+    pytest.param(BASE.replace("address = \"127.0.9.1\"", "address = \"127.0.9.1\"\ngateway = \"b\"")
                  + "gateway = \"a\"\n", 6, ["hosts.a.gateway", "gateway cycle: a -> b -> a"], id="gateway-cycle"),
     pytest.param(BASE + "gateway = \"b\"\n", 9, ["hosts.b.gateway", "gateway cycle: b -> b"], id="gateway-self"),
     pytest.param(BASE + "python = \"controller\"\n", 9, ["hosts.b.python", "only for connection"],
                  id="controller-over-ssh"),
     pytest.param(BASE + "\n[hosts.\" \"]\n", 10, ["hosts.\" \"", "must not be empty or blank"], id="blank-name"),
-    pytest.param(BASE + "[hosts.c]\naddress = \"root@10.0.0.2\"\n", 10, ["hosts.c.address", "give the user in 'user'"],
+    pytest.param(BASE + "[hosts.c]\naddress = \"root@127.0.9.2\"\n", 10, ["hosts.c.address", "give the user in 'user'"],
                  id="user-in-address"),
     pytest.param(BASE + "[hosts.c]\naddress = \"\"\n", 10, ["hosts.c.address", "must not be empty"], id="empty-address"),
-    pytest.param(BASE + "address = \"10.0.0.3\n", 9, ["TOML syntax error"], id="toml-syntax"),
+    pytest.param(BASE + "address = \"127.0.9.3\n", 9, ["TOML syntax error"], id="toml-syntax"),
     pytest.param(BASE + "[hosts.a]\nport = 1\n", 9, ["TOML syntax error"], id="toml-duplicate-table"),
 ]
 
@@ -306,7 +306,7 @@ def test_dotted_and_inline_tables_located(tmp_path):
     with pytest.raises(BadInput) as e:
         load_inventory(write(tmp_path, text))
     assert e.value.line == 11 and "hosts.c.server.port" in str(e.value)
-    text = BASE + "\n[hosts]\nd = { address = \"10.0.0.4\", prot = 1 }\n"
+    text = BASE + "\n[hosts]\nd = { address = \"127.0.9.4\", prot = 1 }\n"
     with pytest.raises(BadInput) as e:
         load_inventory(write(tmp_path, text))
     # an inline table: the line that defines it
