@@ -244,7 +244,7 @@ class BenchFleet:
     def kill_servers(self):
         for port in self.ports:
             for _ in range(3):
-                pid = pid_on_port(port)
+                pid = pid_on_port(port, "127.0.0.1")
                 if not pid:
                     break
                 with contextlib.suppress(OSError):

@@ -501,7 +501,31 @@ def build_server_config(req, profile=None, capture_layers=None):
             "series": series, "profile": profile, "capture_layers": capture_layers}
 
 
-def _listening_inodes(port):
+def _proc_net_address(hexaddr):
+    """An address as /proc/net/tcp{,6} prints it (32-bit words in host byte order) -> text form."""
+    raw = bytes.fromhex(hexaddr)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw)
+    text = socket.inet_ntop(socket.AF_INET6, raw)
+    return text[7:] if text.startswith("::ffff:") and "." in text else text
+
+
+def _addresses_reaching(host):
+    """Listening addresses that accept a connection made to host: its own addresses and the wildcards."""
+    found = set(["0.0.0.0", "::"])
+    try:
+        for info in socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM):
+            found.add(info[4][0])
+    except (socket.gaierror, UnicodeError):
+        pass
+    return found
+
+
+def _listening_inodes(port, host=None):
+    """Socket inodes listening on port (and, with host, on an address that connections to host reach)."""
+    wanted = _addresses_reaching(host) if host else None
     inodes = set()
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -510,16 +534,18 @@ def _listening_inodes(port):
                 for line in f:
                     parts = line.split()
                     local, state, inode = parts[1], parts[3], parts[9]
-                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    addr, _, hexport = local.rpartition(":")
+                    if state == "0A" and int(hexport, 16) == port and (wanted is None or _proc_net_address(addr) in wanted):
                         inodes.add(inode)
         except OSError:
             pass
     return inodes
 
 
-def pid_on_port(port):
-    """The process listening on a TCP port, found through /proc (pidfile missing or stale)."""
-    inodes = _listening_inodes(port)
+def pid_on_port(port, host=None):
+    """The process listening on a TCP port (on an address host reaches), found through /proc
+    (pidfile missing or stale). A listener on the same port number of another address is not ours."""
+    inodes = _listening_inodes(port, host)
     if not inodes:
         return None
     for d in os.listdir("/proc"):
@@ -564,7 +590,7 @@ class ProcessManager(object):
         rec = self.recorded()
         if rec and rec.get("pid") and pid_alive(rec["pid"]) and proc_start_time(rec["pid"]) == rec.get("start_time"):
             return rec["pid"], rec
-        pid = pid_on_port(self.cfg["port"])
+        pid = pid_on_port(self.cfg["port"], self.cfg["host"])
         if not pid and self.cfg.get("argv"):
             found = pids_by_cmdline(self.cfg["argv"])
             pid = found[0] if len(found) == 1 else None
@@ -617,7 +643,7 @@ class ProcessManager(object):
 
         send(signal.SIGTERM)
         deadline = time.time() + self.cfg["stop_timeout"]
-        while time.time() < deadline and (pid_alive(pid) or pid_on_port(self.cfg["port"])):
+        while time.time() < deadline and (pid_alive(pid) or pid_on_port(self.cfg["port"], self.cfg["host"])):
             heartbeat(step="stop", pid=pid)
             time.sleep(0.1)
         killed = False
@@ -637,6 +663,10 @@ class ProcessManager(object):
         if not cfg["argv"]:
             raise AgentError("bad_input", "no server command configured for this host ([hosts.X.server] command)")
         self.cfg = cfg
+        holder = pid_on_port(cfg["port"], cfg["host"])
+        if holder:  # our stop freed it, so this is some other process: a second server could not bind
+            raise AgentError("failed", "port %s:%d is held by another process (pid %d: %s); not starting the server"
+                             % (cfg["host"], cfg["port"], holder, " ".join(proc_cmdline(holder) or ["?"])[:200]))
         log = cfg["log"]
         d = os.path.dirname(log)
         if not os.path.isdir(d):

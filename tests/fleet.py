@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sshhosts import SSHHost, free_port, inventory_toml, known_hosts_for, start_hosts, stop_hosts
+from sshhosts import SSHHost, free_ports, inventory_toml, known_hosts_for, start_hosts, stop_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -60,10 +60,10 @@ def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
     return h.hexdigest()
 
 
-def pid_on_port(port: int) -> int | None:
+def pid_on_port(port: int, host: str | None = None) -> int | None:
     from patchctl.agent import pid_on_port as find
 
-    return find(port)
+    return find(port, host)
 
 
 def http_status(port: int, path: str = "/health", timeout: float = 5.0) -> int | None:
@@ -154,7 +154,8 @@ class Fleet:
         self.base = Path(base)
         self.sglang_tree = sglang_tree
         self.ssh = start_hosts(n, self.base)
-        self.hosts = [TestHost(h, free_port("127.0.0.1")) for h in self.ssh]
+        ports = free_ports("127.0.0.1", n, avoid={h.port for h in self.ssh})
+        self.hosts = [TestHost(h, port) for h, port in zip(self.ssh, ports)]
         self.patches = self.base / "patches"
         shutil.copytree(PATCHES, self.patches)
         self.light = light
@@ -253,6 +254,7 @@ class Fleet:
         wait_for(lambda: http_status(h.server_port, "/health_generate") == 200 or p.poll() is not None, 90,
                  what=f"server of {h.name} ready")
         assert p.poll() is None, (h.dir / "server.log").read_text()[-2000:]
+        assert self.server_pid(h) == p.pid, f"another process answers on {h.name}'s port {h.server_port}"
         return p.pid
 
     def start_servers(self):
@@ -260,7 +262,7 @@ class Fleet:
             self.start_server(h)
 
     def server_pid(self, h: TestHost) -> int | None:
-        return pid_on_port(h.server_port)
+        return pid_on_port(h.server_port, "127.0.0.1")
 
     def healthy(self, h: TestHost) -> bool:
         return http_status(h.server_port, "/health_generate", timeout=30) == 200

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from sshhosts import free_port  # noqa: F401  (tests import it from here too)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -154,12 +155,6 @@ def hook_model_runner(tree: Path, where: str = "forward") -> None:
     else:
         raise ValueError(where)
     p.write_text(src)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_model(path: Path, layers=8, hidden=64, vocab=512) -> Path:

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,10 +56,40 @@ def _fingerprint(pub_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+def free_port(address: str = "127.0.0.1") -> int:
+    return free_ports(address, 1)[0]
+
+
+def free_ports(address: str, n: int, avoid: set[int] = frozenset()) -> list[int]:
+    """n distinct free ports on address, none in avoid, all below the kernel's ephemeral range: a server
+    restarted on a port that an outgoing connection took as its source port meanwhile could not bind,
+    and two servers handed one port would each see the other. All stay bound until all are chosen."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = list(range(max(1024, ephemeral_low - 12000), ephemeral_low))
+    random.shuffle(candidates)
+    held: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(held) == n:
+                break
+            if port in avoid:
+                continue
+            s = socket.socket()
+            try:
+                s.bind((address, port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        if len(held) < n:
+            raise RuntimeError(f"fewer than {n} free ports on {address} below {ephemeral_low}")
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _wait_port(address: str, port: int, proc: subprocess.Popen | None, log: Path, timeout: float = 15.0):

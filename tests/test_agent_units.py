@@ -109,3 +109,42 @@ def test_systemd_manager_writes_a_dropin_and_restores_the_previous_one(tmp_path,
     mgr.start(dict(before))  # rollback: the unit's previous state, i.e. no drop-in
     assert not os.path.exists(mgr.dropin)
     assert open(calls).read().count("restart sglang.service") == 2
+
+
+def test_server_found_by_port_only_on_an_address_the_health_checks_reach():
+    """A listener on the same port number of another address is some other service, never our server."""
+    import socket
+
+    other = socket.socket()
+    other.bind(("127.0.0.2", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        assert agent.pid_on_port(port) == os.getpid()  # by port alone
+        assert agent.pid_on_port(port, "127.0.0.1") is None
+        assert agent.pid_on_port(port, "127.0.0.2") == os.getpid()
+        ours = socket.socket()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ours.bind(("0.0.0.0", 0))  # a wildcard listener is reached through 127.0.0.1 and localhost
+        ours.listen()
+        with ours:
+            wild = ours.getsockname()[1]
+            assert agent.pid_on_port(wild, "127.0.0.1") == os.getpid()
+            assert agent.pid_on_port(wild, "localhost") == os.getpid()
+    finally:
+        other.close()
+    assert agent.pid_on_port(port) is None
+
+
+def test_start_refuses_a_port_another_process_holds(tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = {"argv": ["/bin/true"], "env": {}, "log": str(tmp_path / "server.log"), "host": "127.0.0.1", "port": port}
+        with pytest.raises(agent.AgentError, match=f"port 127.0.0.1:{port} is held by another process \\(pid {os.getpid()}"):
+            agent.ProcessManager(str(tmp_path), cfg).start(cfg)
+    assert not (tmp_path / "server.json").exists()  # nothing started, nothing recorded
+
