@@ -42,6 +42,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from patchctl import applier  # on hosts, patchctl.remote bundles these modules under the same names
@@ -782,7 +783,7 @@ def manager_for(state_dir, cfg):
     return ProcessManager(state_dir, cfg)
 
 
-def http_request(host, port, method, path, body=None, timeout=30.0):
+def _http_once(host, port, method, path, body, timeout):
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if body is not None else None
@@ -797,6 +798,30 @@ def http_request(host, port, method, path, body=None, timeout=30.0):
         return resp.status, payload
     finally:
         conn.close()
+
+
+def http_request(host, port, method, path, body=None, timeout=30.0):
+    """(status, JSON payload). The request runs in a helper thread while this one keeps beating, so an
+    agent whose controller is gone stops within a heartbeat even while a hung server never answers."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = _http_once(host, port, method, path, body, timeout)
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="http %s" % path)
+    worker.daemon = True
+    worker.start()
+    while True:
+        worker.join(0.25)
+        if not worker.is_alive():
+            break
+        heartbeat(step="http", path=path)  # raises ControllerGone when nobody listens
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def log_tail(path, lines=30):

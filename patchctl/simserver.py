@@ -49,6 +49,8 @@ Knobs (environment variables):
   PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before ready
   PATCHCTL_SIM_HANG=1          never become ready (/health 503 until killed)
   PATCHCTL_SIM_DIE_AFTER=N     os._exit(1) when the N-th client POST /generate arrives
+  PATCHCTL_SIM_STALL_AFTER=N   the N-th and later client POST /generate never answer (a hung
+                               scheduler: the connection stays open until shutdown)
   PATCHCTL_SIM_NAN_LAYER=L     NaN in column 0 of the captured input of layer L
   PATCHCTL_SIM_LIGHT=1         no torch, no hidden_dump import, no hook: the tree is
                                only compile-checked and tokens come from a pure-Python
@@ -101,6 +103,7 @@ environment knobs:
   PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before becoming ready
   PATCHCTL_SIM_HANG=1            never become ready (/health answers 503 forever)
   PATCHCTL_SIM_DIE_AFTER=N       os._exit(1) when the N-th client POST /generate arrives
+  PATCHCTL_SIM_STALL_AFTER=N     the N-th and later client POST /generate never answer
   PATCHCTL_SIM_NAN_LAYER=L       write NaN into the captured input of layer L
   PATCHCTL_SIM_LIGHT=1           no torch, no hidden_dump import, no hook (compile check only)
 SGLang env such as SGLANG_HIDDEN_DUMP_DIR is read by the served tree's own code.
@@ -661,6 +664,7 @@ class State:
         self.generate_count = 0
         self.count_lock = threading.Lock()
         self.die_after = int(os.environ.get("PATCHCTL_SIM_DIE_AFTER") or 0)
+        self.stall_after = int(os.environ.get("PATCHCTL_SIM_STALL_AFTER") or 0)
 
 
 class BadRequest(ValueError):
@@ -727,6 +731,12 @@ class Handler(BaseHTTPRequestHandler):
                          app.state.die_after, count)
             logging.shutdown()
             os._exit(1)
+        if app.state.stall_after and count >= app.state.stall_after:
+            logger.warning("PATCHCTL_SIM_STALL_AFTER=%d: request %d will never be answered (stand-in knob)",
+                           app.state.stall_after, count)
+            while not app.state.shutting_down:
+                time.sleep(0.05)
+            return self._send(503, {"detail": "shutting down"})
         if not app.state.ready:
             # SGLang queues requests until the scheduler runs; we do the same by waiting.
             while not app.state.ready and not app.state.shutting_down:

@@ -156,6 +156,32 @@ def test_connection_cut_during_restart_wait_recovers(fleet1):
     assert st[0]["state"] == "clean" and st[0]["lock"] is None
 
 
+def test_controller_killed_during_a_hung_smoke_frees_the_host_at_once(fleet1):
+    """A server that never answers /generate must not keep an orphaned agent (and the host's lock)
+    alive until the request's own timeout: the agent notices within a heartbeat that nobody listens."""
+    import signal
+
+    from patchctl.agent import pid_alive
+
+    f, h = fleet1, fleet1.hosts[0]
+    write_series(f.patches, "stalls", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_STALL_AFTER": "1"})
+    digest = f.digest(h)
+    proc = f.popen("apply", "stalls")
+    log = h.dir / "server.log"
+    wait_for(lambda: "will never be answered" in log.read_text(errors="replace") or proc.poll() is not None,
+             120, what="the smoke request hanging in the server")
+    assert proc.poll() is None, proc.communicate()
+    agent_pid = int((h.state / "agent.lock").read_text())
+    assert pid_alive(agent_pid)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    wait_for(lambda: not pid_alive(agent_pid), 15, what="the orphaned agent gone")
+    p = f.patchctl("rollback")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f.digest(h) == digest and f.healthy(h)
+    assert "--enable-return-aux-hidden-states" not in f.server_argv(h)
+
+
 def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(fleet1):
     f, h = fleet1, fleet1.hosts[0]
     write_series(f.patches, "crashes", hidden_dump_patches(),

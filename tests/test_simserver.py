@@ -74,7 +74,7 @@ def test_help_says_stand_in():
                          capture_output=True, text=True, check=True).stdout
     assert "stand-in" in out.lower() and "not SGLang" in out
     for knob in ("PATCHCTL_SIM_START_DELAY", "PATCHCTL_SIM_CRASH_AT_START", "PATCHCTL_SIM_HANG",
-                 "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_NAN_LAYER", "PATCHCTL_SIM_LIGHT"):
+                 "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_STALL_AFTER", "PATCHCTL_SIM_NAN_LAYER", "PATCHCTL_SIM_LIGHT"):
         assert knob in out
 
 
