@@ -75,23 +75,46 @@ def now():
 
 
 _last_beat = [0.0]
+_gone = [False]  # set once a write to the controller failed (by any thread)
+_emit_lock = threading.Lock()
 
 
 def event(kind, **data):
     """One progress line for the controller; raises ControllerGone when nobody listens."""
+    if _gone[0]:
+        raise ControllerGone()
     data["event"] = kind
     data["t"] = round(time.time(), 3)
-    try:
-        sys.stderr.write("PATCHCTL-EVENT " + json.dumps(data, sort_keys=True) + "\n")
-        sys.stderr.flush()
-    except (BrokenPipeError, OSError):
-        raise ControllerGone()
-    _last_beat[0] = time.time()
+    line = "PATCHCTL-EVENT " + json.dumps(data, sort_keys=True) + "\n"
+    with _emit_lock:
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except (BrokenPipeError, OSError):
+            _gone[0] = True
+            raise ControllerGone()
+        _last_beat[0] = time.time()
 
 
 def heartbeat(**data):
+    """Called in every wait loop: raises ControllerGone there (a safe point) once the controller is gone."""
+    if _gone[0]:
+        raise ControllerGone()
     if time.time() - _last_beat[0] >= 1.0:
         event("heartbeat", **data)
+
+
+def _keep_beating():
+    """A beat at least every second for the whole op, whatever the main thread is doing: the controller
+    takes a long silence for a hung link or host (remote.SILENCE_S). A failed write only marks the
+    controller gone; the main thread stops at its next heartbeat, never in the middle of a file change."""
+    while not _gone[0]:
+        time.sleep(0.5)
+        if time.time() - _last_beat[0] >= 1.0:
+            try:
+                event("heartbeat", step="working")
+            except ControllerGone:
+                return
 
 
 def sha256_bytes(data):
@@ -1529,6 +1552,9 @@ def handle(req):
 def main(req):
     """Entry point used by the bundle: run one request, print one JSON answer."""
     t0 = time.time()
+    beater = threading.Thread(target=_keep_beating, name="heartbeat")
+    beater.daemon = True
+    beater.start()
     try:
         result = handle(req)
         answer = {"ok": True, "result": result}

@@ -179,7 +179,7 @@ class HostSession:
             if self.run.reporter:
                 self.run.reporter.agent_event(self.host.name, ev)
 
-        return remote.call(self.transport, req, on_event=on_event)
+        return remote.call(self.transport, req, on_event=on_event, silence=self.run.silence)
 
     def note(self, msg: str) -> None:
         if self.run.reporter:
@@ -238,6 +238,7 @@ class Run:
         self.holder = holder_info(self.run_id, " ".join(["patchctl"] + sys.argv[1:]))
         self.accept_new_host_keys = getattr(args, "accept_new_host_keys", False)
         self.connect_timeout = float(os.environ.get("PATCHCTL_CONNECT_TIMEOUT", "10"))
+        self.silence = float(os.environ.get("PATCHCTL_SILENCE_S", "30"))  # the agent beats every second
         self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
         self.sessions: dict[str, HostSession] = {}
         self.reporter: Reporter | None = None

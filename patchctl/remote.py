@@ -51,8 +51,9 @@ def build_script(request: dict) -> str:
 
 
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
-         timeout: float | None = None) -> dict:
-    """Run one agent op on a host; return its result or raise AgentFailure / AgentLost."""
+         timeout: float | None = None, silence: float | None = None) -> dict:
+    """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
+    every second, so `silence` seconds without a byte means a hung link or host (ConnectionLost)."""
     other: list[str] = []
 
     def on_line(line: str) -> None:
@@ -67,7 +68,7 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
         elif line.strip():
             other.append(line)
 
-    res = transport.run_python(build_script(request), timeout=timeout, on_stderr_line=on_line)
+    res = transport.run_python(build_script(request), timeout=timeout, silence=silence, on_stderr_line=on_line)
     answer = None
     for line in reversed(res.stdout.strip().splitlines()):
         try:

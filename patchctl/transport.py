@@ -88,9 +88,11 @@ class Transport:
         self.connections_opened = 0
         self.commands_run = 0
 
-    def run_python(self, script: str, *, timeout: float | None = None,
+    def run_python(self, script: str, *, timeout: float | None = None, silence: float | None = None,
                    on_stderr_line: Callable[[str], None] | None = None) -> RunResult:
-        """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive."""
+        """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive.
+        `timeout` bounds the whole command; `silence` the time without a byte from it (for a script that
+        reports regularly: a hung link or host that TCP itself does not notice raises ConnectionLost)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -107,27 +109,36 @@ class Transport:
 
 
 _DONE = object()  # a reader finished (EOF)
+_STDOUT = object()  # stdout data arrived (kept whole elsewhere; only resets the silence clock)
+
+FINISHED, DEADLINE, SILENT = "finished", "deadline", "silent"
 
 
-def _pump(events: queue.Queue, readers: int, deadline: float | None, on_stderr_line,
-          err_lines: list[str]) -> bool:
-    """Deliver stderr lines in the caller's thread until every reader saw EOF. False if the deadline passed."""
+def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: float | None, on_stderr_line,
+          err_lines: list[str]) -> str:
+    """Deliver stderr lines in the caller's thread until every reader saw EOF (FINISHED), the deadline
+    passed (DEADLINE), or nothing at all arrived for `silence` seconds (SILENT)."""
     finished = 0
     while finished < readers:
+        waits = [t for t in (None if deadline is None else deadline - time.monotonic(), silence) if t is not None]
         try:
-            if deadline is None:
-                item = events.get()
-            else:
-                item = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            item = events.get(timeout=max(0.0, min(waits))) if waits else events.get()
         except queue.Empty:
-            return False
+            return DEADLINE if deadline is not None and time.monotonic() >= deadline else SILENT
         if item is _DONE:
             finished += 1
+            continue
+        if item is _STDOUT:
             continue
         err_lines.append(item)
         if on_stderr_line is not None:
             on_stderr_line(item.rstrip("\r\n"))
-    return True
+    return FINISHED
+
+
+def _silent_message(who: str, silence: float, what_was_done: str) -> str:
+    return (f"{who}: no word from the command for {silence:g}s (its agent reports every second): the link or "
+            f"the host is hung; {what_was_done} and the host's state is unknown")
 
 
 class _LineSplitter:
@@ -154,6 +165,7 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
         try:
             while chunk := read_out(65536):
                 out_chunks.append(chunk)
+                events.put(_STDOUT)
         finally:
             events.put(_DONE)
 
@@ -175,7 +187,7 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
 class LocalTransport(Transport):
     """`connection = "local"`: the same one-command semantics with a subprocess (argv, no shell)."""
 
-    def run_python(self, script, *, timeout=None, on_stderr_line=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None) -> RunResult:
         python = os.path.expanduser(self.host.python) if self.host.python.startswith("~") else self.host.python
         self.commands_run += 1
         try:
@@ -208,19 +220,21 @@ class LocalTransport(Transport):
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            finished = _pump(events, 2, deadline, on_stderr_line, err_lines)
-            if finished:
+            outcome = _pump(events, 2, deadline, silence, on_stderr_line, err_lines)
+            if outcome == FINISHED:
                 try:
                     code = proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    finished = False
+                    outcome = DEADLINE
         except BaseException:  # a callback raised, or ^C: do not leave the child behind
             kill()
             proc.wait()
             raise
-        if not finished:
+        if outcome != FINISHED:
             kill()
             proc.wait()
+            if outcome == SILENT:
+                raise ConnectionLost(_silent_message(self.host.name, silence, "it was killed"))
             raise CommandTimeout(f"{self.host.name}: command did not finish within {timeout:g}s; "
                                  "it was killed, the host's state is unknown")
         for t in threads:
@@ -390,7 +404,7 @@ class SSHTransport(Transport):
         return conn
 
     # running ------------------------------------------------------------------------------------
-    def run_python(self, script, *, timeout=None, on_stderr_line=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None) -> RunResult:
         with self._lock:
             command = _remote_python_argv0(self.host.python) + " -"
             for attempt in (1, 2):
@@ -427,16 +441,18 @@ class SSHTransport(Transport):
             err_lines: list[str] = []
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                finished = _pump(events, 2, deadline, on_stderr_line, err_lines)
-                if finished:  # both streams at EOF: the exit status follows at once, or the session is gone
+                outcome = _pump(events, 2, deadline, silence, on_stderr_line, err_lines)
+                if outcome == FINISHED:  # both streams at EOF: the exit status follows at once, or the session is gone
                     wait = self.connect_timeout if deadline is None else max(0.0, deadline - time.monotonic())
-                    finished = chan.status_event.wait(wait)
+                    chan.status_event.wait(wait)  # none within that: the session is gone (seen below)
             except BaseException:  # a callback raised, or ^C: do not leave the command attached
                 chan.close()
                 raise
-            if not finished:
+            if outcome != FINISHED:
                 chan.close()
                 self._drop()
+                if outcome == SILENT:
+                    raise ConnectionLost(_silent_message(self.describe(), silence, "the session was closed"))
                 raise CommandTimeout(f"{self.describe()}: command did not finish within {timeout:g}s; the session was "
                                      "closed and the host's state is unknown")
             for t in threads:

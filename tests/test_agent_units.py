@@ -148,3 +148,24 @@ def test_start_refuses_a_port_another_process_holds(tmp_path):
             agent.ProcessManager(str(tmp_path), cfg).start(cfg)
     assert not (tmp_path / "server.json").exists()  # nothing started, nothing recorded
 
+
+def test_agent_beats_while_its_main_thread_is_busy_and_notices_a_gone_controller():
+    """The side thread reports every second whatever the main thread does (the controller's silence
+    limit relies on it), and a closed stderr marks the controller gone for the main thread."""
+    import subprocess
+    import sys
+
+    busy = ("import threading, time\nfrom patchctl import agent\n"
+            "threading.Thread(target=agent._keep_beating, daemon=True).start()\n"
+            "time.sleep(3.2)\n")  # a main thread that never reports by itself
+    p = subprocess.run([sys.executable, "-c", busy], capture_output=True, text=True, timeout=60)
+    beats = [json.loads(l.split(" ", 1)[1]) for l in p.stderr.splitlines() if l.startswith("PATCHCTL-EVENT ")]
+    assert p.returncode == 0 and len(beats) >= 2 and all(b["event"] == "heartbeat" for b in beats), p.stderr
+    waits = ("import sys, threading, time\nfrom patchctl import agent\n"
+             "threading.Thread(target=agent._keep_beating, daemon=True).start()\n"
+             "deadline = time.time() + 30\n"
+             "while not agent._gone[0] and time.time() < deadline:\n    time.sleep(0.05)\n"
+             "try:\n    agent.heartbeat(step='x')\nexcept agent.ControllerGone:\n    sys.exit(75)\n")
+    proc = subprocess.Popen([sys.executable, "-c", waits], stderr=subprocess.PIPE)
+    proc.stderr.close()  # the controller goes away
+    assert proc.wait(timeout=60) == 75

@@ -399,3 +399,116 @@ def test_idle_connection_cut_between_commands_reconnects(inv, hosts):
             time.sleep(0.01)
         assert t.run_python("print(2)").stdout == "2\n"  # nothing was running: a fresh connection is safe
         assert t.connections_opened == 2
+
+
+# --- a link that hangs without TCP noticing --------------------------------------------------------
+
+class FreezableProxy:
+    """A TCP relay to an sshd that can freeze: it stops moving bytes but keeps both connections open,
+    so the kernel still acknowledges everything (what a frozen sshd, a wedged host or a stuck
+    middlebox look like; neither TCP keepalives nor TCP_USER_TIMEOUT notice)."""
+
+    def __init__(self, address: str, target: tuple[str, int]):
+        self.target = target
+        self.frozen = threading.Event()
+        self.stop = threading.Event()
+        self.srv = socket.socket()
+        self.srv.bind((address, 0))
+        self.srv.listen(5)
+        self.srv.settimeout(0.2)
+        self.address, self.port = self.srv.getsockname()
+        self.socks: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self):
+        while not self.stop.is_set():
+            try:
+                client, _ = self.srv.accept()
+            except OSError:
+                continue
+            upstream = socket.create_connection(self.target)
+            self.socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                t = threading.Thread(target=self._relay, args=(a, b), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _relay(self, src: socket.socket, dst: socket.socket):
+        src.settimeout(0.1)
+        while not self.stop.is_set():
+            if self.frozen.is_set():
+                self.stop.wait(0.1)
+                continue
+            try:
+                data = src.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+        for s in [self.srv, *self.socks]:
+            s.close()
+
+
+BEATING_SCRIPT = r"""
+import sys, time
+for i in range({beats}):
+    print("beat", i, file=sys.stderr, flush=True)
+    time.sleep({every})
+print("done")
+"""
+
+
+def test_hung_link_is_declared_lost_after_the_silence_limit(tmp_path, hosts):
+    h = hosts[0]
+    proxy = FreezableProxy("127.0.1.97", (h.address, h.port))
+    try:
+        kh = tmp_path / "known_hosts"
+        kh.write_text(f"[{proxy.address}]:{proxy.port} {h.host_key_pub}\n")
+        text = inventory_toml(hosts, known_hosts=kh, host_overrides={"host0": {"address": proxy.address, "port": proxy.port}})
+        (tmp_path / "inv.toml").write_text(text)
+        host = load_inventory(tmp_path / "inv.toml").hosts["host0"]
+        with open_transport(host, connect_timeout=5) as t:
+            # regular beats keep a long command alive under a short silence limit
+            r = t.run_python(BEATING_SCRIPT.format(beats=8, every=0.25), silence=1.5)
+            assert r.ok and r.stdout == "done\n" and r.stderr.count("beat") == 8
+            seen = []
+
+            def on_line(line):
+                seen.append(line)
+                if len(seen) == 2:
+                    proxy.frozen.set()
+
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionLost) as e:
+                t.run_python(BEATING_SCRIPT.format(beats=600, every=0.1), silence=2, on_stderr_line=on_line)
+            elapsed = time.monotonic() - t0
+            assert 2 <= elapsed < 10, elapsed
+            assert "no word from the command for 2s" in str(e.value) and "unknown" in str(e.value)
+            assert not isinstance(e.value, CommandTimeout)
+            assert len(seen) >= 2
+    finally:
+        proxy.close()
+
+
+def test_local_transport_silence_kills_a_mute_command(tmp_path):
+    from patchctl.agent import pid_alive
+
+    pidfile = tmp_path / "pid"
+    script = f"import os, time, pathlib\npathlib.Path({str(pidfile)!r}).write_text(str(os.getpid()))\ntime.sleep(30)\n"
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionLost) as e:
+        open_transport(_local(tmp_path)).run_python(script, silence=1)
+    assert time.monotonic() - t0 < 5 and "no word from the command for 1s" in str(e.value)
+    assert not pid_alive(int(pidfile.read_text()))  # killed, not left running
