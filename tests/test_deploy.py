@@ -182,6 +182,49 @@ def test_controller_killed_during_a_hung_smoke_frees_the_host_at_once(fleet1):
     assert "--enable-return-aux-hidden-states" not in f.server_argv(h)
 
 
+def test_a_host_that_hangs_mid_deploy_is_declared_lost_and_never_holds_up_the_others(tmp_path, sglang_tree):
+    """host0's link freezes while its server restarts (TCP still acknowledges, so only the silence
+    limit can tell); host1 deploys regardless, and the run ends with host0's state called unknown."""
+    import time
+
+    from sshhosts import FreezableProxy
+
+    f = Fleet(tmp_path, 2, sglang_tree)
+    proxy = None
+    try:
+        f.start_servers()
+        h0, h1 = f.hosts
+        proxy = FreezableProxy("127.0.1.96", (h0.ssh.address, h0.ssh.port))
+        with open(f.known_hosts, "a") as kh:
+            kh.write(f"[{proxy.address}]:{proxy.port} {h0.ssh.host_key_pub}\n")
+        f.write_inventory(host_overrides={"host0": {"address": proxy.address, "port": proxy.port}})
+        write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_DELAY": "4"})
+        before = [f.digest(h) for h in f.hosts]
+        proc = f.popen("--json", "apply", "slow", env={"PATCHCTL_SILENCE_S": "3", "PATCHCTL_CONNECT_TIMEOUT": "3"})
+        server_json = h0.state / "server.json"
+        wait_for(lambda: server_json.exists() and "slow" in server_json.read_text() or proc.poll() is not None,
+                 60, what="host0 restarting on the new config")
+        proxy.frozen.set()
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        assert time.monotonic() - t0 < 60
+        assert proc.returncode == 3, err
+        results = {e["host"]: e for e in map(json.loads, out.splitlines()) if e["event"] == "host_result"}
+        assert results["host1"]["outcome"] == "deployed"
+        assert results["host0"]["outcome"] == "rollback failed", results["host0"]
+        assert "no word from the command for 3s" in results["host0"]["message"]
+        # the link comes back: the next run finds host0 as it was left and puts it back
+        proxy.frozen.clear()
+        p = f.patchctl("rollback", "--limit", "host0")
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f.digest(h0) == before[0] and f.healthy(h0)
+        assert "--enable-return-aux-hidden-states" not in f.server_argv(h0)
+    finally:
+        if proxy:
+            proxy.close()
+        f.close()
+
+
 def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(fleet1):
     f, h = fleet1, fleet1.hosts[0]
     write_series(f.patches, "crashes", hidden_dump_patches(),

@@ -24,7 +24,7 @@ from patchctl.transport import (
     SSHTransport,
     open_transport,
 )
-from sshhosts import free_port, inventory_toml, known_hosts_for, ssh_hosts
+from sshhosts import FreezableProxy, free_port, inventory_toml, known_hosts_for, ssh_hosts
 
 STREAM_SCRIPT = r"""
 import os, sys, time
@@ -402,64 +402,6 @@ def test_idle_connection_cut_between_commands_reconnects(inv, hosts):
 
 
 # --- a link that hangs without TCP noticing --------------------------------------------------------
-
-class FreezableProxy:
-    """A TCP relay to an sshd that can freeze: it stops moving bytes but keeps both connections open,
-    so the kernel still acknowledges everything (what a frozen sshd, a wedged host or a stuck
-    middlebox look like; neither TCP keepalives nor TCP_USER_TIMEOUT notice)."""
-
-    def __init__(self, address: str, target: tuple[str, int]):
-        self.target = target
-        self.frozen = threading.Event()
-        self.stop = threading.Event()
-        self.srv = socket.socket()
-        self.srv.bind((address, 0))
-        self.srv.listen(5)
-        self.srv.settimeout(0.2)
-        self.address, self.port = self.srv.getsockname()
-        self.socks: list[socket.socket] = []
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
-
-    def _accept(self):
-        while not self.stop.is_set():
-            try:
-                client, _ = self.srv.accept()
-            except OSError:
-                continue
-            upstream = socket.create_connection(self.target)
-            self.socks += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                t = threading.Thread(target=self._relay, args=(a, b), daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def _relay(self, src: socket.socket, dst: socket.socket):
-        src.settimeout(0.1)
-        while not self.stop.is_set():
-            if self.frozen.is_set():
-                self.stop.wait(0.1)
-                continue
-            try:
-                data = src.recv(65536)
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            try:
-                dst.sendall(data)
-            except OSError:
-                return
-
-    def close(self):
-        self.stop.set()
-        for t in self.threads:
-            t.join(5)
-        for s in [self.srv, *self.socks]:
-            s.close()
-
 
 BEATING_SCRIPT = r"""
 import sys, time
