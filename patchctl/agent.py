@@ -104,12 +104,14 @@ def heartbeat(**data):
         event("heartbeat", **data)
 
 
+_stop_beating = threading.Event()
+
+
 def _keep_beating():
     """A beat at least every second for the whole op, whatever the main thread is doing: the controller
-    takes a long silence for a hung link or host (remote.SILENCE_S). A failed write only marks the
+    takes a long silence for a hung link or host (PATCHCTL_SILENCE_S). A failed write only marks the
     controller gone; the main thread stops at its next heartbeat, never in the middle of a file change."""
-    while not _gone[0]:
-        time.sleep(0.5)
+    while not _gone[0] and not _stop_beating.wait(0.5):
         if time.time() - _last_beat[0] >= 1.0:
             try:
                 event("heartbeat", step="working")
@@ -1566,6 +1568,8 @@ def main(req):
         import traceback
         answer = {"ok": False, "error": {"kind": "attention", "message": "agent error: %s: %s" % (e.__class__.__name__, e),
                                          "details": {"traceback": traceback.format_exc()}}}
+    _stop_beating.set()  # no daemon thread may be writing to stderr while the interpreter shuts down
+    beater.join(2)
     answer["seconds"] = round(time.time() - t0, 3)
     answer["agent_pid"] = os.getpid()
     try:
