@@ -45,6 +45,18 @@ def _default_inventory() -> Path:
     return Path(__file__).resolve().parent.parent / "inventory.toml"
 
 
+ENVIRONMENT = """environment:
+  PATCHCTL_CONNECT_TIMEOUT  seconds to connect, complete the SSH handshake and log in (default 10)
+  PATCHCTL_SILENCE_S        seconds without a byte from a host's agent (it reports every second)
+                            before the host is declared lost, state unknown (default 30)
+  PATCHCTL_TRACE_JOBS       worker processes for an every-architecture trace (default: by cores)
+  XDG_CACHE_HOME            SGLang wheels and unpacked trees (default ~/.cache/patchctl)
+  XDG_STATE_HOME            run logs (default ~/.local/state/patchctl/runs)
+
+exit codes: 0 ok, 1 failed (rolled back, verified), 2 bad input (nothing touched),
+            3 needs attention (state unknown, drift, rollback failed), 4 locked by another run"""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # exit 2 with one line, like every other bad input
         self.print_usage(sys.stderr)
@@ -53,7 +65,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="patchctl", description=__doc__)
+    p = _Parser(prog="patchctl", description=__doc__, epilog=ENVIRONMENT,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"patchctl {__version__}")
     p.add_argument("--inventory", type=Path, default=None, help="inventory TOML (default ./inventory.toml)")
     p.add_argument("--patches", type=Path, default=None, help="patches directory (default ./patches)")

@@ -223,6 +223,20 @@ class UnitResult:
         return self.exit_code != 0
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; anything else is bad input (exit 2)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise BadInput(f"environment variable {name}={raw!r}: expected a positive number of seconds")
+    return value
+
+
 class Run:
     """Global state of one command over the fleet."""
 
@@ -237,8 +251,8 @@ class Run:
         self.run_id = new_run_id()
         self.holder = holder_info(self.run_id, " ".join(["patchctl"] + sys.argv[1:]))
         self.accept_new_host_keys = getattr(args, "accept_new_host_keys", False)
-        self.connect_timeout = float(os.environ.get("PATCHCTL_CONNECT_TIMEOUT", "10"))
-        self.silence = float(os.environ.get("PATCHCTL_SILENCE_S", "30"))  # the agent beats every second
+        self.connect_timeout = env_seconds("PATCHCTL_CONNECT_TIMEOUT", 10.0)
+        self.silence = env_seconds("PATCHCTL_SILENCE_S", 30.0)  # the agent beats every second
         self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
         self.sessions: dict[str, HostSession] = {}
         self.reporter: Reporter | None = None

@@ -338,3 +338,14 @@ def test_external_gateway_forms(tmp_path):
     assert (a.address, a.port, a.user) == ("jump.example.com", 2222, "me")
     assert (b.address, b.port, b.user) == ("jump.example.com", 22, "ops")
     assert (c.address, c.port, c.user) == ("fd00::1", 22, "ops")
+
+
+@pytest.mark.parametrize("name,value", [("PATCHCTL_SILENCE_S", "abc"), ("PATCHCTL_SILENCE_S", "-1"),
+                                        ("PATCHCTL_CONNECT_TIMEOUT", "0"), ("PATCHCTL_CONNECT_TIMEOUT", "inf")])
+def test_bad_timeout_from_the_environment_exits_2_before_any_host(tmp_path, capsys, monkeypatch, name, value):
+    # the host would be unreachable: exit 2 (not 3) shows nothing was tried
+    p = write(tmp_path, '[hosts.gpu]\naddress = "127.0.1.99"\nport = 1\nstate_dir = "/tmp/x"\n')
+    monkeypatch.setenv(name, value)
+    assert main(["--inventory", str(p), "status"]) == 2
+    err = capsys.readouterr().err
+    assert f"{name}={value!r}" in err and "positive number of seconds" in err
