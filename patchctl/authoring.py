@@ -127,6 +127,7 @@ def capture_diff(path: Path, base: str | None = None, log=None) -> tuple[str, di
 
 
 def checkout_version(pkgroot: Path, repo=None) -> str | None:
+    from git import GitCommandError
     from packaging.version import InvalidVersion, Version
 
     from patchctl.check import tree_version
@@ -139,7 +140,7 @@ def checkout_version(pkgroot: Path, repo=None) -> str | None:
             tag = repo.git.describe("--tags", "--abbrev=0")
             Version(tag.lstrip("v"))
             return tag.lstrip("v")
-        except Exception:  # no tags, or not a version tag
+        except (GitCommandError, InvalidVersion):  # no tags, or not a version tag
             return None
     return None
 

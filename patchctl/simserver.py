@@ -81,7 +81,6 @@ import time
 import traceback
 import types
 import uuid
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
