@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fleet import Fleet, wait_for
-from sshhosts import free_port
+from sshhosts import free_port, free_ports
 
 CRASH = {"server": {"env": {"PATCHCTL_SIM_CRASH_AT_START": "1"}}}
 
@@ -174,7 +174,7 @@ def test_plan_touches_nothing_and_tells_what_apply_would_do(fleet):
 def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
     f = Fleet(tmp_path, 3, sglang_tree)
     try:
-        dist = f"127.0.0.1:{free_port('127.0.0.1')}"
+        dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
         mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
         cmd = "{python} -m patchctl.simserver --model-path {state_dir}/../model --sglang-root {sglang_root} --host {host} --port {port} "
         f.write_inventory(servers={"kimi": ["host0", "host1"]}, host_overrides={
