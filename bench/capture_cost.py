@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a plain checkout (the GPU box has no patchctl install)
+from patchctl.simserver import ForwardMode  # noqa: E402  (SGLang's ForwardMode, duck-typed)
 PATCH = REPO / "patches" / "hidden-dump" / "0001-hidden-dump-module.patch"
 
 
@@ -80,23 +82,6 @@ def load_module(path: Path):
 
 
 # --------------------------------------------------------------------------- duck types
-
-
-class Mode:
-    def is_extend(self):
-        return True
-
-    def is_decode(self):
-        return False
-
-    def is_idle(self):
-        return False
-
-    def is_target_verify(self):
-        return False
-
-    def is_mixed(self):
-        return False
 
 
 def model_runner(H: int, layers: list[int]):
@@ -340,7 +325,7 @@ def main(argv=None) -> int:
             nonlocal seed
             seed += 1
             rids = [f"{tag}-T{T}-b{i}-r{j}" for j in range(len(lens))]
-            fb = types.SimpleNamespace(forward_mode=Mode(), rids=rids, extend_seq_lens_cpu=lens,
+            fb = types.SimpleNamespace(forward_mode=ForwardMode("EXTEND"), rids=rids, extend_seq_lens_cpu=lens,
                                        extend_prefix_lens_cpu=[0] * len(lens))
             s = timer.start()
             w.prefill(T, layers)
@@ -465,7 +450,7 @@ def main(argv=None) -> int:
         for i in range(n):
             seed += 1
             rids = [f"{tag}-T{T}-b{i}-r{j}" for j in range(len(lens))]
-            fb = types.SimpleNamespace(forward_mode=Mode(), rids=rids, extend_seq_lens_cpu=lens,
+            fb = types.SimpleNamespace(forward_mode=ForwardMode("EXTEND"), rids=rids, extend_seq_lens_cpu=lens,
                                        extend_prefix_lens_cpu=[0] * len(lens))
             s0 = timer.start()
             w.prefill(T, layers)

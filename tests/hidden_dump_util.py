@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from patchctl.simserver import ForwardMode  # the stand-in's duck type of SGLang's ForwardMode
+
 REPO = Path(__file__).resolve().parent.parent
 SERIES = REPO / "patches" / "hidden-dump"
 DEAD_SERIES = REPO / "patches" / "hidden-dump-dead-hook"
@@ -44,28 +46,6 @@ def load_module(path: Path, name: str = "hidden_dump_under_test"):
     return mod
 
 
-class Mode:
-    """Duck-typed ForwardMode: is_extend() is also true for MIXED and TARGET_VERIFY, as in SGLang."""
-
-    def __init__(self, name: str = "extend"):
-        self.name = name
-
-    def is_extend(self):
-        return self.name in ("extend", "mixed", "target_verify", "split_prefill")
-
-    def is_decode(self):
-        return self.name == "decode"
-
-    def is_idle(self):
-        return self.name == "idle"
-
-    def is_target_verify(self):
-        return self.name == "target_verify"
-
-    def is_mixed(self):
-        return self.name == "mixed"
-
-
 def make_runner(hidden: int = 16, num_layers: int = 12, layer_ids: Optional[list] = None,
                 arch: str = "LlamaForCausalLM", **ranks):
     mr = types.SimpleNamespace(
@@ -94,7 +74,7 @@ class Batch:
         self.aux = torch.randn(T, k * hidden, generator=g).to(torch.bfloat16)
         self.last = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
         self.forward_batch = types.SimpleNamespace(
-            forward_mode=Mode(mode), rids=self.rids, extend_seq_lens_cpu=self.lens,
+            forward_mode=ForwardMode(mode.upper()), rids=self.rids, extend_seq_lens_cpu=self.lens,
             extend_prefix_lens_cpu=list(prefix) if prefix is not None else [0] * len(lens),
             input_ids=self.input_ids)
         self.logits_output = types.SimpleNamespace(hidden_states=self.aux,
