@@ -518,6 +518,16 @@ class _Facts:
                 self.returns.append(node.value)
 
 
+def _alternatives(expr: ast.expr) -> list[ast.expr]:
+    """The values an expression may take as a whole: both arms of `a if c else b`, every operand of
+    `a or b` / `a and b`; empty for anything else."""
+    if isinstance(expr, ast.IfExp):
+        return [expr.body, expr.orelse]
+    if isinstance(expr, ast.BoolOp):
+        return list(expr.values)
+    return []
+
+
 def _is_self(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Name) and expr.id == "self"
 
@@ -564,13 +574,9 @@ class _FuncEnv:
 
     def class_objects(self, expr: ast.expr, _seen=None) -> frozenset:
         """Classes an expression names as class objects (`LlamaModel`, `A if c else B`, local alias)."""
-        if isinstance(expr, ast.IfExp):
-            return self.class_objects(expr.body, _seen) | self.class_objects(expr.orelse, _seen)
-        if isinstance(expr, ast.BoolOp):
-            out = frozenset()
-            for v in expr.values:
-                out |= self.class_objects(v, _seen)
-            return out
+        alternatives = _alternatives(expr)
+        if alternatives:
+            return frozenset().union(*(self.class_objects(v, _seen) for v in alternatives))
         if isinstance(expr, ast.Name) and expr.id not in self.bindings and expr.id != "self":
             if expr.id in self._local_assignments():
                 _seen = _seen or set()
@@ -589,13 +595,9 @@ class _FuncEnv:
 
     def instance_classes(self, expr: ast.expr, _seen=None) -> frozenset:
         """Classes of the instances an expression may evaluate to."""
-        if isinstance(expr, ast.IfExp):
-            return self.instance_classes(expr.body, _seen) | self.instance_classes(expr.orelse, _seen)
-        if isinstance(expr, ast.BoolOp):
-            out = frozenset()
-            for v in expr.values:
-                out |= self.instance_classes(v, _seen)
-            return out
+        alternatives = _alternatives(expr)
+        if alternatives:
+            return frozenset().union(*(self.instance_classes(v, _seen) for v in alternatives))
         if isinstance(expr, ast.Name):
             return self.name_classes(expr.id, _seen)
         if isinstance(expr, ast.Attribute) and _is_self(expr.value) and self.self_cls is not None:
