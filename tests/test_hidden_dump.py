@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from hidden_dump_util import (DEAD_SERIES, LLAMA, MODEL_RUNNER, MODULE, SERIES, Batch, load_module,
-                              make_runner, patched_tree)
+                              make_runner, patched_tree, series_patch_paths)
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+\.safetensors")
 
@@ -89,14 +89,16 @@ def test_series_hashes_match_patch_files():
     for series in (SERIES, DEAD_SERIES):
         data = tomllib.loads((series / "series.toml").read_text())
         assert len(data["patch"]) == 2
-        for p in data["patch"]:
-            digest = hashlib.sha256((series / p["file"]).read_bytes()).hexdigest()
+        for p, path in zip(data["patch"], series_patch_paths(series)):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
             assert p["sha256"] == digest, f"{series.name}/{p['file']}"
 
 
 def test_patches_are_git_unified_diffs_inside_sglang():
     for series in (SERIES, DEAD_SERIES):
-        for p in sorted(series.glob("*.patch")):
+        listed = series_patch_paths(series)
+        assert sorted(series.glob("*.patch")) == sorted(p for p in listed if p.parent == series)  # no stray copies
+        for p in listed:
             text = p.read_text()
             paths = re.findall(r"^(?:---|\+\+\+) (\S+)", text, re.M)
             assert paths and text.startswith("diff --git a/sglang/")
@@ -204,9 +206,10 @@ def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree
         {k: v for k, v in real["smoke"].items() if k != "hook"}
     assert data["smoke"]["hook"] == {
         "file": LLAMA, "function": "LlamaModel.forward", "call": "hidden_dump.on_forward_end"}
-    # same capture module as the real series
-    assert (DEAD_SERIES / "0001-hidden-dump-module.patch").read_bytes() == \
-        (SERIES / "0001-hidden-dump-module.patch").read_bytes()
+    # the same capture module as the real series: its own file, named by reference, not a copy
+    assert data["patch"][0]["series"] == "hidden-dump"
+    assert series_patch_paths(DEAD_SERIES)[0] == SERIES / "0001-hidden-dump-module.patch"
+    assert not (DEAD_SERIES / "0001-hidden-dump-module.patch").exists()
 
 
 def test_module_imports_only_stdlib_and_torch_at_module_level(patched):
