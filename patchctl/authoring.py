@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from patchctl.atomic import write_atomic
+from patchctl.host.atomic import write_atomic
 from patchctl.errors import BadInput
 from patchctl.series import SERIES_FILE, load_series, validate_patch_text
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from patchctl import applier
+from patchctl.host import applier
 from patchctl.errors import BadInput
 
 SERIES_FILE = "series.toml"

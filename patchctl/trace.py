@@ -1246,7 +1246,7 @@ def trace(tree: Path, arch: str, targets: list[ChangedFunction], *, scratch: Pat
 
 
 def _stage(tree: Path, series, scratch: Path) -> dict:
-    from patchctl.applier import stage
+    from patchctl.host.applier import stage
 
     return stage(tree, _patch_items(series), scratch)
 

@@ -61,7 +61,7 @@ def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
 
 
 def pid_on_port(port: int, host: str | None = None) -> int | None:
-    from patchctl.agent import pid_on_port as find
+    from patchctl.host.server import pid_on_port as find
 
     return find(port, host)
 
