@@ -399,6 +399,7 @@ def http_request(host, port, method, path, body=None, timeout=30.0):
         raise box["error"]
     return box["result"]
 
+
 def wait_ready(mgr, cfg):
     """Poll /health_generate until 200; stop at once if the process died; the budget is start_timeout."""
     t0 = time.time()
