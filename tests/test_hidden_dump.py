@@ -360,6 +360,16 @@ def test_dp_attention_padding_rows_are_not_data(hd):
     assert hd.stats()["errors"] == 0
 
 
+def test_hidden_states_of_some_rows_only_write_nothing(hd):
+    # DeepSeek-V4's bounded SWA replay returns the rows in hidden_states_token_indices only.
+    b = Batch(["swa-0"], [4])
+    b.logits_output.hidden_states_token_indices = torch.tensor([2, 3])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == []
+    assert "rows_subset" in (hd.dir / "_hidden_dump_errors.log").read_text()
+
+
 def test_warm_up_and_other_unnamed_requests_are_not_dumped(hd):
     # SGLang names a request sent without a rid (its own start-up warm-up too) uuid4().hex.
     warm = "3f2b8c9d0e1f4a5b8c7d6e5f4a3b2c1d"
