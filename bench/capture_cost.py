@@ -45,7 +45,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a plain checkout (the GPU box has no patchctl install)
-from patchctl.simserver import ForwardMode  # noqa: E402  (SGLang's ForwardMode, duck-typed)
+# SGLang's ForwardMode, duck-typed, and a stub of its runtime context (attention-TP rank 0).
+from patchctl.simserver import ForwardMode, install_runtime_context  # noqa: E402
 PATCH = REPO / "patches" / "hidden-dump" / "0001-hidden-dump-module.patch"
 
 
@@ -85,14 +86,22 @@ def load_module(path: Path):
 
 
 def model_runner(H: int, layers: list[int]):
+    install_runtime_context(attn_tp_rank=0)
     return types.SimpleNamespace(
-        attn_tp_rank=0,
         is_draft_worker=False,
         server_args=types.SimpleNamespace(return_aux_hidden_state_layer_ids=layers),
         model_config=types.SimpleNamespace(
             num_hidden_layers=61, hidden_size=H,
             hf_config=types.SimpleNamespace(architectures=["DeepseekV3ForCausalLM"])),
+        # DeepseekV2 takes explicit ids as given (set_eagle3_layers_to_capture)
+        model=types.SimpleNamespace(model=types.SimpleNamespace(layers_to_capture=list(layers))),
     )
+
+
+def forward_batch(rids: list[str], lens: list[int]):
+    """An extend batch of whole prompts, as ForwardBatch.init_new + the series' hook leave it."""
+    return types.SimpleNamespace(forward_mode=ForwardMode("EXTEND"), rids=rids, extend_seq_lens_cpu=lens,
+                                 extend_prefix_lens_cpu=[0] * len(lens), hidden_dump_prompt_lens=list(lens))
 
 
 def split_lengths(T: int, n: int) -> list[int]:
@@ -325,8 +334,7 @@ def main(argv=None) -> int:
             nonlocal seed
             seed += 1
             rids = [f"{tag}-T{T}-b{i}-r{j}" for j in range(len(lens))]
-            fb = types.SimpleNamespace(forward_mode=ForwardMode("EXTEND"), rids=rids, extend_seq_lens_cpu=lens,
-                                       extend_prefix_lens_cpu=[0] * len(lens))
+            fb = forward_batch(rids, lens)
             s = timer.start()
             w.prefill(T, layers)
             aux, last, ids = w.outputs(T, seed)
@@ -450,8 +458,7 @@ def main(argv=None) -> int:
         for i in range(n):
             seed += 1
             rids = [f"{tag}-T{T}-b{i}-r{j}" for j in range(len(lens))]
-            fb = types.SimpleNamespace(forward_mode=ForwardMode("EXTEND"), rids=rids, extend_seq_lens_cpu=lens,
-                                       extend_prefix_lens_cpu=[0] * len(lens))
+            fb = forward_batch(rids, lens)
             s0 = timer.start()
             w.prefill(T, layers)
             aux, last, ids = w.outputs(T, seed)

@@ -8,15 +8,17 @@ tree it serves does not compile or import, and a tiny deterministic torch model
 whose layer outputs go through the tree's own `hidden_dump.on_forward_end` hook,
 found in and executed from `ModelRunner.forward` of the tree's
 `model_runner.py` (a hook placed anywhere else never fires, as under SGLang's
-CUDA graphs).
+CUDA graphs); the tree's `hidden_dump.note_batch` call in `ForwardBatch.init_new`
+(`forward_batch_info.py`) runs on every batch the same way.
 
 Start-up, in SGLang's order:
   1. compile (in memory) every `.py` under `sglang/` whose sha256 differs from
      the dist-info RECORD or that RECORD does not list (without RECORD:
      `sglang/srt/model_executor/*.py` and `sglang/srt/hidden_dump.py`);
   2. import `sglang/srt/hidden_dump.py`, if present, as `sglang.srt.hidden_dump`
-     (stub parent packages, so SGLang's heavy `__init__`s do not run);
-  3. extract the hook statements from `ModelRunner.forward`;
+     (stub parent packages, so SGLang's heavy `__init__`s do not run, and a stub
+     `sglang.srt.runtime_context` whose `get_parallel()` says attention-TP rank 0);
+  3. extract the hook statements from `ModelRunner.forward` and `ForwardBatch.init_new`;
   4. open the HTTP port, "load" the model, warm up with one `/generate`-like
      request (text "The capital city of France is", 8 tokens, random rid, as
      SGLang 0.5.23 does), then log "The server is fired up and ready to roll!".
@@ -26,7 +28,8 @@ head, float32 weights from a fixed seed, greedy decoding (temperature is
 ignored). Tokens do not mix, so the next token depends on the last token only.
 Aux capture (`--enable-return-aux-hidden-states`): layer id L captures the
 INPUT of layer L (= output of layer L-1), ids used as given (DeepseekV2
-semantics; Llama would add 1); default `[2, N//2, N-3]`.
+semantics; Llama would add 1); default `[2, N//2, N-3]`; the list is the model's
+`layers_to_capture` (`model_runner.model.model.layers_to_capture`, as in SGLang).
 `logits_output.hidden_states` = concat of captured layers `[T, K*H]` bf16,
 `logits_output.last_hidden_states` = final post-norm `[T, H]` bf16.
 
@@ -35,9 +38,9 @@ stays 503 until ranks 1..K-1 have joined at the dist-init address; ranks >= 1 ru
 server (as in SGLang) and live as long as the head; if any node dies the others exit 1
 (a broken NCCL group).
 
-The warm-up request (rid = random hex) goes through the hook like SGLang's does: with
-SGLANG_HIDDEN_DUMP_DIR set and no SGLANG_HIDDEN_DUMP_RID_PREFIX, the tree's hidden_dump
-writes a dump for it, and a hook that raises makes start-up fail ("warmup error").
+The warm-up request (rid = random hex) goes through the hook like SGLang's does: a hook
+that raises makes start-up fail ("warmup error"); whether it is dumped is the tree's
+hidden_dump's decision (the current one never dumps a rid SGLang made up).
 
 Limits of the imitation: hook statements run in a namespace holding `self`,
 `forward_batch`, `output` (after the raw forward), the hidden_dump alias, `logger`,
@@ -91,6 +94,7 @@ HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 HIDDEN_DUMP_MODULE = "sglang.srt.hidden_dump"
 MODEL_RUNNER = "sglang/srt/model_executor/model_runner.py"
+FORWARD_BATCH_INFO = "sglang/srt/model_executor/forward_batch_info.py"
 MAX_BATCH = 32
 
 EPILOG = """\
@@ -220,8 +224,22 @@ def compile_check(root: Path) -> list[Path]:
     return files
 
 
+def install_runtime_context(**parallel) -> types.ModuleType:
+    """A stub `sglang.srt.runtime_context` whose `get_parallel()` carries the given rank facts
+    (attn_tp_rank=0 ... by default): where SGLang 0.5.23 keeps them, read by hidden_dump."""
+    facts = {"tp_rank": 0, "tp_size": 1, "attn_tp_rank": 0, "attn_tp_size": 1, "attn_dp_rank": 0,
+             "attn_dp_size": 1, "pp_rank": 0, "pp_size": 1, **parallel}
+    mod = types.ModuleType("sglang.srt.runtime_context")
+    mod.__patchctl_stub__ = True
+    par = NS(**facts)
+    mod.get_parallel = lambda: par
+    sys.modules[mod.__name__] = mod
+    return mod
+
+
 def import_hidden_dump(root: Path):
     """Import the tree's hidden_dump.py as `sglang.srt.hidden_dump` with stub parent packages."""
+    install_runtime_context()
     pkg = root / "sglang"
     for name, path in (("sglang", pkg), ("sglang.srt", pkg / "srt")):
         mod = sys.modules.get(name)
@@ -255,7 +273,9 @@ class Hook:
         self.lines = lines
         self.path = path
 
-    def _ns(self, module, runner, forward_batch):
+    def namespace(self, module, runner, forward_batch) -> dict:
+        """One forward's namespace: what the statements before the raw forward bind (e.g. the
+        mode as scheduled) is seen by those after it, as in the method itself."""
         ns = {"__builtins__": __builtins__, "__name__": "sglang.srt.model_executor.model_runner",
               "logger": logging.getLogger("sglang.srt.model_executor.model_runner"),
               "logging": logging, "os": os, "time": time}
@@ -269,13 +289,12 @@ class Hook:
         ns.update(self=runner, forward_batch=forward_batch)
         return ns
 
-    def run_pre(self, module, runner, forward_batch):
+    def run_pre(self, ns: dict):
         if self.pre is not None:
-            exec(self.pre, self._ns(module, runner, forward_batch))
+            exec(self.pre, ns)
 
-    def run(self, module, runner, forward_batch, output):
+    def run(self, ns: dict, output):
         if self.post is not None:
-            ns = self._ns(module, runner, forward_batch)
             ns["output"] = output
             exec(self.post, ns)
 
@@ -295,9 +314,12 @@ def _hidden_dump_aliases(nodes) -> list[str]:
     return aliases
 
 
+HOOK_CALLS = ("on_forward_end", "note_batch")
+
+
 def _is_hook_call(node, aliases) -> bool:
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "on_forward_end" and isinstance(node.func.value, ast.Name)
+            and node.func.attr in HOOK_CALLS and isinstance(node.func.value, ast.Name)
             and node.func.value.id in aliases)
 
 
@@ -358,37 +380,72 @@ def _prune_block(stmts: list[ast.stmt], aliases) -> list[ast.stmt]:
     return [s for _, s in deps] + [s for _, s in kept]
 
 
-def extract_hook(root: Path) -> Hook | None:
-    path = root / MODEL_RUNNER
+def _hook_statements(root: Path, rel: str, cls: str, method: str):
+    """(path, method node, hidden_dump aliases, pruned statements that lead to a hook call)
+    of `cls.method` in the tree's `rel`; None when the method calls no hook."""
+    path = root / rel
     if not path.exists():
         return None
     tree = ast.parse(path.read_bytes(), str(path))
     for node in tree.body:
-        if not (isinstance(node, ast.ClassDef) and node.name == "ModelRunner"):
+        if not (isinstance(node, ast.ClassDef) and node.name == cls):
             continue
         for fn in node.body:
-            if not (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == "forward"):
+            if not (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == method):
                 continue
-            # Module-level imports, plus imports inside forward itself.
+            # Module-level imports, plus imports inside the method itself.
             aliases = _hidden_dump_aliases(tree.body) + _hidden_dump_aliases(ast.walk(fn))
-            if not aliases:
-                return None
-            body = _prune_block(fn.body, aliases)
-            if not body:
-                return None
-            raw = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call)
-                   and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_raw"]
-            raw_line = min(raw) if raw else 0
-            parts = []
-            for stmts in ([s for s in body if s.lineno < raw_line], [s for s in body if s.lineno >= raw_line]):
-                if stmts:
-                    mod = ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[]))
-                    parts.append(compile(mod, str(path), "exec", dont_inherit=True))
-                else:
-                    parts.append(None)
-            lines = sorted({n.lineno for s in body for n in ast.walk(s) if _is_hook_call(n, aliases)})
-            return Hook(parts[0], parts[1], sorted(set(aliases)), lines, str(path))
+            body = _prune_block(fn.body, aliases) if aliases else []
+            return (path, fn, sorted(set(aliases)), body) if body else None
     return None
+
+
+def _compile(stmts, path):
+    if not stmts:
+        return None
+    mod = ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[]))
+    return compile(mod, str(path), "exec", dont_inherit=True)
+
+
+def _hook_lines(body, aliases) -> list[int]:
+    return sorted({n.lineno for s in body for n in ast.walk(s) if _is_hook_call(n, aliases)})
+
+
+def extract_hook(root: Path) -> Hook | None:
+    found = _hook_statements(root, MODEL_RUNNER, "ModelRunner", "forward")
+    if found is None:
+        return None
+    path, fn, aliases, body = found
+    raw = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call)
+           and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_raw"]
+    raw_line = min(raw) if raw else 0
+    pre = _compile([s for s in body if s.lineno < raw_line], path)
+    post = _compile([s for s in body if s.lineno >= raw_line], path)
+    return Hook(pre, post, aliases, _hook_lines(body, aliases), str(path))
+
+
+class BatchHook:
+    """The statements of ForwardBatch.init_new that call `<hidden_dump alias>.note_batch`,
+    run on every batch with `ret` (the forward batch), `batch` (the schedule batch) and
+    `model_runner` bound, as in SGLang."""
+
+    def __init__(self, code, aliases: list[str], lines: list[int], path: str):
+        self.code, self.aliases, self.lines, self.path = code, aliases, lines, path
+
+    def run(self, module, runner, forward_batch, schedule_batch):
+        ns = {"__builtins__": __builtins__, "__name__": "sglang.srt.model_executor.forward_batch_info"}
+        for a in self.aliases:
+            ns[a] = module
+        ns.update(ret=forward_batch, batch=schedule_batch, model_runner=runner, cls=type(forward_batch))
+        exec(self.code, ns)
+
+
+def extract_batch_hook(root: Path) -> BatchHook | None:
+    found = _hook_statements(root, FORWARD_BATCH_INFO, "ForwardBatch", "init_new")
+    if found is None:
+        return None
+    path, _, aliases, body = found
+    return BatchHook(_compile(body, path), aliases, _hook_lines(body, aliases), str(path))
 
 
 # --------------------------------------------------------------------------- duck-typed SGLang objects
@@ -517,10 +574,11 @@ class Work:
 class Engine:
     """One scheduler thread: batches requests that arrive together into one extend forward."""
 
-    def __init__(self, args, model_cfg, hook, hd_module, light):
+    def __init__(self, args, model_cfg, hook, hd_module, light, batch_hook=None):
         self.args = args
         self.cfg = model_cfg
         self.hook = hook
+        self.batch_hook = batch_hook
         self.hd = hd_module
         self.light = light
         self.vocab = int(model_cfg.get("vocab_size", 512))
@@ -541,6 +599,8 @@ class Engine:
             spec_aux_config=NS(eagle_use_aux_hidden_state=self.capture_ids is not None,
                                eagle_aux_hidden_state_layer_ids=args.return_aux_hidden_state_layer_ids
                                if self.capture_ids is not None else None),
+            # SGLang's set_eagle3_layers_to_capture sets this on the CausalLM's inner model.
+            model=NS(model=NS(layers_to_capture=list(self.capture_ids) if self.capture_ids else None)),
         )
 
     def load(self):
@@ -600,9 +660,14 @@ class Engine:
         input_ids = torch.tensor(flat, dtype=torch.int64)
         last_index = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], dtype=torch.int64)
         fb = self._forward_batch(mode, batch, seqs, input_ids) if self.hook is not None else None
+        if fb is not None and self.batch_hook is not None:
+            reqs = [NS(rid=w.rid, origin_input_ids=list(w.input_ids), output_ids=list(w.output_ids))
+                    for w in batch]
+            self.batch_hook.run(self.hd, self.runner, fb, NS(reqs=reqs, forward_mode=fb.forward_mode))
         if fb is not None:
             self.runner.forward_pass_id = self.forward_pass_id
-            self.hook.run_pre(self.hd, self.runner, fb)
+            ns = self.hook.namespace(self.hd, self.runner, fb)
+            self.hook.run_pre(ns)
         aux, last, logits = self.model.forward(input_ids, last_index)
         nexts = logits.argmax(-1).tolist()
         if fb is not None:
@@ -610,7 +675,7 @@ class Engine:
                                next_token_logprobs=None)
             output = NS(logits_output=logits_output, can_run_graph=False,
                         expert_distribution_metrics=None, routed_experts_output=None)
-            self.hook.run(self.hd, self.runner, fb, output)
+            self.hook.run(ns, output)
         return nexts
 
     def _forward_batch(self, mode, batch, seqs, input_ids):
@@ -1065,7 +1130,7 @@ def main(argv=None):
                 (": " + ", ".join(str(p.relative_to(root)) for p in files[:10])) if files else "")
 
     # 2./3. import hidden_dump and find the hook in ModelRunner.forward.
-    hd, hook = None, None
+    hd, hook, batch_hook = None, None, None
     if not light:
         if (root / "sglang" / "srt" / "hidden_dump.py").exists():
             try:
@@ -1075,16 +1140,20 @@ def main(argv=None):
             logger.info("Imported %s from %s", HIDDEN_DUMP_MODULE, hd.__file__)
         try:
             hook = extract_hook(root)
+            batch_hook = extract_batch_hook(root)
         except SyntaxError as e:
-            _fatal(f"SyntaxError in {MODEL_RUNNER}: {e}")
-        if hook is not None and hd is None:
-            _fatal(f"ModuleNotFoundError: No module named '{HIDDEN_DUMP_MODULE}' "
-                   f"(imported by {MODEL_RUNNER})")
+            _fatal(f"SyntaxError in {e.filename}: {e}")
+        for h, rel in ((hook, MODEL_RUNNER), (batch_hook, FORWARD_BATCH_INFO)):
+            if h is not None and hd is None:
+                _fatal(f"ModuleNotFoundError: No module named '{HIDDEN_DUMP_MODULE}' (imported by {rel})")
         if hook is not None:
             logger.info("ModelRunner.forward calls %s.on_forward_end at line(s) %s%s", hook.aliases[0], hook.lines,
-                        " (before the raw forward)" if hook.pre is not None else "")
+                        " (with statements before the raw forward)" if hook.pre is not None else "")
         else:
             logger.info("No hidden_dump hook in ModelRunner.forward")
+        if batch_hook is not None:
+            logger.info("ForwardBatch.init_new calls %s.note_batch at line(s) %s", batch_hook.aliases[0],
+                        batch_hook.lines)
 
     capture = resolve_capture_ids(args, layers)
     if capture is not None:
@@ -1101,7 +1170,7 @@ def main(argv=None):
             logger.warning("PATCHCTL_SIM_NAN_LAYER=%s: captured input of that layer gets NaN (stand-in knob)",
                            nan_layer)
 
-    engine = Engine(args, model_cfg, hook, hd, light)
+    engine = Engine(args, model_cfg, hook, hd, light, batch_hook)
     app = App(args, root, version, model_cfg, engine, unknown)
     Handler.app = app
     follower = args.nnodes > 1 and args.node_rank >= 1

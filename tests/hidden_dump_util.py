@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from patchctl.simserver import ForwardMode  # the stand-in's duck type of SGLang's ForwardMode
+# The stand-in's duck type of SGLang's ForwardMode and its stub of SGLang's runtime context.
+from patchctl.simserver import ForwardMode, install_runtime_context
 
 REPO = Path(__file__).resolve().parent.parent
 SERIES = REPO / "patches" / "hidden-dump"
@@ -20,6 +21,7 @@ DEAD_SERIES = REPO / "patches" / "hidden-dump-dead-hook"
 MODEL_RUNNER = "sglang/srt/model_executor/model_runner.py"
 LLAMA = "sglang/srt/models/llama.py"
 MODULE = "sglang/srt/hidden_dump.py"
+FORWARD_BATCH_INFO = "sglang/srt/model_executor/forward_batch_info.py"
 
 
 def series_patch_paths(series: Path) -> list[Path]:
@@ -29,7 +31,7 @@ def series_patch_paths(series: Path) -> list[Path]:
 
 
 def patched_tree(pristine: Path, dest: Path, series: Path = SERIES,
-                 files: Sequence[str] = (MODEL_RUNNER, LLAMA)) -> Path:
+                 files: Sequence[str] = (MODEL_RUNNER, LLAMA, FORWARD_BATCH_INFO)) -> Path:
     """Copy only the files the series touches from the pristine tree, then `git apply -p1`
     every patch of the series there, in series.toml order (with --check first).  Returns dest."""
     for rel in files:
@@ -53,29 +55,44 @@ def load_module(path: Path, name: str = "hidden_dump_under_test"):
     return mod
 
 
+def resolve_layers_to_capture(arch: str, num_layers: int, layer_ids: Optional[list]) -> list:
+    """What SGLang 0.5.23's `set_eagle3_layers_to_capture` sets on the model: the default
+    [2, N//2, N-3]; explicit ids + 1 on Llama (models/llama.py:929-941), as given on
+    DeepseekV2/V3 unless the first id is 1 (models/deepseek_v2.py:3458-3473)."""
+    if not layer_ids:
+        return [2, num_layers // 2, num_layers - 3]
+    if arch.startswith("Deepseek") and layer_ids[0] != 1:
+        return list(layer_ids)
+    return [i + 1 for i in layer_ids]
+
+
 def make_runner(hidden: int = 16, num_layers: int = 12, layer_ids: Optional[list] = None,
-                arch: str = "LlamaForCausalLM", **ranks):
-    mr = types.SimpleNamespace(
+                arch: str = "LlamaForCausalLM", attn_tp_rank: int = 0):
+    """A duck ModelRunner (the attributes hidden_dump reads) and SGLang's runtime context with
+    the given attention-TP rank (the stand-in server's stub of `sglang.srt.runtime_context`)."""
+    install_runtime_context(attn_tp_rank=attn_tp_rank)
+    return types.SimpleNamespace(
         is_draft_worker=False,
         server_args=types.SimpleNamespace(return_aux_hidden_state_layer_ids=layer_ids),
+        spec_aux_config=types.SimpleNamespace(eagle_aux_hidden_state_layer_ids=layer_ids),
         model_config=types.SimpleNamespace(
             num_hidden_layers=num_layers, hidden_size=hidden,
             hf_config=types.SimpleNamespace(architectures=[arch])),
+        model=types.SimpleNamespace(model=types.SimpleNamespace(
+            layers_to_capture=resolve_layers_to_capture(arch, num_layers, layer_ids))),
     )
-    if not ranks:
-        ranks = {"attn_tp_rank": 0}
-    for k, v in ranks.items():
-        setattr(mr, k, v)
-    return mr
 
 
 class Batch:
     """A duck-typed extend batch of several requests with its expected per-request tensors."""
 
     def __init__(self, rids, lens, hidden=16, k=3, mode="extend", prefix=None, seed=0,
-                 ids_dtype=torch.int32):
+                 ids_dtype=torch.int32, prompt_lens=None, pad=0):
+        """`prompt_lens`: each request's prompt length as ForwardBatch.init_new records it
+        (default: the extend lengths, i.e. whole prompts); `pad`: rows appended after the
+        real ones, as DP attention pads a batch (never data)."""
         g = torch.Generator().manual_seed(seed)
-        T = sum(lens)
+        T = sum(lens) + pad
         self.rids, self.lens, self.hidden, self.k = list(rids), list(lens), hidden, k
         self.input_ids = torch.randint(0, 32000, (T,), generator=g).to(ids_dtype)
         self.aux = torch.randn(T, k * hidden, generator=g).to(torch.bfloat16)
@@ -83,7 +100,8 @@ class Batch:
         self.forward_batch = types.SimpleNamespace(
             forward_mode=ForwardMode(mode.upper()), rids=self.rids, extend_seq_lens_cpu=self.lens,
             extend_prefix_lens_cpu=list(prefix) if prefix is not None else [0] * len(lens),
-            input_ids=self.input_ids)
+            input_ids=self.input_ids,
+            hidden_dump_prompt_lens=list(prompt_lens) if prompt_lens is not None else list(lens))
         self.logits_output = types.SimpleNamespace(hidden_states=self.aux,
                                                    last_hidden_states=self.last)
 

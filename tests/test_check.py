@@ -256,7 +256,8 @@ def test_dead_hook_series_checks_hidden_dumps_module_through_its_reference(capsy
     assert rc == 0, err
     r = json.loads(out)
     assert r["ok"] and r["hook"]["ok"]
-    assert [p["name"] for p in r["patches"]] == ["0001-hidden-dump-module.patch", "0002-llama-model-hook.patch"]
+    assert [p["name"] for p in r["patches"]] == ["0001-hidden-dump-module.patch", "0002-llama-model-hook.patch",
+                                                 "0003-forward-batch-prompt-lens.patch"]
     assert "sglang/srt/hidden_dump.py" in r["files"] and "sglang/srt/models/llama.py" in r["files"]
 
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hidden_dump_util import (DEAD_SERIES, LLAMA, MODEL_RUNNER, MODULE, SERIES, Batch, load_module,
-                              make_runner, patched_tree, series_patch_paths)
+from hidden_dump_util import (DEAD_SERIES, FORWARD_BATCH_INFO, LLAMA, MODEL_RUNNER, MODULE, SERIES,
+                              Batch, load_module, make_runner, patched_tree, series_patch_paths)
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+\.safetensors")
 
@@ -86,9 +86,9 @@ def slow_writes(monkeypatch, hd, delay: float, chunk: int | None = None):
 
 
 def test_series_hashes_match_patch_files():
-    for series in (SERIES, DEAD_SERIES):
+    for series, n in ((SERIES, 3), (DEAD_SERIES, 3)):
         data = tomllib.loads((series / "series.toml").read_text())
-        assert len(data["patch"]) == 2
+        assert len(data["patch"]) == n
         for p, path in zip(data["patch"], series_patch_paths(series)):
             digest = hashlib.sha256(path.read_bytes()).hexdigest()
             assert p["sha256"] == digest, f"{series.name}/{p['file']}"
@@ -108,11 +108,34 @@ def test_patches_are_git_unified_diffs_inside_sglang():
 
 
 def test_hook_patch_applies_to_pristine_and_compiles(patched, sglang_tree):
-    for rel in (MODEL_RUNNER, MODULE):
+    for rel in (MODEL_RUNNER, MODULE, FORWARD_BATCH_INFO):
         py_compile.compile(str(patched / rel), doraise=True)
-    before = (sglang_tree / MODEL_RUNNER).read_text().splitlines()
-    after = (patched / MODEL_RUNNER).read_text().splitlines()
-    assert len(after) - len(before) == 4  # import + comment + if + call: nothing else moves
+    growth = {}
+    for rel in (MODEL_RUNNER, FORWARD_BATCH_INFO):
+        before = (sglang_tree / rel).read_text().splitlines()
+        after = (patched / rel).read_text().splitlines()
+        growth[rel] = len(after) - len(before)
+    # model_runner: import, comment + mode before the forward, comment + if + 3-line call;
+    # forward_batch_info: import, comment + if + call. Nothing else moves.
+    assert growth == {MODEL_RUNNER: 8, FORWARD_BATCH_INFO: 4}
+
+
+def test_batch_hook_records_prompt_lengths_in_init_new(patched, hd):
+    tree = ast.parse((patched / FORWARD_BATCH_INFO).read_text())
+    init_new = _forward_of(tree, "ForwardBatch", "init_new")
+    ifs = [n for n in init_new.body if isinstance(n, ast.If) and "note_batch" in ast.unparse(n)]
+    assert len(ifs) == 1
+    assert ast.unparse(ifs[0]) == ("if _hidden_dump.enabled() and (not model_runner.is_draft_worker):\n"
+                                   "    _hidden_dump.note_batch(ret, batch)")
+    # right after the ForwardBatch is built
+    prev = init_new.body[init_new.body.index(ifs[0]) - 1]
+    assert ast.unparse(prev).startswith("ret = cls(")
+    code = compile(ast.Module(body=ifs, type_ignores=[]), "<batch hook>", "exec")
+    reqs = [types.SimpleNamespace(origin_input_ids=[1] * n) for n in (5, 9)]
+    ret = types.SimpleNamespace()
+    exec(code, {"_hidden_dump": hd, "model_runner": make_runner(), "ret": ret,
+                "batch": types.SimpleNamespace(reqs=reqs)})
+    assert ret.hidden_dump_prompt_lens == [5, 9]
 
 
 def _forward_of(tree: ast.Module, cls: str, fn: str) -> ast.FunctionDef:
@@ -165,10 +188,13 @@ def test_hook_is_one_if_directly_in_model_runner_forward(patched):
     assert raw and ep and raw[0] < ep[0] < i
     text = ast.unparse(hook)
     assert "_hidden_dump.enabled()" in text and "not self.is_draft_worker" in text
-    assert "_hidden_dump.on_forward_end(self, forward_batch, output.logits_output)" in text
-    # self-contained: only self, forward_batch, output and the module alias are referenced
+    assert "_hidden_dump.on_forward_end(self, forward_batch, output.logits_output, mode=_hd_mode)" in text
+    # the mode is read right before the `with` (EagerRunner rewrites MIXED to EXTEND inside it)
+    top = fwd.body.index(withs[0])
+    assert ast.unparse(fwd.body[top - 1]) == "_hd_mode = forward_batch.forward_mode"
+    # self-contained: only self, forward_batch, output, the mode and the module alias
     names = {n.id for n in ast.walk(hook) if isinstance(n, ast.Name)}
-    assert names <= {"self", "forward_batch", "output", "_hidden_dump"}
+    assert names <= {"self", "forward_batch", "output", "_hidden_dump", "_hd_mode"}
     # the literal call text that `check` looks for
     assert "hidden_dump.on_forward_end" in src
 
@@ -183,6 +209,7 @@ def test_hook_statement_executes_with_duck_typed_objects(patched, hd):
         runner = make_runner()
         runner.is_draft_worker = draft
         ns = {"self": runner, "forward_batch": b.forward_batch, "_hidden_dump": hd,
+              "_hd_mode": b.forward_batch.forward_mode,
               "output": types.SimpleNamespace(logits_output=b.logits_output)}
         exec(code, ns)
         hd.flush(10)
@@ -206,10 +233,11 @@ def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree
         {k: v for k, v in real["smoke"].items() if k != "hook"}
     assert data["smoke"]["hook"] == {
         "file": LLAMA, "function": "LlamaModel.forward", "call": "hidden_dump.on_forward_end"}
-    # the same capture module as the real series: its own file, named by reference, not a copy
-    assert data["patch"][0]["series"] == "hidden-dump"
-    assert series_patch_paths(DEAD_SERIES)[0] == SERIES / "0001-hidden-dump-module.patch"
-    assert not (DEAD_SERIES / "0001-hidden-dump-module.patch").exists()
+    # the same capture module (and batch hook) as the real series: its own files, named by reference, not copies
+    refs = {p["file"]: p.get("series") for p in data["patch"]}
+    for name in ("0001-hidden-dump-module.patch", "0003-forward-batch-prompt-lens.patch"):
+        assert refs[name] == "hidden-dump" and SERIES / name in series_patch_paths(DEAD_SERIES)
+        assert not (DEAD_SERIES / name).exists()
 
 
 def test_module_imports_only_stdlib_and_torch_at_module_level(patched):
@@ -223,19 +251,14 @@ def test_module_imports_only_stdlib_and_torch_at_module_level(patched):
     assert "sglang" not in top
     allowed = set(sys.stdlib_module_names) | {"torch", "safetensors", "__future__"}
     assert top <= allowed, top - allowed
-    # any sglang import sits inside a function, guarded by try
-    guarded = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Try):
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.ImportFrom) and (sub.module or "").startswith("sglang"):
-                    guarded.add(id(sub))
+    # the one sglang import (the runtime context's rank) sits inside a function: importing
+    # the module never imports SGLang
+    inside = {id(sub) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+              for sub in ast.walk(fn)}
     every = [n for n in ast.walk(tree)
              if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("sglang")]
-    assert every and all(id(n) in guarded for n in every)
-    src = (patched / MODULE).read_text()
-    for m in re.finditer(r"^(\s*)from sglang", src, re.M):
-        assert len(m.group(1)) >= 8  # indented: inside a function's try block
+    assert [n.module for n in every] == ["sglang.srt.runtime_context"]
+    assert all(id(n) in inside for n in every)
 
 
 # --------------------------------------------------------------------------- the capture
@@ -261,8 +284,11 @@ def test_one_correct_file_per_request(hd):
         assert torch.equal(tensors["aux_hidden_states"].view(torch.int16), aux.view(torch.int16))
         assert torch.equal(tensors["hidden_states"].view(torch.int16), last.view(torch.int16))
         assert meta == {
-            "format_version": "1", "rid": rid, "num_tokens": str(T), "prefix_len": "0",
-            "hidden_size": "16", "layers": json.dumps([2, 6, 9]),
+            "format_version": "2", "rid": rid, "num_tokens": str(T), "prefix_len": "0",
+            "prompt_len": str(T), "hidden_size": "16",
+            "layers": "[2, 6, 9]", "layers_convention": "layers_to_capture",
+            "layers_to_capture": "[2, 6, 9]", "layer_outputs": "[1, 5, 8]",
+            "eagle_aux_hidden_state_layer_ids": "null",
             "model_arch": "LlamaForCausalLM", "dtype": "bfloat16",
         }
     s = hd.stats()
@@ -271,27 +297,122 @@ def test_one_correct_file_per_request(hd):
     assert not [p for p in hd.dir.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_explicit_layer_ids_hidden_size_and_prefix(hd):
-    b = Batch(["p-0", "p-1"], [4, 6], hidden=8, k=3, prefix=[0, 32])
-    runner = make_runner(hidden=8, num_layers=61, layer_ids=[3, 31, 59], arch="DeepseekV3ForCausalLM")
+@pytest.mark.parametrize("arch,ids,captured", [
+    # The Kimi-K2.5 example: DeepseekV2 takes explicit ids as given.
+    ("DeepseekV3ForCausalLM", [3, 31, 59], [3, 31, 59]),
+    # Llama adds one to explicit ids: the flag [2, 4, 5] captures the inputs of 3, 5, 6.
+    ("LlamaForCausalLM", [2, 4, 5], [3, 5, 6]),
+])
+def test_layers_metadata_names_what_the_model_captured(hd, arch, ids, captured):
+    b = Batch(["p-0"], [4], hidden=8, k=3)
+    runner = make_runner(hidden=8, num_layers=61, layer_ids=ids, arch=arch)
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
     assert hd.flush(10)
-    # a chunk that starts after a cached prefix never overwrites the request's first chunk
-    assert dumped(hd.dir) == ["p-0.safetensors", "p-1.prefix32.safetensors"]
-    _, meta = load(hd.dir / "p-1.prefix32.safetensors")
-    assert meta["layers"] == "[3, 31, 59]" and meta["prefix_len"] == "32"
-    assert meta["model_arch"] == "DeepseekV3ForCausalLM" and meta["hidden_size"] == "8"
+    _, meta = load(hd.dir / "p-0.safetensors")
+    assert json.loads(meta["layers"]) == json.loads(meta["layers_to_capture"]) == captured
+    assert meta["layers_convention"] == "layers_to_capture"
+    assert json.loads(meta["layer_outputs"]) == [i - 1 for i in captured]
+    assert json.loads(meta["eagle_aux_hidden_state_layer_ids"]) == ids
+    assert meta["model_arch"] == arch and meta["hidden_size"] == "8"
+
+
+def test_chunks_of_a_prompt_are_never_written_as_samples(hd):
+    # p-1's prompt of 40 tokens arrives as a first chunk of 8 and a continuation after 32.
+    b = Batch(["p-0", "p-1", "p-1"], [4, 8, 8], hidden=8, k=3, prefix=[0, 0, 32],
+              prompt_lens=[4, 40, 40])
+    hd.on_forward_end(make_runner(hidden=8), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["p-0.safetensors"]
+    s = hd.stats()
+    assert s["skipped_chunks"] == 2 and s["files_written"] == 1
+    log = (hd.dir / "_hidden_dump_errors.log").read_text()
+    assert "chunked_prompt" in log and "--chunked-prefill-size -1" in log
+
+
+def test_decode_rows_run_as_extend_are_never_written(hd):
+    # A MIXED batch as EagerRunner leaves it (mode rewritten to EXTEND; the hook passes the
+    # mode as scheduled) and a decode batch converted to EXTEND for a DP peer: running
+    # requests' decode tokens are 1-token extends after their whole prompt + outputs.
+    for mode_before, fb_mode in (("MIXED", "extend"), ("EXTEND", "extend")):
+        hd.reset()
+        b = Batch(["new-0", "run-1", "run-2"], [6, 1, 1], mode=fb_mode, prefix=[0, 9, 20],
+                  prompt_lens=[6, 7, 12])
+        hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output,
+                          mode=hd_mode(mode_before))
+        assert hd.flush(10)
+        assert dumped(hd.dir) == ["new-0.safetensors"]
+        t, _ = load(hd.dir / "new-0.safetensors")
+        assert torch.equal(t["input_ids"], b.expected(0)[0])
+        s = hd.stats()
+        assert s["skipped_decode_rows"] == 2 and s["errors"] == 0
+        (hd.dir / "new-0.safetensors").unlink()
+
+
+def test_dp_attention_padding_rows_are_not_data(hd):
+    # DP attention pads input_ids and the hidden states after the real rows and does not
+    # unpad after the forward: the old module dropped the whole batch (shape_mismatch).
+    b = Batch(["dp-0", "dp-1"], [3, 5], hidden=8, k=3, pad=11)
+    hd.on_forward_end(make_runner(hidden=8), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["dp-0.safetensors", "dp-1.safetensors"]
+    for i, rid in enumerate(b.rids):
+        t, _ = load(hd.dir / f"{rid}.safetensors")
+        ids, aux, last = b.expected(i)
+        assert torch.equal(t["input_ids"], ids)
+        assert torch.equal(t["aux_hidden_states"].view(torch.int16), aux.view(torch.int16))
+        assert torch.equal(t["hidden_states"].view(torch.int16), last.view(torch.int16))
+    assert hd.stats()["errors"] == 0
+
+
+def test_hidden_states_of_some_rows_only_write_nothing(hd):
+    # DeepSeek-V4's bounded SWA replay returns the rows in hidden_states_token_indices only.
+    b = Batch(["swa-0"], [4])
+    b.logits_output.hidden_states_token_indices = torch.tensor([2, 3])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == []
+    assert "rows_subset" in (hd.dir / "_hidden_dump_errors.log").read_text()
+
+
+def test_warm_up_and_other_unnamed_requests_are_not_dumped(hd):
+    # SGLang names a request sent without a rid (its own start-up warm-up too) uuid4().hex.
+    warm = "3f2b8c9d0e1f4a5b8c7d6e5f4a3b2c1d"
+    b = Batch([warm, "client-1"], [6, 3])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["client-1.safetensors"]
+    assert hd.stats()["skipped_unnamed"] == 1
+
+
+def test_missing_prompt_lengths_write_nothing_and_say_why(hd):
+    b = Batch(["n-0"], [3])
+    del b.forward_batch.hidden_dump_prompt_lens  # the ForwardBatch.init_new hook did not run
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == []
+    assert "no_prompt_lens" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
 
 def test_model_arch_unknown_and_hidden_size_from_tensor(hd):
     b = Batch(["u-0"], [3], hidden=8, k=3)
-    runner = types.SimpleNamespace(attn_tp_rank=0, server_args=None,
-                                   model_config=types.SimpleNamespace(num_hidden_layers=10))
+    make_runner()  # the runtime context: attention-TP rank 0
+    runner = types.SimpleNamespace(server_args=None, model=types.SimpleNamespace(
+        layers_to_capture=[2, 5, 7]))
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
     assert hd.flush(10)
     _, meta = load(hd.dir / "u-0.safetensors")
     assert meta["model_arch"] == "unknown" and meta["hidden_size"] == "8"
-    assert meta["layers"] == "[2, 5, 7]"
+    assert meta["layers"] == "[2, 5, 7]" and meta["eagle_aux_hidden_state_layer_ids"] == "null"
+
+
+def test_no_layers_to_capture_on_the_model_writes_nothing(hd):
+    b = Batch(["nl-0"], [3], hidden=8, k=3)
+    runner = make_runner(hidden=8)
+    runner.model = types.SimpleNamespace()  # a model that never ran set_eagle3_layers_to_capture
+    hd.on_forward_end(runner, b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == []
+    assert "no_layers_to_capture" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
 
 def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
@@ -312,26 +433,36 @@ def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
     assert not [n for n in dumped(hd.dir) if "HEALTH" in n]
 
 
-@pytest.mark.parametrize("mode", ["decode", "idle", "target_verify", "mixed"])
+def hd_mode(name):
+    from patchctl.simserver import ForwardMode
+    return ForwardMode(name)
+
+
+@pytest.mark.parametrize("mode", ["decode", "idle", "target_verify"])
 def test_non_prefill_forwards_are_ignored(hd, mode):
     b = Batch(["m-0", "m-1"], [1, 1], mode=mode)
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
     assert hd.flush(10)
     assert dumped(hd.dir) == []
     s = hd.stats()
-    assert s["errors"] == 0 and s["files_written"] == 0
-    assert s["skipped_mixed" if mode == "mixed" else "skipped_forwards"] == 1
+    assert s["errors"] == 0 and s["files_written"] == 0 and s["skipped_forwards"] == 1
 
 
-@pytest.mark.parametrize("ranks,expect", [
-    ({"attn_tp_rank": 1}, False),
-    ({"tp_rank": 2}, False),
-    ({"attn_tp_rank": 0, "tp_rank": 3}, True),  # attention-DP: rank 0 of each attention group
-    ({"tp_rank": 0}, True),
-])
-def test_only_attention_tp_rank_zero_dumps(hd, ranks, expect):
+def test_mode_before_the_forward_wins(hd):
+    # The hook passes the mode as scheduled: a batch whose mode field says EXTEND after the
+    # forward but was scheduled as TARGET_VERIFY is not a prefill.
+    b = Batch(["v-0"], [3])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output, mode=hd_mode("TARGET_VERIFY"))
+    assert hd.flush(10)
+    assert dumped(hd.dir) == [] and hd.stats()["skipped_forwards"] == 1
+
+
+@pytest.mark.parametrize("rank,expect", [(1, False), (0, True)])
+def test_only_attention_tp_rank_zero_dumps(hd, rank, expect):
+    # the rank comes from SGLang's runtime context (get_parallel().attn_tp_rank), per
+    # attention-DP group; ModelRunner has no rank attribute in 0.5.23
     b = Batch(["r-0"], [3])
-    hd.on_forward_end(make_runner(**ranks), b.forward_batch, b.logits_output)
+    hd.on_forward_end(make_runner(attn_tp_rank=rank), b.forward_batch, b.logits_output)
     assert hd.flush(10)
     assert dumped(hd.dir) == (["r-0.safetensors"] if expect else [])
 
@@ -412,7 +543,7 @@ def test_bad_inputs_never_raise(hd):
     assert hd.flush(10)
     assert dumped(hd.dir) == []
     log = (hd.dir / "_hidden_dump_errors.log").read_text()
-    for kind in ("no_hidden_states", "width_mismatch", "shape_mismatch"):
+    for kind in ("no_hidden_states", "width_mismatch", "rows_missing"):
         assert kind in log
     assert hd.stats()["errors"] >= 3
 

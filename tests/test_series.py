@@ -248,10 +248,13 @@ def test_reference_must_name_the_owner_not_a_chain_nor_leave_the_patches_dir(tmp
     assert "patch file far/0001-mod.patch is missing" in expect_bad(patches, "user")
 
 
-def test_shipped_dead_hook_series_uses_hidden_dumps_module_patch():
+def test_shipped_dead_hook_series_uses_hidden_dumps_own_patches():
     patches = Path(__file__).resolve().parent.parent / "patches"
     dead = load_series(patches, "hidden-dump-dead-hook")
     real = load_series(patches, "hidden-dump")
-    module = next(p for p in real.patches if p.file == "0001-hidden-dump-module.patch")
-    assert (dead.patches[0].series, dead.patches[0].path, dead.patches[0].text) == ("hidden-dump", module.path, module.text)
-    assert not (patches / "hidden-dump-dead-hook" / module.file).exists()
+    for dp in (dead.patches[0], dead.patches[2]):  # the capture module and the batch hook
+        own = next(p for p in real.patches if p.file == dp.file)
+        assert (dp.series, dp.path, dp.text, dp.version) == ("hidden-dump", own.path, own.text, own.version)
+        assert not (patches / "hidden-dump-dead-hook" / dp.file).exists()
+    assert [p.file for p in dead.patches] == ["0001-hidden-dump-module.patch", "0002-llama-model-hook.patch",
+                                              "0003-forward-batch-prompt-lens.patch"]
