@@ -191,7 +191,7 @@ class Fleet:
         self.inventory.write_text(text)
 
     def _lay_host(self, h: TestHost, layout: str):
-        from patchctl.simserver import write_model_config
+        from patchctl.simserver.model import write_model_config
 
         write_model_config(h.dir / "model", layers=8, hidden=64, vocab=512)
         if layout == "git":

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 # The stand-in's duck type of SGLang's ForwardMode and its stub of SGLang's runtime context.
-from patchctl.simserver import ForwardMode, install_runtime_context
+from patchctl.simserver.ducks import ForwardMode, install_runtime_context
 
 REPO = Path(__file__).resolve().parent.parent
 SERIES = REPO / "patches" / "hidden-dump"

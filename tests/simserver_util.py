@@ -157,7 +157,7 @@ def hook_model_runner(tree: Path, where: str = "forward") -> None:
 
 
 def write_model(path: Path, layers=8, hidden=64, vocab=512) -> Path:
-    from patchctl.simserver import write_model_config
+    from patchctl.simserver.model import write_model_config
     return write_model_config(path, layers=layers, hidden=hidden, vocab=vocab)
 
 

@@ -434,7 +434,7 @@ def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
 
 
 def hd_mode(name):
-    from patchctl.simserver import ForwardMode
+    from patchctl.simserver.ducks import ForwardMode
     return ForwardMode(name)
 
 
