@@ -38,20 +38,16 @@ class State:
         self.stall_after = knobs.stall_after()
 
 
-
 class BadRequest(ValueError):
     pass
-
 
 
 def tokenize(text: str, vocab: int) -> list[int]:
     return [b % vocab for b in text.encode("utf-8")]
 
 
-
 def detokenize(ids) -> str:
     return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
-
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -129,7 +125,6 @@ class Handler(BaseHTTPRequestHandler):
         self._send(code, res)
 
     do_PUT = do_POST
-
 
 
 class App:

@@ -88,7 +88,6 @@ def build_parser():
     return p
 
 
-
 def _parse_layer_ids(values):
     if values is None:
         return None
@@ -102,12 +101,10 @@ def _parse_layer_ids(values):
     return out
 
 
-
 def _fatal(msg):
     logger.error(msg)
     logging.shutdown()
     sys.exit(1)
-
 
 
 def main(argv=None):

@@ -69,10 +69,8 @@ class ForwardMode:
         return False
 
 
-
 class NS(types.SimpleNamespace):
     pass
-
 
 
 def install_runtime_context(**parallel) -> types.ModuleType:

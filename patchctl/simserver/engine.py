@@ -35,7 +35,6 @@ class Work:
         self.t0 = time.time()
 
 
-
 class Engine:
     """One scheduler thread: batches requests that arrive together into one extend forward."""
 

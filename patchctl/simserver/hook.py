@@ -64,7 +64,6 @@ class Hook:
             exec(self.post, ns)
 
 
-
 def _hidden_dump_aliases(nodes) -> list[str]:
     """Names bound to sglang.srt.hidden_dump by the given import statements."""
     aliases = []
@@ -80,9 +79,7 @@ def _hidden_dump_aliases(nodes) -> list[str]:
     return aliases
 
 
-
 HOOK_CALLS = ("on_forward_end", "note_batch")
-
 
 
 def _is_hook_call(node, aliases) -> bool:
@@ -91,16 +88,13 @@ def _is_hook_call(node, aliases) -> bool:
             and node.func.value.id in aliases)
 
 
-
 def _contains_hook(node, aliases) -> bool:
     return any(_is_hook_call(n, aliases) for n in ast.walk(node))
-
 
 
 def _names_loaded(nodes) -> set[str]:
     return {n.id for node in nodes for n in ast.walk(node)
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-
 
 
 def _prune_block(stmts: list[ast.stmt], aliases) -> list[ast.stmt]:
@@ -151,7 +145,6 @@ def _prune_block(stmts: list[ast.stmt], aliases) -> list[ast.stmt]:
     return [s for _, s in deps] + [s for _, s in kept]
 
 
-
 def _hook_statements(root: Path, rel: str, cls: str, method: str):
     """(path, method node, hidden_dump aliases, pruned statements that lead to a hook call)
     of `cls.method` in the tree's `rel`; None when the method calls no hook."""
@@ -172,7 +165,6 @@ def _hook_statements(root: Path, rel: str, cls: str, method: str):
     return None
 
 
-
 def _compile(stmts, path):
     if not stmts:
         return None
@@ -180,10 +172,8 @@ def _compile(stmts, path):
     return compile(mod, str(path), "exec", dont_inherit=True)
 
 
-
 def _hook_lines(body, aliases) -> list[int]:
     return sorted({n.lineno for s in body for n in ast.walk(s) if _is_hook_call(n, aliases)})
-
 
 
 def extract_hook(root: Path) -> Hook | None:
@@ -197,7 +187,6 @@ def extract_hook(root: Path) -> Hook | None:
     pre = _compile([s for s in body if s.lineno < raw_line], path)
     post = _compile([s for s in body if s.lineno >= raw_line], path)
     return Hook(pre, post, aliases, _hook_lines(body, aliases), str(path))
-
 
 
 class BatchHook:
@@ -214,7 +203,6 @@ class BatchHook:
             ns[a] = module
         ns.update(ret=forward_batch, batch=schedule_batch, model_runner=runner, cls=type(forward_batch))
         exec(self.code, ns)
-
 
 
 def extract_batch_hook(root: Path) -> BatchHook | None:

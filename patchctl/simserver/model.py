@@ -36,7 +36,6 @@ def write_model_config(path, layers: int = 8, hidden: int = 64, vocab: int = 512
     return d
 
 
-
 class TinyModel:
     """embedding -> N x (h + tanh(h @ W)) -> RMSNorm -> tied lm head; float32, seed 0."""
 
@@ -75,7 +74,6 @@ class TinyModel:
                 aux = torch.cat(parts, dim=-1).to(torch.bfloat16)
             last = normed.to(torch.bfloat16) if self.capture_ids else None
             return aux, last, logits.float()
-
 
 
 def resolve_capture_ids(args, layers):

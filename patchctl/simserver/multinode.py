@@ -24,7 +24,6 @@ def _split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-
 def head_rendezvous(args, stop, state) -> bool:
     """Node rank 0 of a multi-node server: wait until every other node joined at
     --dist-init-addr (SGLang's torch.distributed init); a node that leaves later kills
@@ -78,7 +77,6 @@ def head_rendezvous(args, stop, state) -> bool:
             return False
     logger.info("Init torch distributed ends: %d nodes", args.nnodes)
     return True
-
 
 
 def follow_head(args, stop, shutdown):

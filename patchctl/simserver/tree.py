@@ -42,9 +42,7 @@ def find_sglang_root() -> Path | None:
     return None
 
 
-
 _VERSION_RE = re.compile(r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*(?:__version__\s*=\s*|version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
-
 
 
 def read_tree_version(root: Path) -> str | None:
@@ -66,7 +64,6 @@ def read_tree_version(root: Path) -> str | None:
     return None
 
 
-
 def _record_hashes(root: Path) -> dict[str, str] | None:
     records = sorted(root.glob("sglang-*.dist-info/RECORD"))
     if not records:
@@ -77,7 +74,6 @@ def _record_hashes(root: Path) -> dict[str, str] | None:
             if len(row) >= 2 and row[1].startswith("sha256="):
                 out[row[0]] = row[1][len("sha256="):]
     return out
-
 
 
 def changed_sources(root: Path) -> list[Path]:
@@ -108,14 +104,12 @@ def changed_sources(root: Path) -> list[Path]:
     return sorted(changed)
 
 
-
 def compile_check(root: Path) -> list[Path]:
     """Compile (in memory) what a patch touched; raises SyntaxError like an import would."""
     files = changed_sources(root)
     for p in files:
         compile(p.read_bytes(), str(p), "exec", dont_inherit=True)
     return files
-
 
 
 def import_hidden_dump(root: Path):
