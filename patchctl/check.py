@@ -15,7 +15,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from patchctl import applier
+from patchctl.host import applier
 from patchctl.errors import BadInput
 from patchctl.series import Hook, Series, load_series
 

@@ -20,13 +20,13 @@ COMMANDS = {
     "refresh": ("patchctl.authoring", "run_refresh"),
     "trace": ("patchctl.trace", "run_trace"),
     "inventory": ("patchctl.inventory", "run_inventory"),
-    "plan": ("patchctl.deploy", "run_plan"),
+    "plan": ("patchctl.queries", "run_plan"),
     "apply": ("patchctl.deploy", "run_apply"),
     "rollback": ("patchctl.deploy", "run_rollback"),
-    "status": ("patchctl.deploy", "run_status"),
+    "status": ("patchctl.queries", "run_status"),
     "smoke": ("patchctl.deploy", "run_smoke"),
-    "history": ("patchctl.deploy", "run_history"),
-    "unlock": ("patchctl.deploy", "run_unlock"),
+    "history": ("patchctl.queries", "run_history"),
+    "unlock": ("patchctl.queries", "run_unlock"),
 }
 
 

@@ -41,7 +41,7 @@ def setup() -> Path:
     if not (tree / "sglang").is_dir():
         say("unpacking SGLang 0.5.23 (PyPI wheel) into the demo host's site-packages")
         shutil.copytree(fetch_release("0.5.23", log=print), tree, symlinks=True)
-    from patchctl.simserver import write_model_config
+    from patchctl.simserver.model import write_model_config
 
     write_model_config(demo / "model", layers=8, hidden=64, vocab=512)
     (demo / "state").mkdir(parents=True, exist_ok=True)

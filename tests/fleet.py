@@ -61,7 +61,7 @@ def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
 
 
 def pid_on_port(port: int, host: str | None = None) -> int | None:
-    from patchctl.agent import pid_on_port as find
+    from patchctl.host.server import pid_on_port as find
 
     return find(port, host)
 
@@ -191,7 +191,7 @@ class Fleet:
         self.inventory.write_text(text)
 
     def _lay_host(self, h: TestHost, layout: str):
-        from patchctl.simserver import write_model_config
+        from patchctl.simserver.model import write_model_config
 
         write_model_config(h.dir / "model", layers=8, hidden=64, vocab=512)
         if layout == "git":

@@ -248,6 +248,19 @@ def test_real_series_checks_clean(capsys, monkeypatch, seeded_cache):
     assert snapshot(PATCHES / "hidden-dump") == before
 
 
+def test_dead_hook_series_checks_hidden_dumps_module_through_its_reference(capsys, monkeypatch, seeded_cache):
+    """The known-bad series applies hidden-dump's own module patch (named by reference) and its hook:
+    `check` passes, as the README says (only the smoke catches a dead hook)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(seeded_cache))
+    rc, out, err = run(capsys, "--patches", str(PATCHES), "--json", "check", "hidden-dump-dead-hook")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["ok"] and r["hook"]["ok"]
+    assert [p["name"] for p in r["patches"]] == ["0001-hidden-dump-module.patch", "0002-llama-model-hook.patch",
+                                                 "0003-forward-batch-prompt-lens.patch"]
+    assert "sglang/srt/hidden_dump.py" in r["files"] and "sglang/srt/models/llama.py" in r["files"]
+
+
 # --- hook resolution and tree facts ---------------------------------------------------------
 
 SRC = """\

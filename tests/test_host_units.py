@@ -1,4 +1,4 @@
-"""The on-host agent's pieces on their own: version clauses, command rendering, dump validation, systemd drop-ins."""
+"""The host package's pieces on their own: version clauses, command rendering, dump validation, systemd drop-ins."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from patchctl import agent
+from patchctl.host import events, server, smoke, tree
 
 
 @pytest.mark.parametrize("version,clauses,ok", [
@@ -24,15 +24,15 @@ from patchctl import agent
     ("0.5.23", [["!=", "0.5.23"]], False),
 ])
 def test_version_clauses(version, clauses, ok):
-    assert agent.version_matches(version, clauses) is ok
+    assert tree.version_matches(version, clauses) is ok
 
 
 def test_command_placeholders_are_single_words_and_no_shell_runs(tmp_path):
-    argv = agent.render_command("{python} -m srv --root {state_dir} --port {port}",
+    argv = server.render_command("{python} -m srv --root {state_dir} --port {port}",
                                 {"python": "/opt/my env/bin/python", "state_dir": "/x/$(touch y); `z`", "port": 1})
     assert argv == ["/opt/my env/bin/python", "-m", "srv", "--root", "/x/$(touch y); `z`", "--port", "1"]
-    with pytest.raises(agent.AgentError) as e:
-        agent.render_command("{python} {nope}", {"python": "p"})
+    with pytest.raises(events.AgentError) as e:
+        server.render_command("{python} {nope}", {"python": "p"})
     assert e.value.kind == "bad_input"
 
 
@@ -53,7 +53,7 @@ def _dump(path, T=5, H=8, K=3, layers=(2, 4, 5), ids=None, mutate=None, prefix="
 def test_validate_dump_accepts_a_good_file(tmp_path):
     p = tmp_path / "a.safetensors"
     ids = _dump(p)
-    assert agent.validate_dump(str(p), ids, [2, 4, 5], 8) == []
+    assert smoke.validate_dump(str(p), ids, [2, 4, 5], 8) == []
 
 
 @pytest.mark.parametrize("kw,expect", [
@@ -68,18 +68,18 @@ def test_validate_dump_accepts_a_good_file(tmp_path):
 def test_validate_dump_catches(tmp_path, kw, expect):
     p = tmp_path / "a.safetensors"
     ids = _dump(p, **kw)
-    problems = agent.validate_dump(str(p), ids, [2, 4, 5], 8)
+    problems = smoke.validate_dump(str(p), ids, [2, 4, 5], 8)
     assert any(expect in x for x in problems), problems
 
 
 def test_validate_dump_wrong_ids_and_truncation(tmp_path):
     p = tmp_path / "a.safetensors"
     ids = _dump(p)
-    assert any("input_ids differ" in x for x in agent.validate_dump(str(p), [1] + ids[1:], [2, 4, 5], 8))
-    assert any("expected I64 [6]" in x for x in agent.validate_dump(str(p), ids + [1], [2, 4, 5], 8))
+    assert any("input_ids differ" in x for x in smoke.validate_dump(str(p), [1] + ids[1:], [2, 4, 5], 8))
+    assert any("expected I64 [6]" in x for x in smoke.validate_dump(str(p), ids + [1], [2, 4, 5], 8))
     data = p.read_bytes()
     p.write_bytes(data[: len(data) - 7])
-    assert any("unreadable" in x or "past the end" in x for x in agent.validate_dump(str(p), ids, [2, 4, 5], 8))
+    assert any("unreadable" in x or "past the end" in x for x in smoke.validate_dump(str(p), ids, [2, 4, 5], 8))
 
 
 def test_systemd_manager_writes_a_dropin_and_restores_the_previous_one(tmp_path, monkeypatch):
@@ -96,8 +96,8 @@ def test_systemd_manager_writes_a_dropin_and_restores_the_previous_one(tmp_path,
     profile = {"series": "hidden-dump", "server_args": ["--enable-return-aux-hidden-states"], "layers_arg": "--ids",
                "env": {"SGLANG_HIDDEN_DUMP_DIR": "{state_dir}/dumps"}}
     os.makedirs(req["state_dir"])
-    cfg = agent.build_server_config(req, profile, [3, 31, 59])
-    mgr = agent.SystemdManager(req["state_dir"], cfg)
+    cfg = server.build_server_config(req, profile, [3, 31, 59])
+    mgr = server.SystemdManager(req["state_dir"], cfg)
     mgr.dropin_dir = str(tmp_path / "sglang.service.d")
     mgr.dropin = os.path.join(mgr.dropin_dir, "50-patchctl.conf")
     before = mgr.current_config()
@@ -120,20 +120,20 @@ def test_server_found_by_port_only_on_an_address_the_health_checks_reach():
     other.listen()
     port = other.getsockname()[1]
     try:
-        assert agent.pid_on_port(port) == os.getpid()  # by port alone
-        assert agent.pid_on_port(port, "127.0.0.1") is None
-        assert agent.pid_on_port(port, "127.0.0.2") == os.getpid()
+        assert server.pid_on_port(port) == os.getpid()  # by port alone
+        assert server.pid_on_port(port, "127.0.0.1") is None
+        assert server.pid_on_port(port, "127.0.0.2") == os.getpid()
         ours = socket.socket()
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         ours.bind(("0.0.0.0", 0))  # a wildcard listener is reached through 127.0.0.1 and localhost
         ours.listen()
         with ours:
             wild = ours.getsockname()[1]
-            assert agent.pid_on_port(wild, "127.0.0.1") == os.getpid()
-            assert agent.pid_on_port(wild, "localhost") == os.getpid()
+            assert server.pid_on_port(wild, "127.0.0.1") == os.getpid()
+            assert server.pid_on_port(wild, "localhost") == os.getpid()
     finally:
         other.close()
-    assert agent.pid_on_port(port) is None
+    assert server.pid_on_port(port) is None
 
 
 def test_start_refuses_a_port_another_process_holds(tmp_path):
@@ -144,8 +144,8 @@ def test_start_refuses_a_port_another_process_holds(tmp_path):
         held.listen()
         port = held.getsockname()[1]
         cfg = {"argv": ["/bin/true"], "env": {}, "log": str(tmp_path / "server.log"), "host": "127.0.0.1", "port": port}
-        with pytest.raises(agent.AgentError, match=f"port 127.0.0.1:{port} is held by another process \\(pid {os.getpid()}"):
-            agent.ProcessManager(str(tmp_path), cfg).start(cfg)
+        with pytest.raises(events.AgentError, match=f"port 127.0.0.1:{port} is held by another process \\(pid {os.getpid()}"):
+            server.ProcessManager(str(tmp_path), cfg).start(cfg)
     assert not (tmp_path / "server.json").exists()  # nothing started, nothing recorded
 
 
@@ -155,17 +155,17 @@ def test_agent_beats_while_its_main_thread_is_busy_and_notices_a_gone_controller
     import subprocess
     import sys
 
-    busy = ("import threading, time\nfrom patchctl import agent\n"
-            "threading.Thread(target=agent._keep_beating, daemon=True).start()\n"
+    busy = ("import threading, time\nfrom patchctl.host import events\n"
+            "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
             "time.sleep(3.2)\n")  # a main thread that never reports by itself
     p = subprocess.run([sys.executable, "-c", busy], capture_output=True, text=True, timeout=60)
     beats = [json.loads(l.split(" ", 1)[1]) for l in p.stderr.splitlines() if l.startswith("PATCHCTL-EVENT ")]
     assert p.returncode == 0 and len(beats) >= 2 and all(b["event"] == "heartbeat" for b in beats), p.stderr
-    waits = ("import sys, threading, time\nfrom patchctl import agent\n"
-             "threading.Thread(target=agent._keep_beating, daemon=True).start()\n"
+    waits = ("import sys, threading, time\nfrom patchctl.host import events\n"
+             "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
              "deadline = time.time() + 30\n"
-             "while not agent._gone[0] and time.time() < deadline:\n    time.sleep(0.05)\n"
-             "try:\n    agent.heartbeat(step='x')\nexcept agent.ControllerGone:\n    sys.exit(75)\n")
+             "while not events._gone[0] and time.time() < deadline:\n    time.sleep(0.05)\n"
+             "try:\n    events.heartbeat(step='x')\nexcept events.ControllerGone:\n    sys.exit(75)\n")
     proc = subprocess.Popen([sys.executable, "-c", waits], stderr=subprocess.PIPE)
     proc.stderr.close()  # the controller goes away
     assert proc.wait(timeout=60) == 75
