@@ -40,6 +40,7 @@ class ServerConfig:
     stop_timeout: float = 60.0
     unit: str | None = None
     capture_layers: list[int] | None = None
+    layer_outputs: list[int] | None = None
     hidden_size: int | None = None
 
 
@@ -90,6 +91,7 @@ class Host:
                 "stop_timeout": self.server.stop_timeout,
                 "unit": self.server.unit,
                 "capture_layers": self.server.capture_layers,
+                "layer_outputs": self.server.layer_outputs,
                 "hidden_size": self.server.hidden_size,
             },
         }
@@ -172,7 +174,7 @@ _HOST_KEYS = (
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
     "manager", "command", "host", "port", "env", "log", "start_timeout", "stop_timeout",
-    "unit", "capture_layers", "hidden_size",
+    "unit", "capture_layers", "layer_outputs", "hidden_size",
 )
 _SERVERS_KEYS = ("nodes",)
 
@@ -517,12 +519,13 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
     v, p = pick("unit")
     if p:
         s.unit = L.want_str(v, p)
-    v, p = pick("capture_layers")
-    if p:
-        if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                      for x in v):
-            L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
-        s.capture_layers = list(v)
+    for key in ("capture_layers", "layer_outputs"):
+        v, p = pick(key)
+        if p:
+            if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                          for x in v):
+                L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
+            setattr(s, key, list(v))
     v, p = pick("hidden_size")
     if p:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

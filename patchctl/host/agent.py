@@ -31,9 +31,10 @@ import threading
 import time
 
 from . import applier
+from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
 from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
-from .server import build_server_config, http_request, manager_for, wait_ready
+from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
 from .smoke import model_arch_of, smoke
 from .state import TreeState
 from .tree import locate_tree, tree_version, version_matches
@@ -50,6 +51,7 @@ class Agent(object):
             os.makedirs(self.state_dir, 0o700)
         self.notes = []
         self._tree = None
+        self.took_lock = False
 
     # plumbing ----------------------------------------------------------
     @property
@@ -129,6 +131,8 @@ class Agent(object):
         f["server"] = self._server_status(mgr, cfg)
         f["free_bytes"] = shutil.disk_usage(self.state_dir).free
         f["model_arch"] = model_arch_of(cfg["argv"])
+        if self.req.get("series"):
+            f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke"))
         return f
 
     def _server_status(self, mgr, cfg, probe_health=True):
@@ -172,7 +176,18 @@ class Agent(object):
         return {"unlocked": cur}
 
     def _take_lock(self):
+        held = self.tree.lock_holder()
         self.tree.acquire(self.req["holder"], self.req.get("break_stale"))
+        # a lock this call took is given back if the op is refused as bad input (nothing changed)
+        self.took_lock = not (held and held.get("run_id") == self.run_id)
+
+    def capture_refusals(self, profile):
+        """Why a server restarted with this capture profile could not capture (capture_config),
+        judged on the exact command line the restart would run and the model it serves."""
+        if not profile or not profile.get("dump_dir_env"):
+            return []
+        cfg = self.server_cfg(profile)
+        return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
 
     def op_apply(self):
         """Files part of a deploy: lock, recover, checks, one transition, manifest (pending until verified)."""
@@ -187,6 +202,11 @@ class Agent(object):
             raise AgentError("bad_input", "cannot tell the SGLang version of %s" % t.root)
         if not version_matches(version, series.get("spec") or []) and not self.req.get("force"):
             raise AgentError("bad_input", "SGLang %s at %s is not a version series %s targets (%s)" % (version, t.root, series["name"], series.get("sglang")))
+        if self.req.get("restart"):
+            refused = self.capture_refusals(series.get("smoke"))
+            if refused:
+                raise AgentError("bad_input", "this server configuration cannot capture with %s: %s" % (
+                    series["name"], "; ".join(refused)), refusals=refused)
         m = t.manifest()
         if m and m.get("status") == "pending" and m.get("run_id") != self.run_id:
             # an earlier deploy never got verified: put the host back first
@@ -325,6 +345,7 @@ class Agent(object):
         out = {"stop": mgr.stop()}
         if self.req.get("stop_only"):
             return out
+        out["dump_dir"] = prepare_dump_dir(cfg, mgr)
         mgr.start(cfg)
         if self.req.get("no_wait"):
             return out
@@ -349,7 +370,8 @@ class Agent(object):
             raise AgentError("failed", "no server is running on port %s" % base["port"])
         if self.req.get("profile") and not cur.get("profile"):
             cur = dict(cur, profile=self.req["profile"])
-        res = smoke(self.state_dir, cur, self.run_id, self.req.get("capture_layers"), self.req.get("hidden_size"))
+        res = smoke(self.state_dir, cur, self.run_id, self.req.get("capture_layers"), self.req.get("hidden_size"),
+                    (self.req.get("server") or {}).get("layer_outputs"))
         if self.req.get("finalize"):
             self._finalize(res)
         return {"smoke": res}
@@ -475,7 +497,12 @@ def handle(req):
     fn = getattr(agent, "op_" + op, None)
     if fn is None:
         raise AgentError("bad_input", "unknown agent op %r" % op)
-    result = fn()
+    try:
+        result = fn()
+    except AgentError as e:
+        if e.kind == "bad_input" and agent.took_lock:  # refused before any change: leave no lock behind
+            agent.tree.release(agent.run_id)
+        raise
     result["notes"] = agent.notes
     return result
 

@@ -297,6 +297,10 @@ class SystemdManager(object):
             raise AgentError("failed", "systemctl %s: %s" % (" ".join(args), p.stdout.decode(errors="replace").strip()))
         return p.stdout.decode(errors="replace")
 
+    def server_user(self):
+        """The unit's User= (None: root), whom the dump directory must belong to."""
+        return self._ctl("show", "-p", "User", "--value", self.unit).strip() or None
+
     def current_config(self):
         """What is in force: the drop-in on disk (and, if patchctl wrote it, the profile it came from)."""
         try:
@@ -351,6 +355,31 @@ class SystemdManager(object):
 
 def _systemd_quote(s):
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def prepare_dump_dir(cfg, mgr):
+    """Create the capture profile's dump directory before the server starts, owned by the user
+    the server runs as (a systemd unit's User=; the agent's own user for a process server), so
+    the first dump never fails on a missing or foreign directory. An existing directory is only
+    checked, never changed. Returns the directory, or None when the profile dumps nothing."""
+    profile = cfg.get("profile") or {}
+    d = (cfg.get("env") or {}).get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR") if profile else None
+    if not d:
+        return None
+    d = expand(d)
+    user = getattr(mgr, "server_user", lambda: None)()
+    if not os.path.isdir(d):
+        os.makedirs(d, 0o750)
+        if user and os.geteuid() == 0:
+            import pwd
+
+            pw = pwd.getpwnam(user)
+            os.chown(d, pw.pw_uid, pw.pw_gid)
+        event("dump_dir_created", path=d, user=user)
+    elif not user and not os.access(d, os.W_OK | os.X_OK):
+        raise AgentError("failed", "the dump directory %s is not writable by uid %d, whom the server runs as" % (
+            d, os.geteuid()))
+    return d
 
 
 def manager_for(state_dir, cfg):

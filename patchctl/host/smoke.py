@@ -50,15 +50,71 @@ def _bf16_nonfinite(buf):
     return False
 
 
-def validate_dump(path, sent_ids, layers, hidden):
-    """Every check of DESIGN.md's smoke validation for one file; returns a list of problems."""
+FORMAT_VERSION = "2"  # of the hidden-dump files this smoke understands
+LAYER_NAMES = {
+    "layers_to_capture": "SGLang's capture indices (the hidden state entering decoder layer i)",
+    "layer_outputs": "outputs of decoder layers (EAGLE-3 lists such as Kimi-K2.5's [2, 30, 58])",
+    "eagle_aux_hidden_state_layer_ids": "the ids SGLang was given (--return-aux-hidden-state-layer-ids)",
+}
+
+
+def expected_layers(given=None, outputs=None, num_layers=None):
+    """What a dump's layers must be, each in the convention its source speaks:
+    `given` (inventory/profile capture_layers) are the ids passed to SGLang's flag, which maps
+    them per architecture (+1 on Llama, as given on DeepseekV2); `outputs` (layer_outputs) are
+    the decoder layers whose outputs the drafter is trained on; without either, SGLang's default
+    capture indices [2, N//2, N-3] for the served model's N layers. {metadata key: (ids, source)}."""
+    exp = {}
+    if given:
+        exp["eagle_aux_hidden_state_layer_ids"] = (list(given), "capture_layers")
+    if outputs:
+        exp["layer_outputs"] = (list(outputs), "layer_outputs")
+    if not given and num_layers:
+        n = int(num_layers)
+        exp["layers_to_capture"] = ([2, n // 2, n - 3], "SGLang's default for N = %d layers (config.json)" % n)
+    return exp
+
+
+def _json_meta(meta, key):
+    try:
+        return json.loads(meta.get(key, "null"))
+    except ValueError:
+        return None
+
+
+def check_layers(meta, expect):
+    """Problems with the file's layer metadata against `expect` (see expected_layers); every
+    message names the convention of both sides."""
+    if meta.get("format_version") != FORMAT_VERSION:
+        return ["format_version %r, expected %r: the file was written by another hidden-dump module "
+                "(its layer metadata is not comparable; deploy hidden-dump >= 2.0.0)" % (
+                    meta.get("format_version"), FORMAT_VERSION)]
+    captured = _json_meta(meta, "layers_to_capture")
+    problems = []
+    for key, (want, source) in sorted(expect.items()):
+        got = _json_meta(meta, key)
+        if got != want:
+            problems.append("%s %s, expected %s from %s [%s: %s]; the file holds layers_to_capture %s, "
+                            "i.e. the outputs of layers %s" % (
+                                key, json.dumps(got), json.dumps(want), source, key, LAYER_NAMES[key],
+                                json.dumps(captured), meta.get("layer_outputs")))
+    return problems
+
+
+def validate_dump(path, sent_ids, expect, hidden):
+    """Every check of DESIGN.md's smoke validation for one file; returns a list of problems.
+    `expect` is expected_layers(...)."""
     problems = []
     try:
         meta, t = read_safetensors(path)
     except Exception as e:
         return ["unreadable safetensors file: %s" % e]
     T = len(sent_ids)
-    K = len(layers) if layers is not None else None
+    layers = _json_meta(meta, "layers_to_capture")
+    if not isinstance(layers, list):
+        layers = None
+    wanted = [ids for ids, _ in expect.values()]
+    K = len(layers) if layers is not None else (len(wanted[0]) if wanted else None)
     for name in ("input_ids", "aux_hidden_states", "hidden_states"):
         if name not in t:
             problems.append("tensor %s missing" % name)
@@ -73,13 +129,9 @@ def validate_dump(path, sent_ids, layers, hidden):
             problems.append("input_ids differ from the prompt sent")
     if meta.get("prefix_len") != "0":
         problems.append("prefix_len is %r, expected '0' (radix cache or chunked prefill on?)" % meta.get("prefix_len"))
-    if layers is not None:
-        try:
-            got_layers = json.loads(meta.get("layers", "null"))
-        except ValueError:
-            got_layers = None
-        if got_layers != list(layers):
-            problems.append("layers %s, expected %s" % (meta.get("layers"), list(layers)))
+    problems += check_layers(meta, expect)
+    if any(len(ids) != K for ids in wanted):
+        problems.append("%s layers captured, %s expected" % (K, " / ".join(str(len(ids)) for ids in wanted)))
     if hidden is not None and meta.get("hidden_size") not in (None, str(hidden)):
         problems.append("hidden_size %s, expected %d" % (meta.get("hidden_size"), hidden))
     dt, shape, raw = t["hidden_states"]
@@ -145,7 +197,14 @@ def model_arch_of(argv):
     return None
 
 
-def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None):
+def smoke_prefix(env_prefix, run_id):
+    """The smoke's own rid prefix: unique to the run, and inside the series' dump prefix
+    (SGLANG_HIDDEN_DUMP_RID_PREFIX) without repeating it."""
+    own = "patchctl-smoke-%s-" % run_id
+    return own if own.startswith(env_prefix) else env_prefix + own
+
+
+def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outputs=None):
     """Send the profile's prompts, validate each dump, remove the smoke's own files (and only those)."""
     profile = cfg.get("profile")
     if not profile:
@@ -157,13 +216,12 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None):
         raise AgentError("bad_input", "server env has no %s: capture is off" % profile.get("dump_dir_env"))
     dump_dir = expand(dump_dir)
     facts = model_facts(cfg)
-    layers = host_layers or cfg.get("capture_layers") or profile.get("layers")
-    if not layers and facts.get("num_hidden_layers"):
-        n = int(facts["num_hidden_layers"])
-        layers = [2, n // 2, n - 3]
+    expect = expected_layers(host_layers or cfg.get("capture_layers") or profile.get("layers"),
+                             host_outputs, facts.get("num_hidden_layers"))
+    captured = {}
     hidden = host_hidden or profile.get("hidden_size") or facts.get("hidden_size")
     vocab = int(facts.get("vocab_size") or 1000)
-    prefix = (env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "") + "patchctl-smoke-%s-" % run_id
+    prefix = smoke_prefix(env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "", run_id)
     errlog = os.path.join(dump_dir, "_hidden_dump_errors.log")
     try:
         errlog_size = os.path.getsize(errlog)
@@ -211,7 +269,13 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None):
             continue
         nbytes += os.path.getsize(path)
         tokens += len(sent[rid])
-        for p in validate_dump(path, sent[rid], layers, hidden):
+        if not captured:
+            try:
+                meta = read_safetensors(path)[0]
+                captured = dict((k, _json_meta(meta, k)) for k in LAYER_NAMES)
+            except Exception:  # reported by validate_dump
+                pass
+        for p in validate_dump(path, sent[rid], expect, hidden):
             problems.append("%s: %s" % (rid, p))
     extra = [f for f in ours if f[: -len(".safetensors")] not in expected and f not in tmp_left]
     if extra:
@@ -234,7 +298,9 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None):
         except OSError:
             pass
     result = {"prompts": n_prompts, "tokens": tokens, "bytes": nbytes, "seconds": round(time.time() - t0, 3),
-              "layers": layers, "hidden_size": hidden, "dump_dir": dump_dir, "removed": len(removed)}
+              "layers": captured.get("layers_to_capture"), "hidden_size": hidden, "dump_dir": dump_dir,
+              "removed": len(removed), "captured": captured,
+              "expected": dict((k, {"ids": ids, "from": src}) for k, (ids, src) in expect.items())}
     if problems:
         raise AgentError("failed", "smoke failed: " + "; ".join(problems[:8]), smoke=result, problems=problems)
     event("smoke_passed", **result)
