@@ -11,10 +11,14 @@ and stops when more than `--max-fail` units failed.
 from __future__ import annotations
 
 import getpass
+import hashlib
+import json
 import math
 import os
 import re
 import secrets
+import shlex
+import signal
 import socket
 import sys
 import threading
@@ -27,6 +31,7 @@ from patchctl import remote
 from patchctl.console import App, table
 from patchctl.errors import BadInput, PatchctlError
 from patchctl.inventory import CONTROLLER_PYTHON, Host, Inventory, load_inventory
+from patchctl.redact import MASK, Masker
 from patchctl.remote import AgentFailure, AgentLost
 from patchctl.report import Reporter
 from patchctl.series import Series, load_series
@@ -245,6 +250,7 @@ class Run:
         self.args = args
         self.command = command
         self.inventory: Inventory = load_inventory(app.inventory_path)
+        app.masker = Masker.from_inventory(self.inventory)
         self.hosts = self.inventory.select(getattr(args, "limit", None))
         if not self.hosts:
             raise BadInput("no hosts selected", file=str(app.inventory_path))
@@ -258,6 +264,9 @@ class Run:
         self.reporter: Reporter | None = None
         self.series_req: dict | None = None  # apply: the series as sent to every host (built once)
         self.repo_commit: str | None = None
+        self.stopping = threading.Event()  # first Ctrl-C: start no new unit
+        self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
+        self.unit_of: dict[str, list[str]] = {}  # host -> the names of its unit (recovery commands)
 
     def session(self, host: Host) -> HostSession:
         if host.name not in self.sessions:
@@ -339,6 +348,13 @@ class UnitDeploy:
         return host.server.hidden_size or self.series.smoke.hidden_size
 
     def run_unit(self) -> UnitResult:
+        if self.run.stopping.is_set():  # Ctrl-C came before this unit started: leave it alone
+            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        for s in self.sessions:  # unreachable during the preflight: do not wait for its timeout twice
+            e = self.run.preflight_errors.get(s.host.name)
+            if e is not None:
+                outcome, msg = _host_error(e)
+                return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
         restart = not self.opts.no_restart
         sreq, commit = self.run.series_req, self.run.repo_commit
         applied: list[HostSession] = []
@@ -486,7 +502,10 @@ def parse_count(spec: str, total: int, what: str) -> int:
     spec = spec.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
     if m:
-        return max(1, math.ceil(total * float(m.group(1)) / 100)) if total else 0
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise BadInput(f"{what} {spec!r}: a percentage of the selected units above 0% and at most 100%")
+        return max(1, math.ceil(total * pct / 100)) if total else 0
     if re.fullmatch(r"\d+", spec):
         return int(spec)
     raise BadInput(f"{what} {spec!r}: expected a count (3) or a percentage (25%)")
@@ -497,6 +516,8 @@ def parse_max_fail(spec: str, total: int) -> int:
     spec = spec.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
     if m:
+        if float(m.group(1)) > 100:
+            raise BadInput(f"--max-fail {spec!r}: a percentage of the selected units is at most 100%")
         return math.floor(total * float(m.group(1)) / 100)
     if re.fullmatch(r"\d+", spec):
         return int(spec)
@@ -513,9 +534,9 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
         c = min(canary, left)
         sizes.append(c)
         left -= c
-    entries = [e for e in (batch or "100%").split(",") if e.strip()]
-    if not entries:
-        raise BadInput(f"--batch {batch!r}: expected N, P% or a comma-separated list")
+    entries = (batch or "100%").split(",")
+    if not all(e.strip() for e in entries):
+        raise BadInput(f"--batch {batch!r}: empty entry; expected N, P% or a comma-separated list like 1,25%,100%")
     counts = [parse_count(e, n_units, "--batch") for e in entries]
     if any(c <= 0 for c in counts):
         raise BadInput(f"--batch {batch!r}: batch sizes must be positive")
@@ -526,6 +547,211 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
         left -= c
         i += 1
     return sizes
+
+
+# ---------------------------------------------------------------------------
+# reachability preflight (plan and apply): does the served model run the code the series changes?
+
+
+def _source_digest() -> str:
+    """Of patchctl's own code: a cached trace verdict is only reused by the code that computed it."""
+    h = hashlib.sha256()
+    pkg = Path(__file__).resolve().parent
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+class Reachability:
+    """Static trace verdicts of one series, per architecture: once per run, and cached on disk
+    (keyed by the patches, the smoke flags, the SGLang release, the architecture and patchctl's
+    own code), so a second apply of the same series does not trace again."""
+
+    def __init__(self, series: Series):
+        self.series = series
+        self._mem: dict[str, dict | None] = {}
+        self._lock = threading.Lock()  # one trace at a time; ast.parse is not thread-safe on 3.11
+
+    def verdict(self, arch: str) -> dict | None:
+        """{"ok", "detail"}; None when the series pins no single release to trace against."""
+        with self._lock:
+            if arch not in self._mem:
+                self._mem[arch] = self._compute(arch)
+            return self._mem[arch]
+
+    def _key(self, version: str, arch: str) -> str:
+        s = self.series
+        hook = s.smoke.hook
+        material = {"patches": [p.sha256 for p in s.patches], "server_args": list(s.smoke.server_args),
+                    "hook": [hook.file, hook.function, hook.call] if hook else None,
+                    "sglang": version, "arch": arch, "code": _source_digest()}
+        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _compute(self, arch: str) -> dict | None:
+        from patchctl.release import cache_root, fetch_release
+
+        version = self.series.pinned_version()
+        if not version:
+            return None
+        path = cache_root() / "trace" / f"{self._key(version, arch)}.json"
+        try:
+            v = json.loads(path.read_text())
+            if isinstance(v, dict) and isinstance(v.get("ok"), bool):
+                return {"ok": v["ok"], "detail": str(v.get("detail", ""))}
+        except (OSError, ValueError):
+            pass
+        from patchctl.trace import check_series
+
+        try:
+            report = check_series(fetch_release(version), self.series, [arch])
+        except PatchctlError as e:  # not cached: a download or an unknown architecture may be fixed
+            return {"ok": False, "detail": str(e)}
+        v = {"ok": bool(report["ok"]), "detail": str(report["detail"])}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(v))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return v
+
+
+def preflight(run: Run, series: Series, hosts: list[Host]) -> dict[str, str]:
+    """apply's reachability preflight: probe each host (read-only), trace the series for the model
+    it serves. Returns {host: why it is blocked}; hosts that cannot be probed are left to the deploy."""
+    from patchctl.transport import HostKeyRefused, HostUnreachable
+
+    rep, reach = run.reporter, Reachability(series)
+
+    def probe(h: Host):
+        try:
+            return h, run.session(h).call("probe"), None
+        except Exception as e:  # noqa: BLE001 - reported per host
+            return h, None, e
+
+    blocked: dict[str, str] = {}
+    for h, r, e in run.parallel(probe, hosts):
+        ev = {"event": "preflight", "run_id": run.run_id, "host": h.name, "arch": None, "ok": None}
+        if e is not None:
+            if isinstance(e, (HostUnreachable, HostKeyRefused)):
+                run.preflight_errors[h.name] = e
+            ev["detail"] = f"not checked: {_host_error(e)[1]}"
+        elif not r.get("model_arch"):
+            ev["detail"] = "not checked: no config.json under the server command's --model-path"
+        else:
+            ev["arch"] = r["model_arch"]
+            v = reach.verdict(r["model_arch"])
+            if v is None:
+                ev["detail"] = f"not checked: {series.name} pins no single SGLang release ({series.sglang})"
+            else:
+                ev.update(ok=v["ok"], detail=v["detail"])
+                if not v["ok"]:
+                    blocked[h.name] = f"{r['model_arch']}: {v['detail']}"
+        rep.emit(ev)
+    return blocked
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C during a fleet run
+
+
+class Interrupts:
+    """SIGINT during `apply`: the first stops starting units (in-flight ones finish or roll back, the
+    run ends normally, exit 130); the second aborts in-flight work, says per host what was left and
+    how to recover it, and exits 3. The work is done off the signal handler (it may have interrupted
+    the main thread inside the reporter's lock)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.count = 0
+        self._prev = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.count > 0
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        target = self._first if self.count == 1 else self._abort
+        threading.Thread(target=target, name="patchctl-interrupt", daemon=True).start()
+
+    def _first(self):
+        run, rep = self.run, self.run.reporter
+        run.stopping.set()
+        rep.banner = "stopping (Ctrl-C)"
+        rep.announce("stopping: no new units; in-flight units finish or roll back")
+        rep.announce("(press Ctrl-C again to abort them; each host's state and its recovery command are printed)")
+
+    def _abort(self):
+        code = abort_report(self.run)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def abort_report(run: Run) -> int:
+    """After a second Ctrl-C: record and print, per host, the state left and the command that recovers it."""
+    rep, app = run.reporter, run.app
+    rep.stop_live()
+    rep.quiet = True  # one block below says it all
+    lines, codes = [], []
+    for h in rep.hosts:
+        res = rep.results.get(h)
+        steps = [st for st in rep.steps if st.host == h]
+        unit = run.unit_of.get(h, [h])
+        recover = app.cmd("rollback", "--limit", ",".join(unit))
+        if res is not None:
+            codes.append(res["exit_code"])
+            line = f"{h}: {res['outcome']}" + (f" — {res['message']}" if res.get("message") else "")
+            if res["exit_code"] == 3:
+                line += f"\n    recover: {recover}"
+            lines.append(line)
+            continue
+        if not steps:
+            rep.host_result(h, "not reached", 0, "left untouched: the run was aborted before this host")
+            lines.append(f"{h}: not reached — untouched, nothing to do")
+            continue
+        state = _state_left(steps)
+        rep.host_result(h, "unknown", 3, f"aborted: {state}", recover=recover)
+        codes.append(3)
+        lines.append(f"{h}: aborted — {state}\n    recover: {recover}")
+    code = 3 if 3 in codes else 130
+    rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": "aborted (second Ctrl-C)"})
+    rep.run_end(code, aborted=True)
+    text = "\n".join(["", "aborted (second Ctrl-C): in-flight work was cut off. The hosts' agents stop within a second;",
+                      "the lock this run held is broken automatically by the next patchctl run on this machine.",
+                      "State left per host:"] + ["  " + l.replace("\n", "\n  ") for l in lines] + [f"logs: {rep.log_dir}", ""])
+    sys.stderr.write(app.masker.text(text))
+    sys.stderr.flush()
+    return code
+
+
+def _state_left(steps) -> str:
+    """What a host was left in when its unit was cut off mid-step, from the steps it went through."""
+    done = [st.step for st in steps if st.ok]
+    cur = next((st.step for st in reversed(steps) if st.ok is None), None)
+    doing = f"cut off during '{cur}'" if cur else "cut off between steps"
+    if any(st.step.startswith("rollback") for st in steps):
+        return f"{doing} of its rollback: files may be back or not, the server may be stopped or starting"
+    if "apply" not in done:
+        return (f"{doing}: the file change may be half done; the next patchctl run on this host undoes it "
+                "from its journal (the tree byte-identical to before)")
+    if any(st in done for st in ("smoke",)):
+        return f"{doing}: deployed and smoke-tested but not recorded as verified"
+    return (f"{doing}: the series' files are applied (manifest pending) and the server was being restarted with "
+            "its capture settings: it may be stopped, starting, or serving the new code")
 
 
 # ---------------------------------------------------------------------------
@@ -541,6 +767,8 @@ def _finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit:
     for h in rep.hosts:
         if h not in rep.results:
             rep.host_result(h, "not reached", 0, "left untouched: the run stopped before this host")
+    if (extra or {}).get("interrupted") and code != 3:
+        code = 130  # documented: an interrupted run that needs no attention
     rep.run_end(code, **(extra or {}))
     if junit:
         from patchctl.junit import write_junit
@@ -548,15 +776,20 @@ def _finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit:
         write_junit(junit, f"patchctl {run.command}", rep.junit_cases())
     rep.stop_live()
     if not app.json:
-        app.err.print(rep.summary_table()) if app.err.is_terminal else app.out.print(rep.summary_table())
+        summary = app.masker.table(rep.summary_table())
+        app.err.print(summary) if app.err.is_terminal else app.out.print(summary)
     return code
 
 
 def run_apply(app: App, args) -> int:
     series = load_series(app.patches_dir, args.series)
     run = Run(app, args, "apply")
+    app.masker = app.masker.with_public(series.smoke.env)
     run.series_req, run.repo_commit = series_request(series), repo_commit(app.patches_dir)
     units = run.units()
+    for u in units:
+        for h in u:
+            run.unit_of[h.name] = [n.name for n in u]
     sizes = plan_batches(len(units), args.canary, args.batch)
     max_fail = parse_max_fail(args.max_fail, len(units))
     rep = Reporter(app, run.run_id, f"apply {series.name} {series.version}", [h.name for u in units for h in u],
@@ -566,9 +799,22 @@ def run_apply(app: App, args) -> int:
     deploys: list[UnitDeploy] = []
     stopped = None
     try:
-        with rep:
+        with rep, Interrupts(run) as intr:
+            blocked = {} if getattr(args, "skip_trace", False) else preflight(run, series, run.hosts)
+            if blocked:  # refuse the whole run before any change: nothing touched anywhere
+                stopped = "refused by the reachability preflight (nothing touched; --skip-trace deploys anyway)"
+                for u in units:
+                    why = [f"{h.name}: {blocked[h.name]}" if len(u) > 1 else blocked[h.name] for h in u if h.name in blocked]
+                    if why:
+                        results.append(UnitResult([h.name for h in u], "refused",
+                                                  "the series' changes do not run for the model served here: "
+                                                  + "; ".join(why) + ". Nothing was touched; --skip-trace deploys "
+                                                  "anyway and lets the smoke decide"))
+                sizes = []
             pos = 0
             for bi, size in enumerate(sizes):
+                if run.stopping.is_set():
+                    break
                 batch = units[pos:pos + size]
                 pos += size
                 label = "canary" if (bi == 0 and args.canary) else f"batch {bi + (0 if args.canary else 1)}"
@@ -587,10 +833,15 @@ def run_apply(app: App, args) -> int:
                 if args.on_fail == "halt" and any(r.outcome.startswith("halted") for r in batch_results):
                     stopped = f"halted after {label}"
                     break
+            if intr.interrupted:
+                stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
             if stopped:
                 rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
                 app.info(f"run stopped: {stopped}")
-                if args.on_fail == "rollback-all":
+                if args.on_fail == "rollback-all" and intr.interrupted:
+                    app.info("--on-fail rollback-all is not applied after Ctrl-C: units this run deployed stay "
+                             f"deployed (return them with: {app.cmd('rollback', '--limit', ','.join(h for r in results if r.touched and not r.failed for h in r.hosts) or 'HOSTS')})")
+                elif args.on_fail == "rollback-all":
                     ok_units = [(d, r) for d, r in zip(deploys, results) if r.touched and not r.failed]
 
                     def undo(pair):
@@ -603,7 +854,7 @@ def run_apply(app: App, args) -> int:
                             rep.host_result(h, r.outcome, r.exit_code, r.message)
 
                     run.parallel(undo, ok_units)
-            code = _finish(app, run, rep, results, args.junit, {"stopped": stopped})
+            code = _finish(app, run, rep, results, args.junit, {"stopped": stopped, "interrupted": intr.interrupted})
             if stopped and code == 0:
                 code = 1
             return code
@@ -611,7 +862,7 @@ def run_apply(app: App, args) -> int:
         run.close()
 
 
-def _simple(app: App, args, command: str, per_host, render, exit_of=None) -> int:
+def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=None) -> int:
     """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
     run = Run(app, args, command)
 
@@ -637,7 +888,29 @@ def _simple(app: App, args, command: str, per_host, render, exit_of=None) -> int
             data.append(dict({"host": name, "ok": True}, **res))
             codes.append(exit_of(res) if exit_of else 0)
     app.result(data, render(data))
+    if after:
+        after(data)
     return worst(codes)
+
+
+def attention_of(app: App, d: dict) -> list[dict]:
+    """What on a host needs the operator, each with the command that deals with it."""
+    host, out = d["host"], []
+    lock, state = d.get("lock"), d.get("state")
+    dead = bool(lock) and holder_is_stale(lock)
+    if state == "pending" and (not lock or dead):
+        who = f"run {d.get('run_id')}" if d.get("run_id") else "an earlier run"
+        out.append({"why": f"unfinished deploy of {d['series']} {d['version']} by {who}: files patched, never verified "
+                           f"({'its process is gone' if lock else 'halted or cut off'})",
+                    "run": app.cmd("rollback", "--limit", host) + "   # back to the state before it"})
+    elif dead:
+        out.append({"why": f"lock held by {describe_holder(lock)}, whose process is gone",
+                    "run": app.cmd("unlock", "--limit", host)})
+    if d.get("drift"):
+        files = ", ".join(x["path"] for x in d["drift"])
+        out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
+                    "run": app.cmd("rollback", "--limit", host, "--force") + "   # saves the edits beside the backups, then restores"})
+    return out
 
 
 def run_status(app: App, args) -> int:
@@ -657,16 +930,33 @@ def run_status(app: App, args) -> int:
                 t.add_row(d["host"], "?", d["outcome"], "", "", "", d["error"])
                 continue
             srv = d["server"]
+            lock = d["lock"]
             t.add_row(d["host"], f"{d['series']} {d['version']}" if d["series"] else "-",
                       d["state"] + ("".join(f" [{n}]" for n in d["notes"])),
                       f"{d['when']} by {d['who']} @ {d['repo_commit']}" if d["series"] else "",
                       ", ".join(x["path"] for x in d["drift"]) or "none",
-                      describe_holder(d["lock"]) if d["lock"] else "free",
+                      (("DEAD " if holder_is_stale(lock) else "") + describe_holder(lock)) if lock else "free",
                       ("running" if srv["running"] else "stopped") + (f", {srv['health']}" if srv.get("health") else "")
                       + (f", capture {srv['series']}" if srv.get("series") else ""))
         return t
 
-    return _simple(app, args, "status", per_host, render, exit_of=lambda r: 3 if r["drift"] else 0)
+    def hints(data):
+        for d in data:
+            if d["ok"] and d["attention"]:
+                for a in d["attention"]:
+                    app.info(f"{d['host']} needs attention: {a['why']}\n    run: {a['run']}")
+            elif d["ok"] and d["state"] == "pending" and d["lock"]:
+                app.info(f"{d['host']}: deploy in progress ({describe_holder(d['lock'])})")
+
+    def exit_of(r):
+        return 3 if r["attention"] else 0
+
+    def with_attention(s: HostSession):
+        d = per_host(s)
+        d["attention"] = attention_of(app, dict(d, host=s.host.name))
+        return d
+
+    return _simple(app, args, "status", with_attention, render, exit_of=exit_of, after=hints)
 
 
 def _short(text: str, n: int = 100) -> str:
@@ -765,55 +1055,137 @@ def run_smoke(app: App, args) -> int:
 def run_plan(app: App, args) -> int:
     series = load_series(app.patches_dir, args.series)
     sreq = series_request(series)
+    reach = Reachability(series)
 
     def per_host(s: HostSession):
         r = s.call("probe", series=sreq)
-        return plan_host(series, s.host, r)
-
-    def render(data):
-        t = table(f"plan: apply {series.name} {series.version}", "host", "action", "files", "restart", "blocked by")
-        for d in data:
-            if not d["ok"]:
-                t.add_row(d["host"], "?", "", "", d["error"])
-                continue
-            t.add_row(d["host"], d["action"], "\n".join(f"{f['action']} {f['path']}" for f in d["files"]),
-                      d["restart"], "\n".join(d["blockers"]) or "-")
-        return t
-
-    reach_cache: dict[str, dict] = {}
-    reach_lock = threading.Lock()  # one trace per architecture; ast.parse is not thread-safe on 3.11
-
-    def reachability(arch: str) -> dict:
-        """Static trace of the series for the model a host serves (once per architecture)."""
-        with reach_lock:
-            return _reachability(arch)
-
-    def _reachability(arch: str) -> dict:
-        if arch not in reach_cache:
-            from patchctl.release import fetch_release
-            from patchctl.trace import check_series
-
-            try:
-                version = series.pinned_version()
-                report = check_series(fetch_release(version), series, [arch]) if version else None
-                reach_cache[arch] = {"ok": report["ok"], "detail": report["detail"]} if report else None
-            except PatchctlError as e:
-                reach_cache[arch] = {"ok": False, "detail": str(e)}
-        return reach_cache[arch]
-
-    def per_host_traced(s: HostSession):
-        d = per_host(s)
+        d = plan_host(series, s.host, r)
+        d["restart_config"] = restart_preview(s, series, r) if d["restart"] != "no" else None
         arch = d.get("model_arch")
         if arch:
-            r = reachability(arch)
-            if r is not None:
-                d["reachability"] = dict(r, arch=arch)
-                if not r["ok"]:
-                    d["blockers"].append(f"{arch}: {r['detail']}")
+            v = reach.verdict(arch)
+            if v is not None:
+                d["reachability"] = dict(v, arch=arch)
+                if not v["ok"]:
+                    d["blockers"].append(f"{arch}: {v['detail']}")
+        if getattr(args, "diff", False):
+            d["file_diffs"] = file_diffs(series)
         return d
 
-    return _simple(app, args, "plan", per_host_traced, render,
+    def render(data):
+        app.masker = app.masker.with_public(series.smoke.env)
+        return render_plan(app, series, data, show_diff=getattr(args, "diff", False))
+
+    return _simple(app, args, "plan", per_host, render,
                    exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2))
+
+
+def file_diffs(series: Series) -> dict[str, str]:
+    """The series' unified diff, per file (a file several patches touch shows each patch's hunks in order)."""
+    import unidiff
+
+    out: dict[str, list[str]] = {}
+    for p in series.patches:
+        for pf in unidiff.PatchSet(p.text):
+            path = pf.path
+            out.setdefault(path, []).append(str(pf) if len(series.patches) == 1 else f"# {p.file}\n{pf}")
+    return {path: "".join(parts) for path, parts in out.items()}
+
+
+def restart_preview(s: HostSession, series: Series, probe: dict) -> dict:
+    """The server command line and env a restart would run, rendered as the agent renders them
+    (placeholders as single shell words, then split into argv; the series' flags and env added).
+    A `~` in a remote host's paths is left for the host (its login user's home)."""
+    h, srv = s.host, s.host.server
+    local = h.connection == "local"
+
+    def here(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path)) if local or not path.startswith("~") else path
+
+    python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
+    values = {"python": here(python) if python.startswith("~") else python, "port": srv.port, "host": srv.host,
+              "state_dir": here(h.state_dir)}
+    if "{sglang_root}" in srv.command:
+        values["sglang_root"] = probe.get("root") or h.sglang_root
+    try:
+        argv = shlex.split(srv.command.format(**{k: shlex.quote(str(v)) for k, v in values.items()})) if srv.command else []
+    except (KeyError, IndexError, ValueError) as e:
+        argv = [f"<server command {srv.command!r}: unknown placeholder {e}>"]
+
+    def fill(text: str) -> str:
+        for k, v in values.items():
+            text = text.replace("{" + k + "}", str(v))
+        return text
+
+    extra = list(series.smoke.server_args)
+    layers = srv.capture_layers or (list(series.smoke.layers) if series.smoke.layers else None)
+    if layers:
+        extra += [series.smoke.layers_arg] + [str(x) for x in layers]
+    env = {k: fill(str(v)) for k, v in srv.env.items()}
+    env.update({k: fill(str(v)) for k, v in series.smoke.env.items()})
+    return {"manager": srv.manager, "unit": srv.unit, "argv": argv + extra, "env": env, "log": here(srv.log),
+            "host_expands_home": any("~" in str(x) for x in [*argv, *env.values()])}
+
+
+def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
+    """Per host: the action, what was read from it, the trace verdict, the exact restart; then the diff."""
+    from rich.console import Group
+    from rich.text import Text
+
+    m = app.masker
+    out: list = [Text(f"plan: apply {series.name} {series.version} ({len(series.patches)} patches) — plan changes nothing",
+                      style="bold")]
+    for d in data:
+        out.append(Text(""))
+        if not d["ok"]:
+            out.append(Text(f"{d['host']}: {d['outcome']}: {m.text(d['error'])}", style="red"))
+            continue
+        rows = [("sglang", f"{d['sglang_version']} at {d['root']}")]
+        arch = d.get("model_arch")
+        rows.append(("model", f"{arch} (architectures[0] of config.json under the server's --model-path)" if arch
+                     else "unknown (no config.json under the server command's --model-path)"))
+        r = d.get("reachability")
+        rows.append(("trace", ("ok — " if r["ok"] else "BLOCKED — ") + r["detail"] if r
+                     else "not run (architecture unknown or no single pinned SGLang release)"))
+        rows.append(("files", "\n".join(f"{f['action']:<7} {f['path']}" for f in d["files"])))
+        rows.append(("restart", d["restart"]))
+        rc = d.get("restart_config")
+        if rc:
+            rows.append(("command", shlex.join(rc["argv"]) if rc["argv"] else f"(none: {rc['manager']} unit {rc['unit']})"))
+            env = m.env(rc["env"])
+            rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
+            if rc["manager"] == "systemd":
+                rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
+            if rc["host_expands_home"]:
+                rows.append(("", "(~ is the home directory of the login user on the host)"))
+        rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
+        out.append(Text(f"{d['host']}: {d['action']}", style="bold red" if d["blockers"] else "bold"))
+        for k, v in rows:
+            v = m.text(str(v)).replace("\n", "\n" + " " * 12)
+            out.append(Text(f"  {k:<9} {v}"))
+    if show_diff:
+        diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
+        hosts = [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]
+        out.append(Text(""))
+        out.append(Text(f"diff: what {series.name} {series.version} changes, against the unpatched files"
+                        f" (hosts: {', '.join(hosts) or 'none'})", style="bold"))
+        color = app.out.is_terminal
+        for path, text in diffs.items():
+            out.append(Text(""))
+            out.append(Text(f"=== {path}", style="bold"))
+            for line in text.rstrip("\n").split("\n"):
+                style = None
+                if color:
+                    if line.startswith(("+++", "---", "diff ", "index ", "new file", "deleted file")):
+                        style = "bold"
+                    elif line.startswith("@@"):
+                        style = "cyan"
+                    elif line.startswith("+"):
+                        style = "green"
+                    elif line.startswith("-"):
+                        style = "red"
+                out.append(Text(line, style=style or ""))
+    return Group(*out)
 
 
 def plan_host(series: Series, host: Host, probe: dict) -> dict:
