@@ -118,7 +118,9 @@ def real_patch(series: str, fname: str) -> str:
 def hidden_dump_patches() -> dict[str, str]:
     """The real hidden-dump patches, for test series that change only the smoke profile."""
     return {"0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-            "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")}
+            "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch"),
+            # 2.0.0's module needs the prompt lengths this patch records, or the smoke finds no dump
+            "0003.patch": real_patch("hidden-dump", "0003-forward-batch-prompt-lens.patch")}
 
 
 @dataclass
