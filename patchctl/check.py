@@ -198,6 +198,14 @@ def _resolve_target(series: Series, args, app) -> tuple[Path, str | None, str]:
                            f"pass --sglang VER or --tree PATH")
         source = f"release {version}"
         root = None
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            Version(version)
+        except InvalidVersion:
+            hint = f"; {series.name} pins {series.pinned_version()}" if series.pinned_version() else ""
+            raise BadInput(f"--sglang {version!r} is not a version number: give an exact SGLang release such as 0.5.23"
+                           f"{hint} (omit --sglang to check against it), or --tree PATH for a local tree") from None
     if version is not None and not series.targets(version) and not force:
         raise BadInput(f"series {series.name} targets SGLang {series.sglang}, not {version}; "
                        f"pass --force to check anyway")

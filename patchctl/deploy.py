@@ -5,21 +5,28 @@ A *unit* is what is deployed as one: a single host, or the nodes of a
 apply files → restart → ready → smoke → verified; any failure after the first
 change puts the unit back (files, then the server config in force before, proven
 healthy). The fleet runs units concurrently (`--forks`), in canary and batches,
-and stops when more than `--max-fail` units failed. The run and its host
-sessions are `session`; the read-only commands (status, history, plan) and
-unlock are `queries`.
+and stops when more than `--max-fail` units failed. `apply` first runs the
+reachability preflight (`preflight`; `--skip-trace` skips it); a first Ctrl-C
+starts no new unit (exit 130), a second aborts and prints each host's recovery
+command. The run and its host sessions are `session`; the read-only commands
+(status, history, plan) and unlock are `queries`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from patchctl.console import App
 from patchctl.errors import BadInput, PatchctlError
 from patchctl.inventory import Host
 from patchctl.remote import AgentFailure, AgentLost
+from patchctl.preflight import preflight
 from patchctl.report import Reporter
 from patchctl.series import Series, load_series
 from patchctl.session import HostSession, Run, UnitResult, host_error, worst
@@ -81,6 +88,13 @@ class UnitDeploy:
         return host.server.hidden_size or self.series.smoke.hidden_size
 
     def run_unit(self) -> UnitResult:
+        if self.run.stopping.is_set():  # Ctrl-C came before this unit started: leave it alone
+            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        for s in self.sessions:  # unreachable during the preflight: do not wait for its timeout twice
+            e = self.run.preflight_errors.get(s.host.name)
+            if e is not None:
+                outcome, msg = host_error(e)
+                return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
         restart = not self.opts.no_restart
         sreq, commit = self.run.series_req, self.run.repo_commit
         applied: list[HostSession] = []
@@ -228,7 +242,10 @@ def parse_count(spec: str, total: int, what: str) -> int:
     spec = spec.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
     if m:
-        return max(1, math.ceil(total * float(m.group(1)) / 100)) if total else 0
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise BadInput(f"{what} {spec!r}: a percentage of the selected units above 0% and at most 100%")
+        return max(1, math.ceil(total * pct / 100)) if total else 0
     if re.fullmatch(r"\d+", spec):
         return int(spec)
     raise BadInput(f"{what} {spec!r}: expected a count (3) or a percentage (25%)")
@@ -239,6 +256,8 @@ def parse_max_fail(spec: str, total: int) -> int:
     spec = spec.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
     if m:
+        if float(m.group(1)) > 100:
+            raise BadInput(f"--max-fail {spec!r}: a percentage of the selected units is at most 100%")
         return math.floor(total * float(m.group(1)) / 100)
     if re.fullmatch(r"\d+", spec):
         return int(spec)
@@ -255,9 +274,9 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
         c = min(canary, left)
         sizes.append(c)
         left -= c
-    entries = [e for e in (batch or "100%").split(",") if e.strip()]
-    if not entries:
-        raise BadInput(f"--batch {batch!r}: expected N, P% or a comma-separated list")
+    entries = (batch or "100%").split(",")
+    if not all(e.strip() for e in entries):
+        raise BadInput(f"--batch {batch!r}: empty entry; expected N, P% or a comma-separated list like 1,25%,100%")
     counts = [parse_count(e, n_units, "--batch") for e in entries]
     if any(c <= 0 for c in counts):
         raise BadInput(f"--batch {batch!r}: batch sizes must be positive")
@@ -268,6 +287,108 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
         left -= c
         i += 1
     return sizes
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C during a fleet run
+
+
+class Interrupts:
+    """SIGINT during `apply`: the first stops starting units (in-flight ones finish or roll back, the
+    run ends normally, exit 130); the second aborts in-flight work, says per host what was left and
+    how to recover it, and exits 3. The work is done off the signal handler (it may have interrupted
+    the main thread inside the reporter's lock)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.count = 0
+        self._prev = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.count > 0
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        target = self._first if self.count == 1 else self._abort
+        threading.Thread(target=target, name="patchctl-interrupt", daemon=True).start()
+
+    def _first(self):
+        run, rep = self.run, self.run.reporter
+        run.stopping.set()
+        rep.banner = "stopping (Ctrl-C)"
+        rep.announce("stopping: no new units; in-flight units finish or roll back")
+        rep.announce("(press Ctrl-C again to abort them; each host's state and its recovery command are printed)")
+
+    def _abort(self):
+        code = abort_report(self.run)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def abort_report(run: Run) -> int:
+    """After a second Ctrl-C: record and print, per host, the state left and the command that recovers it."""
+    rep, app = run.reporter, run.app
+    rep.stop_live()
+    rep.quiet = True  # one block below says it all
+    lines, codes = [], []
+    for h in rep.hosts:
+        res = rep.results.get(h)
+        steps = [st for st in rep.steps if st.host == h]
+        unit = run.unit_of.get(h, [h])
+        recover = app.cmd("rollback", "--limit", ",".join(unit))
+        if res is not None:
+            codes.append(res["exit_code"])
+            line = f"{h}: {res['outcome']}" + (f" — {res['message']}" if res.get("message") else "")
+            if res["exit_code"] == 3:
+                line += f"\n    recover: {recover}"
+            lines.append(line)
+            continue
+        if not steps:
+            rep.host_result(h, "not reached", 0, "left untouched: the run was aborted before this host")
+            lines.append(f"{h}: not reached — untouched, nothing to do")
+            continue
+        state = _state_left(steps)
+        rep.host_result(h, "unknown", 3, f"aborted: {state}", recover=recover)
+        codes.append(3)
+        lines.append(f"{h}: aborted — {state}\n    recover: {recover}")
+    code = 3 if 3 in codes else 130
+    rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": "aborted (second Ctrl-C)"})
+    rep.run_end(code, aborted=True)
+    text = "\n".join(["", "aborted (second Ctrl-C): in-flight work was cut off. The hosts' agents stop within a second;",
+                      "the lock this run held is broken automatically by the next patchctl run on this machine.",
+                      "State left per host:"] + ["  " + l.replace("\n", "\n  ") for l in lines] + [f"logs: {rep.log_dir}", ""])
+    sys.stderr.write(app.masker.text(text))
+    sys.stderr.flush()
+    return code
+
+
+def _state_left(steps) -> str:
+    """What a host was left in when its unit was cut off mid-step, from the steps it went through."""
+    done = [st.step for st in steps if st.ok]
+    cur = next((st.step for st in reversed(steps) if st.ok is None), None)
+    doing = f"cut off during '{cur}'" if cur else "cut off between steps"
+    if any(st.step.startswith("rollback") for st in steps):
+        return f"{doing} of its rollback: files may be back or not, the server may be stopped or starting"
+    if "apply" not in done:
+        return (f"{doing}: the file change may be half done; the next patchctl run on this host undoes it "
+                "from its journal (the tree byte-identical to before)")
+    if any(st in done for st in ("smoke",)):
+        return f"{doing}: deployed and smoke-tested but not recorded as verified"
+    return (f"{doing}: the series' files are applied (manifest pending) and the server was being restarted with "
+            "its capture settings: it may be stopped, starting, or serving the new code")
 
 
 # ---------------------------------------------------------------------------
@@ -283,6 +404,8 @@ def _finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit:
     for h in rep.hosts:
         if h not in rep.results:
             rep.host_result(h, "not reached", 0, "left untouched: the run stopped before this host")
+    if (extra or {}).get("interrupted") and code != 3:
+        code = 130  # documented: an interrupted run that needs no attention
     rep.run_end(code, **(extra or {}))
     if junit:
         from patchctl.junit import write_junit
@@ -290,15 +413,20 @@ def _finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit:
         write_junit(junit, f"patchctl {run.command}", rep.junit_cases())
     rep.stop_live()
     if not app.json:
-        app.err.print(rep.summary_table()) if app.err.is_terminal else app.out.print(rep.summary_table())
+        summary = app.masker.table(rep.summary_table())
+        app.err.print(summary) if app.err.is_terminal else app.out.print(summary)
     return code
 
 
 def run_apply(app: App, args) -> int:
     series = load_series(app.patches_dir, args.series)
     run = Run(app, args, "apply")
+    app.masker = app.masker.with_public(series.smoke.env)
     run.series_req, run.repo_commit = series_request(series), repo_commit(app.patches_dir)
     units = run.units()
+    for u in units:
+        for h in u:
+            run.unit_of[h.name] = [n.name for n in u]
     sizes = plan_batches(len(units), args.canary, args.batch)
     max_fail = parse_max_fail(args.max_fail, len(units))
     rep = Reporter(app, run.run_id, f"apply {series.name} {series.version}", [h.name for u in units for h in u],
@@ -308,9 +436,22 @@ def run_apply(app: App, args) -> int:
     deploys: list[UnitDeploy] = []
     stopped = None
     try:
-        with rep:
+        with rep, Interrupts(run) as intr:
+            blocked = {} if getattr(args, "skip_trace", False) else preflight(run, series, run.hosts)
+            if blocked:  # refuse the whole run before any change: nothing touched anywhere
+                stopped = "refused by the reachability preflight (nothing touched; --skip-trace deploys anyway)"
+                for u in units:
+                    why = [f"{h.name}: {blocked[h.name]}" if len(u) > 1 else blocked[h.name] for h in u if h.name in blocked]
+                    if why:
+                        results.append(UnitResult([h.name for h in u], "refused",
+                                                  "the series' changes do not run for the model served here: "
+                                                  + "; ".join(why) + ". Nothing was touched; --skip-trace deploys "
+                                                  "anyway and lets the smoke decide"))
+                sizes = []
             pos = 0
             for bi, size in enumerate(sizes):
+                if run.stopping.is_set():
+                    break
                 batch = units[pos:pos + size]
                 pos += size
                 label = "canary" if (bi == 0 and args.canary) else f"batch {bi + (0 if args.canary else 1)}"
@@ -329,10 +470,15 @@ def run_apply(app: App, args) -> int:
                 if args.on_fail == "halt" and any(r.outcome.startswith("halted") for r in batch_results):
                     stopped = f"halted after {label}"
                     break
+            if intr.interrupted:
+                stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
             if stopped:
                 rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
                 app.info(f"run stopped: {stopped}")
-                if args.on_fail == "rollback-all":
+                if args.on_fail == "rollback-all" and intr.interrupted:
+                    app.info("--on-fail rollback-all is not applied after Ctrl-C: units this run deployed stay "
+                             f"deployed (return them with: {app.cmd('rollback', '--limit', ','.join(h for r in results if r.touched and not r.failed for h in r.hosts) or 'HOSTS')})")
+                elif args.on_fail == "rollback-all":
                     ok_units = [(d, r) for d, r in zip(deploys, results) if r.touched and not r.failed]
 
                     def undo(pair):
@@ -345,7 +491,7 @@ def run_apply(app: App, args) -> int:
                             rep.host_result(h, r.outcome, r.exit_code, r.message)
 
                     run.parallel(undo, ok_units)
-            code = _finish(app, run, rep, results, args.junit, {"stopped": stopped})
+            code = _finish(app, run, rep, results, args.junit, {"stopped": stopped, "interrupted": intr.interrupted})
             if stopped and code == 0:
                 code = 1
             return code

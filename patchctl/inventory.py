@@ -35,6 +35,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     env: dict[str, str] = field(default_factory=dict)
+    # env names whose values may be shown in logs and output; every other env value is masked
+    public_env: list[str] = field(default_factory=list)
     log: str = "~/sglang-server.log"
     start_timeout: float = 1800.0
     stop_timeout: float = 60.0
@@ -86,6 +88,7 @@ class Host:
                 "host": self.server.host,
                 "port": self.server.port,
                 "env": dict(self.server.env),
+                "public_env": list(self.server.public_env),
                 "log": self.server.log,
                 "start_timeout": self.server.start_timeout,
                 "stop_timeout": self.server.stop_timeout,
@@ -173,7 +176,7 @@ _HOST_KEYS = (
 )
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
-    "manager", "command", "host", "port", "env", "log", "start_timeout", "stop_timeout",
+    "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
     "unit", "capture_layers", "layer_outputs", "hidden_size",
 )
 _SERVERS_KEYS = ("nodes",)
@@ -516,6 +519,13 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 L.fail(p, f"{k!r} is not an environment variable name")
         s.env = dict(v)
+    v, p = pick("public_env")
+    if p:
+        names = L.want_names(v, p)
+        for k in names:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                L.fail(p, f"{k!r} is not an environment variable name")
+        s.public_env = list(names)
     v, p = pick("unit")
     if p:
         s.unit = L.want_str(v, p)
@@ -544,7 +554,10 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
 def run_inventory(app, args) -> int:
     from patchctl.console import table
 
+    from patchctl.redact import Masker
+
     inv = load_inventory(app.inventory_path)
+    app.masker = Masker.from_inventory(inv)
     selected = inv.select(getattr(args, "limit", None))
     if app.json:
         hosts = []

@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from patchctl import remote
 from patchctl.console import App
 from patchctl.errors import BadInput, PatchctlError
 from patchctl.inventory import CONTROLLER_PYTHON, Host, Inventory, load_inventory
+from patchctl.redact import Masker
 from patchctl.remote import AgentFailure, AgentLost
 from patchctl.report import Reporter
 from patchctl.transport import open_transport
@@ -205,6 +207,7 @@ class Run:
         self.args = args
         self.command = command
         self.inventory: Inventory = load_inventory(app.inventory_path)
+        app.masker = Masker.from_inventory(self.inventory)
         self.hosts = self.inventory.select(getattr(args, "limit", None))
         if not self.hosts:
             raise BadInput("no hosts selected", file=str(app.inventory_path))
@@ -218,6 +221,9 @@ class Run:
         self.reporter: Reporter | None = None
         self.series_req: dict | None = None  # apply: the series as sent to every host (built once)
         self.repo_commit: str | None = None
+        self.stopping = threading.Event()  # first Ctrl-C: start no new unit
+        self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
+        self.unit_of: dict[str, list[str]] = {}  # host -> the names of its unit (recovery commands)
 
     def session(self, host: Host) -> HostSession:
         if host.name not in self.sessions:
