@@ -314,6 +314,7 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
     if stage and not stage.get("ok"):
         failed = [p for p in stage.get("patches", []) if p.get("status") == "failed"]
         blockers.append("does not apply: " + (f"{failed[0]['name']}: {failed[0].get('detail')}" if failed else str(stage.get("error"))))
+    blockers += [f"cannot capture: {r}" for r in probe.get("capture_refusals") or []]
     same = m and m["series"] == series.name and m["version"] == series.version and \
         [p["sha256"] for p in m["patches"]] == [p.sha256 for p in series.patches]
     if same:

@@ -276,6 +276,9 @@ def test_a_server_that_cannot_capture_is_refused_before_any_change(fleet2):
     write_model_config(h1.dir / "model", layers=8, hidden=64, vocab=512, model_type="deepseek_v4",
                        architecture="DeepseekV4ForCausalLM")
     before = [f.digest(h) for h in f.hosts]
+    p, plan = f.json("plan", "hidden-dump", expect=2)
+    assert [b for b in plan[0]["blockers"] if b.startswith("cannot capture: --enable-pdmux: split prefill")]
+    assert [b for b in plan[1]["blockers"] if b.startswith("cannot capture: DeepseekV4ForCausalLM")]
     p = f.patchctl("apply", "hidden-dump")
     out = p.stdout + p.stderr
     assert p.returncode == 2, out
