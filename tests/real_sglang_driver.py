@@ -643,13 +643,18 @@ def sc_dp_attention(h: Harness) -> None:
 
 def sc_mixed_chunk(h: Harness) -> None:
     """--enable-mixed-chunk --chunked-prefill-size 8: running requests' decode tokens ride in
-    the prefill batch (MIXED) as 1-token extends after the prefill rows."""
+    the prefill batch (MIXED) as 1-token extends after the prefill rows; a long prompt's first
+    chunk too."""
     h.submit(h.req("patchctl-a", 5, seed=1))
     h.step_prefill(label="prefill_a")
     h.submit(h.req("patchctl-b", 4, seed=2))
     h.step_prefill(mixed=True, label="mixed_b_with_a")
     h.submit(h.req("patchctl-c", 3, seed=3))
     h.step_prefill(mixed=True, label="mixed_c_with_ab")
+    # A prompt longer than what is left of the chunk budget (8 - 3 decode rows): its first
+    # chunk rides in the mixed batch.
+    h.submit(h.req("patchctl-d", 12, seed=4))
+    h.step_prefill(mixed=True, label="mixed_d_chunk_with_abc")
 
 
 def sc_chunked(h: Harness) -> None:

@@ -12,6 +12,15 @@ Needs `pip install --no-deps -r tests/sglang-cpu-requirements.txt` in the venv (
 test command does it).  Never skipped: a missing package fails the scenario with its error.
 PATCHCTL_REAL_SGLANG_SERIES=<dir> runs the same tests against another copy of the series
 (e.g. an older version of the module).
+
+Against hidden-dump 1.0.0 (commit 7da0541's series) these fail on behaviour, not just on the
+format-2 metadata: decode (a decode batch scheduled as 1-token extends is written as
+`<rid>.prefix<N>.safetensors`), DP attention (every rank-0 batch dropped as `shape_mismatch`:
+input_ids padded, 12 rows for 11 tokens), mixed chunk (the running requests' decode tokens
+written as `.prefix<N>` files), chunked prefill (the first 8-token chunk written as
+`patchctl-long.safetensors`, a partial prompt presented as a whole sample), warm-up (the
+uuid-named warm-up prompt written) and Llama layer numbering (`layers` says [2, 4, 5], the
+model captured [3, 5, 6]).
 """
 
 from __future__ import annotations
@@ -373,12 +382,16 @@ def test_mixed_chunk_writes_prompts_never_decode_tokens(scenario):
     assert m1["mode_after_forward"] == "EXTEND"  # EagerRunner rewrites MIXED in place
     assert m1["rids"] == ["patchctl-b", "patchctl-a"] and m1["extend_seq_lens"] == [4, 1]
     assert m2["rids"] == ["patchctl-c", "patchctl-b", "patchctl-a"] and m2["extend_seq_lens"] == [3, 1, 1]
+    m3 = run.forward("mixed_d_chunk_with_abc")
+    assert m3["scheduled_mode"] == "MIXED" and m3["rids"][0] == "patchctl-d"
+    assert m3["extend_seq_lens"] == [5, 1, 1, 1] and m3["prompt_lens"][0] == 12  # a chunk
     assert run.samples() == ["patchctl-a.safetensors", "patchctl-b.safetensors", "patchctl-c.safetensors"]
     assert_sample(run, run.forward("prefill_a"), "patchctl-a")  # not a decode token of a mixed batch
     assert_sample(run, m1, "patchctl-b")
     assert_sample(run, m2, "patchctl-c")
     s = run.stats()
-    assert s["files_written"] == 3 and s["skipped_decode_rows"] == 3 and s["errors"] == 0
+    assert s["files_written"] == 3 and s["skipped_decode_rows"] == 6 and s["skipped_chunks"] == 1
+    assert run.errors_log().count("chunked_prompt") == 1 and s["errors"] == 1
     assert_clean(run)
 
 
