@@ -41,11 +41,16 @@ Replaced, and why:
     own logits all-gather runs.
   * attention kernels: none run (the tiny model has no attention); the real torch_native
     backend's metadata init still runs in EagerRunner.
-  * GPU-only parts: device is "cpu" (SGLang's CPU path), collectives go over gloo.
+  * GPU-only parts: device is "cpu", collectives go over gloo.  Three module-level choices
+    SGLang makes only under its CPU engine (SGLANG_USE_CPU_ENGINE=1, unusable without the
+    sgl_kernel CPU build) are made here for DP attention: see `_cpu_engine_padding`.
   * the scheduler loop and the sampler: this file calls the scheduler's building blocks in
-    the scheduler's order and samples greedily from the real logits; the overlap
-    scheduler's FutureMap is reduced to its `output_tokens_buf` (all
-    `resolve_forward_inputs` reads).
+    the scheduler's order (Scheduler.get_new_batch_prefill / get_next_batch_to_run /
+    process_batch_result, handle_generate_request's logprob_start_len) and samples greedily
+    from the real logits; the overlap scheduler's FutureMap is reduced to its
+    `output_tokens_buf` (all `resolve_forward_inputs` reads).
+  * target verify: capture mode loads no draft, so SGLang never schedules one; the running
+    batch is scheduled as TARGET_VERIFY to show the hook skips that mode.
   * torchvision's C ops: see `_torchvision_without_ops` (PyPI's torchvision wheels link
     CUDA torch; no CPU build is reachable from CI).
 """
