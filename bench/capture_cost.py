@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a plain checkout (the GPU box has no patchctl install)
 # SGLang's ForwardMode, duck-typed, and a stub of its runtime context (attention-TP rank 0).
-from patchctl.simserver import ForwardMode, install_runtime_context  # noqa: E402
+from patchctl.simserver.ducks import ForwardMode, install_runtime_context  # noqa: E402
 PATCH = REPO / "patches" / "hidden-dump" / "0001-hidden-dump-module.patch"
 
 

@@ -53,10 +53,10 @@ sys.path.insert(0, str(REPO / "tests"))
 from fleet import SERVER_COMMAND, http_status, tree_digest  # noqa: E402
 from sshhosts import _children, free_port, inventory_toml, known_hosts_for, start_hosts, stop_hosts  # noqa: E402
 
-from patchctl.agent import pid_on_port  # noqa: E402
-from patchctl.applier import touched_paths  # noqa: E402
+from patchctl.host.server import pid_on_port  # noqa: E402
+from patchctl.host.applier import touched_paths  # noqa: E402
 from patchctl.release import fetch_release  # noqa: E402
-from patchctl.simserver import write_model_config  # noqa: E402
+from patchctl.simserver.model import write_model_config  # noqa: E402
 
 SGLANG_VERSION = "0.5.23"
 SERIES_SRC = REPO / "patches" / "hidden-dump"

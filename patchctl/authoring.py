@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from patchctl.atomic import write_atomic
+from patchctl.host.atomic import write_atomic
 from patchctl.errors import BadInput
 from patchctl.series import SERIES_FILE, load_series, validate_patch_text
 
@@ -215,6 +215,10 @@ def _record(app, args, *, refresh: bool) -> int:
     recorded = next((p for p in series.patches if p.file == fname), None) if series else None
     if refresh and recorded is None:
         raise BadInput(f"{fname} is not recorded in {toml_path}; use `patchctl new`")
+    if recorded is not None and recorded.series:
+        raise BadInput(f"{fname} in {toml_path} is series {recorded.series}'s patch (a reference); "
+                       + (f"refresh it there (`patchctl refresh {recorded.series} {fname} --from-tree PATH`), "
+                          f"then update this series' pin" if refresh else "pick another name"))
     if not refresh and recorded is not None:
         raise BadInput(f"{fname} is already recorded in {toml_path}; use `patchctl refresh`")
     if not refresh and (sdir / fname).exists():
@@ -290,14 +294,34 @@ def _record(app, args, *, refresh: bool) -> int:
     verb = "refreshed" if refresh else "recorded"
     app.info(f"{verb} {sdir / fname} (version {new_version}, {len(files)} files, sha256 {sha[:12]})"
              + ("" if exists else f"; created {toml_path} targeting SGLang =={version}"))
+    referrers = _referrers(Path(app.patches_dir), series_name, fname) if refresh else []
+    for other in referrers:
+        app.info(f"note: series {other} pins an earlier version of this patch and will not load until its "
+                 f"[[patch]] entry is updated (version = {new_version}, sha256 = \"{sha}\")")
     t = table(f"{series_name}: {fname} v{new_version} ({verb})", "File", "Action")
     for f in files:
         t.add_row(f.path, f.action)
     app.result({"series": series_name, "patch": fname, "version": new_version, "sha256": sha, "changed": True,
                 "created_series": not exists, "description": description,
                 "files": [{"path": f.path, "action": f.action} for f in files],
-                "from_tree": facts}, t)
+                "from_tree": facts, **({"referenced_by": referrers} if referrers else {})}, t)
     return 0
+
+
+def _referrers(patches_dir: Path, owner: str, fname: str) -> list[str]:
+    """Series whose series.toml names `fname` of series `owner` by reference (`series = owner`)."""
+    import tomllib
+
+    out = []
+    for toml_path in sorted(patches_dir.glob(f"*/{SERIES_FILE}")):
+        try:
+            entries = tomllib.loads(toml_path.read_text(encoding="utf-8")).get("patch", [])
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(entries, list) and any(isinstance(e, dict) and e.get("series") == owner and e.get("file") == fname
+                                             for e in entries):
+            out.append(toml_path.parent.name)
+    return out
 
 
 def run_new(app, args) -> int:

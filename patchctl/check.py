@@ -15,7 +15,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from patchctl import applier
+from patchctl.host import applier
 from patchctl.errors import BadInput
 from patchctl.series import Hook, Series, load_series
 
@@ -198,6 +198,14 @@ def _resolve_target(series: Series, args, app) -> tuple[Path, str | None, str]:
                            f"pass --sglang VER or --tree PATH")
         source = f"release {version}"
         root = None
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            Version(version)
+        except InvalidVersion:
+            hint = f"; {series.name} pins {series.pinned_version()}" if series.pinned_version() else ""
+            raise BadInput(f"--sglang {version!r} is not a version number: give an exact SGLang release such as 0.5.23"
+                           f"{hint} (omit --sglang to check against it), or --tree PATH for a local tree") from None
     if version is not None and not series.targets(version) and not force:
         raise BadInput(f"series {series.name} targets SGLang {series.sglang}, not {version}; "
                        f"pass --force to check anyway")
@@ -224,6 +232,22 @@ def _trace(root: Path, series: Series, archs: list[str], app) -> dict | None:
     detail = {True: "every changed function is reached", False: "not reached or blocked (see the log)",
               None: "no answer"}[ok]
     return {"ok": ok, "archs": archs, "detail": f"{', '.join(archs)}: {detail}"}
+
+
+def _capture_config(series: Series, archs: list[str]) -> dict | None:
+    """For a capture series (its smoke profile names a dump directory): server flags and
+    architectures under which the capture would write nothing (host/capture_config.py, the
+    same rules `apply` enforces on the host's real command line)."""
+    if not series.smoke.dump_dir_env or series.smoke.dump_dir_env not in series.smoke.env:
+        return None
+    from patchctl.host.capture_config import refusals
+
+    found = []
+    for arch in archs or [None]:
+        found += [r for r in refusals(series.smoke.server_args, arch) if r not in found]
+    what = ", ".join(archs) if archs else "any architecture (--arch names one)"
+    return {"ok": not found, "refusals": found,
+            "detail": f"the series' server flags can capture for {what}"}
 
 
 def _junit_cases(series: Series, report: dict) -> list[dict]:
@@ -269,8 +293,12 @@ def run_check(app, args) -> int:
         report = check_tree(series, root, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report["trace"] = _trace(root, series, list(getattr(args, "arch", []) or []), app) if report["applied"] else None
+    archs = list(getattr(args, "arch", []) or [])
+    report["trace"] = _trace(root, series, archs, app) if report["applied"] else None
     if report["trace"] is not None and report["trace"].get("ok") is False:
+        report["ok"] = False
+    report["capture_config"] = _capture_config(series, archs)
+    if report["capture_config"] is not None and not report["capture_config"]["ok"]:
         report["ok"] = False
     report = {"series": series.name, "series_version": series.version,
               "sglang": {"version": version, "root": str(root), "source": source}, **report}
@@ -289,6 +317,9 @@ def run_check(app, args) -> int:
     if report["trace"] is not None:
         tr = report["trace"]
         t.add_row("reachability", {True: "ok", False: "FAILS", None: "-"}.get(tr.get("ok"), "?"), str(tr.get("detail", "")))
+    cc = report["capture_config"]
+    if cc is not None:
+        t.add_row("capture config", "ok" if cc["ok"] else "REFUSED", "; ".join(cc["refusals"]) or cc["detail"])
     app.result(report, t)
     if getattr(args, "junit", None):
         write_junit(args.junit, f"patchctl check {series.name}", _junit_cases(series, report))
@@ -303,7 +334,9 @@ def run_check(app, args) -> int:
     if not report["ok"]:
         why = (comp["errors"][0] if comp["errors"] else
                report["hook"]["detail"] if report["hook"] is not None and not report["hook"]["ok"] else
-               str(report["trace"].get("detail")) if report["trace"] else report["error"])
+               str(report["trace"].get("detail")) if report["trace"] and report["trace"].get("ok") is False else
+               "; ".join(report["capture_config"]["refusals"]) if report["capture_config"] and
+               not report["capture_config"]["ok"] else report["error"])
         print(f"patchctl: check failed: {why}", file=sys.stderr)
         return 1
     app.info(f"ok: {series.name} applies and compiles on SGLang {version}"

@@ -1,9 +1,14 @@
-"""Command line: parse arguments, dispatch to the module that owns each command, map errors to exit codes."""
+"""Command line: parse arguments, dispatch to the module that owns each command, map errors to exit codes.
+
+(The user-facing text is DESCRIPTION below: this docstring is for readers of the code.)
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,13 +25,13 @@ COMMANDS = {
     "refresh": ("patchctl.authoring", "run_refresh"),
     "trace": ("patchctl.trace", "run_trace"),
     "inventory": ("patchctl.inventory", "run_inventory"),
-    "plan": ("patchctl.deploy", "run_plan"),
+    "plan": ("patchctl.queries", "run_plan"),
     "apply": ("patchctl.deploy", "run_apply"),
     "rollback": ("patchctl.deploy", "run_rollback"),
-    "status": ("patchctl.deploy", "run_status"),
+    "status": ("patchctl.queries", "run_status"),
     "smoke": ("patchctl.deploy", "run_smoke"),
-    "history": ("patchctl.deploy", "run_history"),
-    "unlock": ("patchctl.deploy", "run_unlock"),
+    "history": ("patchctl.queries", "run_history"),
+    "unlock": ("patchctl.queries", "run_unlock"),
 }
 
 
@@ -45,16 +50,41 @@ def _default_inventory() -> Path:
     return Path(__file__).resolve().parent.parent / "inventory.toml"
 
 
+DESCRIPTION = """\
+Apply versioned patch series to the SGLang source trees of GPU hosts over SSH: stage and swap the
+files atomically, restart the server with the series' capture settings, prove with a smoke
+extraction that the patch works, and roll back automatically (files byte for byte, server
+healthy again) when it does not.
+
+Global options (--inventory, --patches, --json, -v) may be given before or after the command."""
+
 ENVIRONMENT = """environment:
   PATCHCTL_CONNECT_TIMEOUT  seconds to connect, complete the SSH handshake and log in (default 10)
   PATCHCTL_SILENCE_S        seconds without a byte from a host's agent (it reports every second)
                             before the host is declared lost, state unknown (default 30)
   PATCHCTL_TRACE_JOBS       worker processes for an every-architecture trace (default: by cores)
-  XDG_CACHE_HOME            SGLang wheels and unpacked trees (default ~/.cache/patchctl)
-  XDG_STATE_HOME            run logs (default ~/.local/state/patchctl/runs)
+  XDG_CACHE_HOME            SGLang wheels, unpacked trees, trace verdicts (default ~/.cache/patchctl)
+  XDG_STATE_HOME            run logs, private to you (default ~/.local/state/patchctl/runs)
 
-exit codes: 0 ok, 1 failed (rolled back, verified), 2 bad input (nothing touched),
-            3 needs attention (state unknown, drift, rollback failed), 4 locked by another run"""
+exit codes:
+  0    ok
+  1    failed; every touched host was rolled back and verified
+  2    bad input or config; nothing touched
+  3    needs attention: a host's state is unknown, drift, a rollback failed, an unfinished deploy,
+       a dead run's lock (`status` says what to run)
+  4    a lock is held by another run
+  130  apply interrupted by Ctrl-C: no new units were started, in-flight units finished or were
+       rolled back (3 instead when a host needs attention); a second Ctrl-C aborts in-flight work,
+       prints each host's state and the command that recovers it, and exits 3"""
+
+APPLY_EPILOG = """interrupts: the first Ctrl-C starts no new units and lets in-flight units finish or roll back,
+then prints the summary and exits 130 (3 when a host needs attention). A second Ctrl-C aborts
+in-flight work at once and prints, per host, the state left and the command that recovers it
+(exit 3).
+
+before any change, apply reads the model architecture each host serves (its config.json) and runs
+the static reachability trace (as `plan` and `trace --arch` do): a hook the model never runs is
+refused with exit 2, nothing touched. --skip-trace deploys anyway and lets the smoke decide."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,98 +94,210 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+# --- argument types: bad values are refused before anything is read or touched (exit 2) ---------
+
+_COUNT = re.compile(r"\d+")
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)%")
+
+
+def positive_int(text: str) -> int:
+    if not _COUNT.fullmatch(text.strip()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 1 or more")
+    return int(text)
+
+
+def non_negative_int(text: str) -> int:
+    if not _COUNT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 0 or more")
+    return int(text)
+
+
+def batch_spec(text: str) -> str:
+    """N, P% or a comma-separated list of those; every entry names at least one unit."""
+    entries = text.split(",")
+    for e in entries:
+        e = e.strip()
+        if not e:
+            raise argparse.ArgumentTypeError(f"{text!r}: empty entry (expected N, P% or a list like 1,25%,100%)")
+        m = _PERCENT.fullmatch(e)
+        if m:
+            if not 0 < float(m.group(1)) <= 100:
+                raise argparse.ArgumentTypeError(f"{text!r}: {e} is not a batch size (a percentage above 0% and at most 100%)")
+        elif _COUNT.fullmatch(e):
+            if int(e) < 1:
+                raise argparse.ArgumentTypeError(f"{text!r}: {e} is not a batch size (1 or more units)")
+        else:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e!r} is neither a count (4) nor a percentage (25%)")
+    return text
+
+
+def max_fail_spec(text: str) -> str:
+    t = text.strip()
+    m = _PERCENT.fullmatch(t)
+    if m:
+        if float(m.group(1)) > 100:
+            raise argparse.ArgumentTypeError(f"{text!r}: a percentage of the selected units is at most 100%")
+        return text
+    if _COUNT.fullmatch(t):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a count of failed units (0, 2) or a percentage (10%)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="patchctl", description=__doc__, epilog=ENVIRONMENT,
+    # Global options live in a parent parser too, so that `patchctl status --json` works: on a
+    # subcommand they default to SUPPRESS and only override the top-level value when given there.
+    def add_globals(p, top: bool):
+        d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+        p.add_argument("--inventory", type=Path, default=d(None), metavar="FILE",
+                       help="inventory TOML: hosts, groups, servers (default ./inventory.toml, else the shipped one)")
+        p.add_argument("--patches", type=Path, default=d(None), metavar="DIR",
+                       help="patches directory holding <series>/series.toml (default ./patches, else the shipped one)")
+        p.add_argument("--json", action="store_true", default=d(False),
+                       help="machine-readable results on stdout (apply/rollback/smoke: one JSON event per line); "
+                            "human progress still goes to stderr")
+        p.add_argument("-v", "--verbose", action="store_true", default=d(False),
+                       help="more detail: every agent event, every reached chain of a trace")
+
+    common = argparse.ArgumentParser(add_help=False)
+    add_globals(common, top=False)
+
+    p = _Parser(prog="patchctl", description=DESCRIPTION, epilog=ENVIRONMENT,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"patchctl {__version__}")
-    p.add_argument("--inventory", type=Path, default=None, help="inventory TOML (default ./inventory.toml)")
-    p.add_argument("--patches", type=Path, default=None, help="patches directory (default ./patches)")
-    p.add_argument("--json", action="store_true", help="machine-readable results on stdout")
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add_globals(p, top=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
+                           title="commands", help="run `patchctl COMMAND --help` for its options")
+
+    def cmd(name, help, description=None, epilog=None):
+        return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                              epilog=epilog, parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def series_arg(sp, what="the series"):
+        sp.add_argument("series", metavar="SERIES", help=f"{what}: a directory name under the patches directory (see `patchctl series`)")
 
     def limit(sp):
         sp.add_argument("--limit", default=None, metavar="PATTERN",
-                        help="hosts: names, groups, globs, !exclusions; comma-separated")
+                        help="hosts to work on: host, group and server names and globs (gpu-*), comma-separated; "
+                             "!name excludes (default: every host)")
 
     def hostkeys(sp):
         sp.add_argument("--accept-new-host-keys", action="store_true",
                         help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
-        sp.add_argument("--forks", type=int, default=None, help="hosts worked on at once (default 64)")
+        sp.add_argument("--forks", type=positive_int, default=None, metavar="N",
+                        help="hosts worked on at once, 1 or more (default 64)")
 
-    sub.add_parser("series", help="list series and patches")
+    def junit(sp, what):
+        sp.add_argument("--junit", type=Path, metavar="FILE", help=f"also write a JUnit XML report ({what}) to FILE")
 
-    sp = sub.add_parser("check", help="apply + compile check against a pinned release or a tree")
-    sp.add_argument("series")
-    g = sp.add_mutually_exclusive_group()
-    g.add_argument("--sglang", metavar="VER", help="SGLang release to check against (default: the series' pin)")
-    g.add_argument("--tree", type=Path, metavar="PATH", help="local SGLang checkout or site-packages (not modified)")
+    def tree_or_release(sp, verb):
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--sglang", metavar="VER",
+                       help=f"SGLang release to {verb}, e.g. 0.5.23 (default: the one the series pins); "
+                            "its wheel is fetched once into the cache")
+        g.add_argument("--tree", type=Path, metavar="PATH",
+                       help=f"{verb} this SGLang tree instead (site-packages or a git checkout; never modified)")
+
+    cmd("series", "list series and patches (version, sha256, target SGLang)")
+
+    sp = cmd("check", "apply + compile + hook check against a pinned release or a tree; changes nothing")
+    series_arg(sp, "the series to check")
+    tree_or_release(sp, "check against")
     sp.add_argument("--force", action="store_true", help="check even if the SGLang version is not one the series targets")
-    sp.add_argument("--arch", action="append", default=[], help="also trace hook reachability for this model architecture")
-    sp.add_argument("--junit", type=Path, metavar="FILE")
+    sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
+                    help="also trace hook reachability for this model architecture (e.g. LlamaForCausalLM); repeatable")
+    junit(sp, "one test case per patch, compile, hook and trace")
 
     for name in ("new", "refresh"):
-        sp = sub.add_parser(name, help=f"{'capture' if name == 'new' else 'regenerate'} a patch from an SGLang git checkout")
-        sp.add_argument("series")
-        sp.add_argument("patch")
-        sp.add_argument("--from-tree", type=Path, required=True, metavar="PATH")
+        verb = "capture" if name == "new" else "regenerate"
+        sp = cmd(name, f"{verb} a patch from the edits of an SGLang git checkout")
+        series_arg(sp, "the series the patch belongs to" + (" (created if missing)" if name == "new" else ""))
+        sp.add_argument("patch", metavar="PATCH", help="patch file name inside the series (e.g. 0003-fix.patch)")
+        sp.add_argument("--from-tree", type=Path, required=True, metavar="PATH", help="the SGLang git checkout holding the edits")
         sp.add_argument("--base", default=None, metavar="REF", help="diff commits since REF (default: uncommitted edits)")
-        sp.add_argument("--description", default=None)
+        sp.add_argument("--description", default=None, metavar="TEXT", help="one line for series.toml")
 
-    sp = sub.add_parser("trace", help="is each function the series changes reachable from a model's forward?")
-    sp.add_argument("series")
-    sp.add_argument("--arch", action="append", default=[], required=False)
-    g = sp.add_mutually_exclusive_group()
-    g.add_argument("--sglang", metavar="VER")
-    g.add_argument("--tree", type=Path, metavar="PATH")
+    sp = cmd("trace", "is each function the series changes reachable from a model's forward?",
+             "Static reachability trace (ast only, SGLang is never imported): is each function the series changes\n"
+             "reached from the model's forward, outside bodies the CUDA graphs replay without running Python?\n"
+             "Exit 0: all reached, no blocking warning; 1 otherwise.")
+    series_arg(sp, "the series to trace")
+    sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
+                    help="model architecture as in config.json's architectures (e.g. LlamaForCausalLM); repeatable "
+                         "(default: every architecture SGLang registers)")
+    tree_or_release(sp, "trace")
 
-    sp = sub.add_parser("inventory", help="resolved hosts, groups, servers")
+    sp = cmd("inventory", "resolved hosts, groups, servers (env values masked unless public_env)")
     limit(sp)
 
-    sp = sub.add_parser("plan", help="what apply would do on each host; touches nothing")
-    sp.add_argument("series")
+    sp = cmd("plan", "what apply would do on each host; touches nothing",
+             "What apply would do on each host; touches nothing: the action, the files, the SGLang version and\n"
+             "model architecture read from the host, the reachability trace verdict, and the exact server\n"
+             "command line and env a restart would run.")
+    series_arg(sp, "the series to plan")
     limit(sp)
     hostkeys(sp)
+    sp.add_argument("--diff", action="store_true", help="also show the unified diff of every file (coloured on a terminal)")
 
-    sp = sub.add_parser("apply", help="apply a series, restart, smoke; roll back on failure")
-    sp.add_argument("series")
+    sp = cmd("apply", "apply a series, restart, smoke; roll back on failure", epilog=APPLY_EPILOG)
+    series_arg(sp, "the series to deploy")
     limit(sp)
     hostkeys(sp)
-    sp.add_argument("--no-restart", action="store_true", help="change files only")
+    sp.add_argument("--no-restart", action="store_true", help="change files only; the server keeps running the old code")
     sp.add_argument("--no-smoke", action="store_true", help="restart but skip the smoke extraction")
-    sp.add_argument("--canary", type=int, default=0, metavar="N", help="deploy N hosts first, alone")
-    sp.add_argument("--batch", default=None, metavar="SPEC", help="batch sizes after the canary: N, P%%, or a list 1,25%%,100%%")
-    sp.add_argument("--max-fail", default="0", metavar="N|P%", help="failures tolerated before the run stops (default 0)")
-    sp.add_argument("--on-fail", choices=["rollback-failed", "rollback-all", "halt"], default="rollback-failed")
-    sp.add_argument("--junit", type=Path, metavar="FILE")
-    sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR")
+    sp.add_argument("--skip-trace", action="store_true",
+                    help="skip the reachability preflight (deploy even if the trace says the hook never runs; the smoke decides)")
+    sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help="deploy N units first, alone (default 0)")
+    sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
+                    help="batch sizes after the canary: N, P%% of the selected units (rounded up), or a list "
+                         "1,25%%,100%% whose last entry repeats (default: all at once)")
+    sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
+                    help="failed units tolerated before the run stops; P%% of the selected units, rounded down (default 0)")
+    sp.add_argument("--on-fail", choices=["rollback-failed", "rollback-all", "halt"], default="rollback-failed",
+                    help="rollback-failed (default): roll back each failed unit; rollback-all: also return every unit "
+                         "this run deployed to its previous state once the run stops; halt: leave a failed unit "
+                         "patched for inspection (exit 3)")
+    junit(sp, "one test case per host step")
+    sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                    help="where run logs go (default ~/.local/state/patchctl/runs, or $XDG_STATE_HOME/patchctl/runs)")
 
-    sp = sub.add_parser("rollback", help="restore hosts to an earlier state")
+    sp = cmd("rollback", "restore hosts to an earlier state, verified")
     limit(sp)
     hostkeys(sp)
-    sp.add_argument("--to", default=None, metavar="STATE", help="'previous' (the state before the last deploy; default), 'clean' (no series), or a history id")
+    sp.add_argument("--to", default=None, metavar="STATE",
+                    help="'previous' (the state before the last deploy; default), 'clean' (no series), or a history id")
     sp.add_argument("--force", action="store_true", help="roll back over hand edits (saved beside the backups first)")
-    sp.add_argument("--no-restart", action="store_true")
+    sp.add_argument("--no-restart", action="store_true",
+                    help="restore files only; leave the server as it is (it keeps running the code it loaded)")
 
-    sp = sub.add_parser("status", help="applied series, drift, lock, server health")
+    sp = cmd("status", "applied series, drift, lock, server health; exit 3 and what to run when a host needs attention")
     limit(sp)
     hostkeys(sp)
 
-    sp = sub.add_parser("smoke", help="smoke extraction against the running server; changes nothing")
+    sp = cmd("smoke", "smoke extraction against the running server; changes nothing")
     limit(sp)
     hostkeys(sp)
-    sp.add_argument("--series", default=None, help="profile to validate against (default: the applied series)")
-    sp.add_argument("--junit", type=Path, metavar="FILE")
+    sp.add_argument("--series", default=None, metavar="SERIES", help="profile to validate against (default: the applied series)")
+    junit(sp, "one test case per host")
 
-    sp = sub.add_parser("history", help="deploy history per host")
+    sp = cmd("history", "deploy history per host")
     limit(sp)
     hostkeys(sp)
 
-    sp = sub.add_parser("unlock", help="release a stale lock")
+    sp = cmd("unlock", "release a stale lock")
     limit(sp)
     hostkeys(sp)
     sp.add_argument("--force", action="store_true", help="release even if the holder may still be alive")
     return p
+
+
+def _command_prefix(args) -> str:
+    """How to invoke patchctl again with the same inventory and patches (for recovery commands)."""
+    words = ["patchctl"]
+    if args.inventory is not None:
+        words += ["--inventory", str(args.inventory)]
+    if args.patches is not None:
+        words += ["--patches", str(args.patches)]
+    return shlex.join(words)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         inventory_path=args.inventory or _default_inventory(),
         json=args.json,
         verbose=args.verbose,
+        command_prefix=_command_prefix(args),
     )
     module, func = COMMANDS[args.command]
     try:

@@ -11,6 +11,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from patchctl.redact import Masker
+
+# Not a terminal (a pipe, a file, a CI log): no wrapping at all. A table is as wide as its content
+# and a word is never cut at column 80 ("hidden-dum" / "p"); a reader or `less -S` scrolls instead.
+UNWRAPPED_WIDTH = 100_000
+
+
+def make_console(file, **kw) -> Console:
+    c = Console(file=file, soft_wrap=True, **kw)
+    if not c.is_terminal:
+        c = Console(file=file, soft_wrap=True, width=UNWRAPPED_WIDTH, **kw)
+    return c
+
 
 @dataclass
 class App:
@@ -20,13 +33,22 @@ class App:
     inventory_path: Path
     json: bool = False
     verbose: bool = False
-    out: Console = field(default_factory=lambda: Console(file=sys.stdout, soft_wrap=True))
-    err: Console = field(default_factory=lambda: Console(file=sys.stderr, soft_wrap=True, highlight=False))
+    command_prefix: str = "patchctl"  # how to run patchctl again on this inventory (recovery hints)
+    out: Console = field(default_factory=lambda: make_console(sys.stdout))
+    err: Console = field(default_factory=lambda: make_console(sys.stderr, highlight=False))
+    masker: Masker = field(default_factory=Masker)  # env values kept out of every output and log
+
+    def cmd(self, *words: str) -> str:
+        """A patchctl command line the user can paste (same inventory and patches as this run)."""
+        import shlex
+
+        return " ".join([self.command_prefix, *(shlex.quote(w) for w in words)])
 
     def info(self, msg: str) -> None:
         """Human progress, always on stderr so --json stdout stays parseable."""
+        msg = self.masker.text(msg)
         if self.err.is_terminal:
-            self.err.print(msg)
+            self.err.print(msg, markup=False)
         else:
             stamp = time.strftime("%H:%M:%S")
             print(f"{stamp} {msg}", file=sys.stderr, flush=True)
@@ -35,13 +57,13 @@ class App:
         if self.verbose:
             self.info(msg)
 
-    def result(self, data, table: Table | None = None) -> None:
-        """The command's result: JSON when --json, else the table (if any)."""
+    def result(self, data, table=None) -> None:
+        """The command's result: JSON when --json, else the table (or any rich renderable, masked by its maker)."""
         if self.json:
-            sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+            sys.stdout.write(json.dumps(self.masker.data(data), indent=2, sort_keys=False, default=str) + "\n")
             sys.stdout.flush()
         elif table is not None:
-            self.out.print(table)
+            self.out.print(self.masker.table(table) if isinstance(table, Table) else table)
 
 
 def table(title: str, *columns: str) -> Table:

@@ -1,73 +1,126 @@
 """The built-in local demo: a real deploy of `hidden-dump` on this machine, then a known-bad series rolled back.
 
-Sets up, under the user's cache (~/.cache/patchctl/demo): an SGLang 0.5.23 tree
-unpacked from the PyPI wheel (site-packages layout), a tiny model directory, and
-the unpatched stand-in server (patchctl.simserver) on 127.0.0.1:30000, as an
-operator's running server would be. Then it runs patchctl as a user would,
-against the shipped inventory's `local` host.
+Sets up the directories the shipped inventory's `local` host names (~/.cache/patchctl/demo by
+default): an SGLang 0.5.23 tree unpacked from the PyPI wheel (site-packages layout; the wheel
+itself is cached under $XDG_CACHE_HOME/patchctl, default ~/.cache/patchctl), a tiny model
+directory, and the unpatched stand-in server (patchctl.simserver) on its port, as an operator's
+running server would be. Then it runs patchctl as a user would, against that host. The
+inventory is the one source of those paths, so the demo and `patchctl --limit local` always
+agree, whatever XDG_CACHE_HOME says.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-from patchctl.release import cache_root, fetch_release
+from patchctl.release import fetch_release
 
 REPO = Path(__file__).resolve().parent.parent
-PORT = 30000
+INVENTORY = REPO / "inventory.toml"
 
 
 def say(msg: str) -> None:
     print(f"\n\033[1m==> {msg}\033[0m" if sys.stdout.isatty() else f"\n==> {msg}", flush=True)
 
 
-def healthy(port: int) -> bool:
+def healthy(host: str, port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health_generate", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}/health_generate", timeout=10) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def setup() -> Path:
-    demo = cache_root() / "demo"
-    tree = demo / "site-packages"
-    if not (tree / "sglang").is_dir():
-        say("unpacking SGLang 0.5.23 (PyPI wheel) into the demo host's site-packages")
-        shutil.copytree(fetch_release("0.5.23", log=print), tree, symlinks=True)
-    from patchctl.simserver import write_model_config
+@dataclass
+class DemoHost:
+    """The shipped inventory's `local` host, its paths expanded here (it is this machine)."""
 
-    write_model_config(demo / "model", layers=8, hidden=64, vocab=512)
-    (demo / "state").mkdir(parents=True, exist_ok=True)
-    if not healthy(PORT):
-        say(f"starting the demo host's unpatched server (SGLang stand-in) on 127.0.0.1:{PORT}")
-        with open(demo / "server.log", "ab") as log:
+    root: Path  # the directory that contains sglang/
+    state: Path
+    model: Path
+    log: Path
+    host: str
+    port: int
+
+    @classmethod
+    def from_inventory(cls, path: Path = INVENTORY) -> "DemoHost":
+        from patchctl.inventory import load_inventory
+
+        h = load_inventory(path).hosts["local"]
+        here = lambda p: Path(os.path.abspath(os.path.expanduser(p)))  # noqa: E731
+        state = here(h.state_dir)
+        # the server command names the model as {state_dir}/../model
+        return cls(root=here(h.sglang_root), state=state, model=state.parent / "model", log=here(h.server.log),
+                   host=h.server.host, port=h.server.port)
+
+
+def setup(d: DemoHost) -> None:
+    if not (d.root / "sglang").is_dir():
+        say(f"unpacking SGLang 0.5.23 (PyPI wheel) into the demo host's site-packages: {d.root}")
+        d.root.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(fetch_release("0.5.23", log=print), d.root, symlinks=True)
+    from patchctl.simserver.model import write_model_config
+
+    write_model_config(d.model, layers=8, hidden=64, vocab=512)
+    d.state.mkdir(parents=True, exist_ok=True)
+    if not healthy(d.host, d.port):
+        say(f"starting the demo host's unpatched server (SGLang stand-in) on {d.host}:{d.port}")
+        d.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(d.log, "ab") as log:
             # exactly what the inventory's command renders to, as an operator's own start would be
-            subprocess.Popen([sys.executable, "-m", "patchctl.simserver", "--model-path", f"{demo / 'state'}/../model",
-                              "--sglang-root", str(tree), "--host", "127.0.0.1", "--port", str(PORT)],
+            subprocess.Popen([sys.executable, "-m", "patchctl.simserver", "--model-path", f"{d.state}/../model",
+                              "--sglang-root", str(d.root), "--host", d.host, "--port", str(d.port)],
                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 120
-        while not healthy(PORT):
+        while not healthy(d.host, d.port):
             if time.time() > deadline:
-                raise SystemExit(f"demo server did not become ready; see {demo / 'server.log'}")
+                raise SystemExit(f"demo server did not become ready; see {d.log}")
             time.sleep(0.3)
-    return demo
+
+
+def listener_pid(port: int) -> int | None:
+    """The pid of the process listening on a TCP port (Linux /proc), or None."""
+    inodes = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(parts[9])
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
 
 
 def patchctl(*args: str) -> int:
     print("$ patchctl " + " ".join(args), flush=True)
-    return subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(REPO / "inventory.toml"),
+    return subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(INVENTORY),
                            "--patches", str(REPO / "patches"), *args]).returncode
 
 
 def main() -> int:
-    setup()
+    d = DemoHost.from_inventory()
+    setup(d)
     say("1. the series and what apply would do")
     patchctl("series")
     patchctl("plan", "hidden-dump", "--limit", "local")
@@ -77,15 +130,25 @@ def main() -> int:
         print(f"apply failed with exit {rc}")
         return rc
     patchctl("status", "--limit", "local")
-    say("3. a known-bad series (hook in LlamaModel.forward, never reached): automatic verified rollback")
-    rc_bad = patchctl("apply", "hidden-dump-dead-hook", "--limit", "local")
+    say("3. a known-bad series (hook in LlamaModel.forward, replayed by the prefill CUDA graph): "
+        "the reachability trace refuses it before any restart")
+    rc_refused = patchctl("apply", "hidden-dump-dead-hook", "--limit", "local")
+    print(f"(exit {rc_refused}: 2 = refused, nothing touched)")
+    say("4. the same series with --skip-trace: the smoke extraction catches the dead hook, automatic verified rollback")
+    rc_bad = patchctl("apply", "hidden-dump-dead-hook", "--limit", "local", "--skip-trace")
     print(f"(exit {rc_bad}: 1 = failed, every touched host rolled back and verified)")
     patchctl("status", "--limit", "local")
     patchctl("history", "--limit", "local")
-    say("4. roll the demo host back to a clean tree")
+    say("5. roll the demo host back to a clean tree")
     rc = patchctl("rollback", "--limit", "local", "--to", "clean")
     patchctl("status", "--limit", "local")
-    return 0 if rc == 0 and rc_bad == 1 else 1
+    pid = listener_pid(d.port)
+    say(f"the demo host's server is still running on {d.host}:{d.port}" + (f" (pid {pid})" if pid else "")
+        + ", unpatched, serving the demo tree")
+    print(f"    its log:       {d.log}")
+    print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
+    print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
+    return 0 if rc == 0 and rc_bad == 1 and rc_refused == 2 else 1
 
 
 if __name__ == "__main__":

@@ -35,11 +35,14 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     env: dict[str, str] = field(default_factory=dict)
+    # env names whose values may be shown in logs and output; every other env value is masked
+    public_env: list[str] = field(default_factory=list)
     log: str = "~/sglang-server.log"
     start_timeout: float = 1800.0
     stop_timeout: float = 60.0
     unit: str | None = None
     capture_layers: list[int] | None = None
+    layer_outputs: list[int] | None = None
     hidden_size: int | None = None
 
 
@@ -85,11 +88,13 @@ class Host:
                 "host": self.server.host,
                 "port": self.server.port,
                 "env": dict(self.server.env),
+                "public_env": list(self.server.public_env),
                 "log": self.server.log,
                 "start_timeout": self.server.start_timeout,
                 "stop_timeout": self.server.stop_timeout,
                 "unit": self.server.unit,
                 "capture_layers": self.server.capture_layers,
+                "layer_outputs": self.server.layer_outputs,
                 "hidden_size": self.server.hidden_size,
             },
         }
@@ -171,8 +176,8 @@ _HOST_KEYS = (
 )
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
-    "manager", "command", "host", "port", "env", "log", "start_timeout", "stop_timeout",
-    "unit", "capture_layers", "hidden_size",
+    "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
+    "unit", "capture_layers", "layer_outputs", "hidden_size",
 )
 _SERVERS_KEYS = ("nodes",)
 
@@ -514,15 +519,23 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 L.fail(p, f"{k!r} is not an environment variable name")
         s.env = dict(v)
+    v, p = pick("public_env")
+    if p:
+        names = L.want_names(v, p)
+        for k in names:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                L.fail(p, f"{k!r} is not an environment variable name")
+        s.public_env = list(names)
     v, p = pick("unit")
     if p:
         s.unit = L.want_str(v, p)
-    v, p = pick("capture_layers")
-    if p:
-        if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                      for x in v):
-            L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
-        s.capture_layers = list(v)
+    for key in ("capture_layers", "layer_outputs"):
+        v, p = pick(key)
+        if p:
+            if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                          for x in v):
+                L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
+            setattr(s, key, list(v))
     v, p = pick("hidden_size")
     if p:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -541,7 +554,10 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
 def run_inventory(app, args) -> int:
     from patchctl.console import table
 
+    from patchctl.redact import Masker
+
     inv = load_inventory(app.inventory_path)
+    app.masker = Masker.from_inventory(inv)
     selected = inv.select(getattr(args, "limit", None))
     if app.json:
         hosts = []

@@ -1,4 +1,9 @@
-"""One agent call = one remote command: bundle the stdlib agent with a request, run it, decode the answer."""
+"""One agent call = one remote command: bundle the host package with a request, run it, decode the answer.
+
+Every module of `patchctl/host/` travels inside the one script piped to the host's `python -`
+(Mitogen-style): an import hook placed first on `sys.meta_path` serves them from memory, so the
+host needs nothing but Python >= 3.8, and a patchctl installed there (any version) is never used.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,29 @@ from typing import Callable
 
 from patchctl.errors import NeedsAttention, PatchctlError
 
-AGENT_MODULES = ("atomic", "applier", "agent")  # order matters: agent imports the others
+HOST_PACKAGE = "patchctl.host"
 EVENT_PREFIX = "PATCHCTL-EVENT "
 
 _BOOTSTRAP = """
-import sys, types, json
-_pkg = types.ModuleType("patchctl"); _pkg.__path__ = []; sys.modules["patchctl"] = _pkg
-for _name, _src in _SOURCES:
-    _mod = types.ModuleType("patchctl." + _name)
-    sys.modules["patchctl." + _name] = _mod
-    setattr(_pkg, _name, _mod)
-    exec(compile(_src, "<patchctl/%s.py>" % _name, "exec"), _mod.__dict__)
-sys.modules["patchctl.agent"].main(json.loads(_REQUEST))
+import sys, json, importlib.abc, importlib.util
+
+class _Bundle(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # The shipped modules, from memory; every other import is the host's own standard library.
+    def find_spec(self, name, path=None, target=None):
+        if name not in _SOURCES:
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=name in _PACKAGES)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        filename, src = _SOURCES[module.__name__]
+        exec(compile(src, filename, "exec"), module.__dict__)
+
+sys.meta_path.insert(0, _Bundle())
+import patchctl.host.agent
+patchctl.host.agent.main(json.loads(_REQUEST))
 """
 
 
@@ -41,13 +57,19 @@ class AgentLost(NeedsAttention):
 
 
 @lru_cache(maxsize=1)
-def _sources() -> tuple[tuple[str, str], ...]:
-    here = Path(__file__).resolve().parent
-    return tuple((m, (here / f"{m}.py").read_text()) for m in AGENT_MODULES)
+def _sources() -> dict[str, tuple[str, str]]:
+    """{module name: (file name for tracebacks, source)}: the whole host package under an empty `patchctl`."""
+    here = Path(__file__).resolve().parent / "host"
+    out = {"patchctl": ("<patchctl/__init__.py>", "")}
+    for f in sorted(here.glob("*.py")):
+        name = HOST_PACKAGE if f.stem == "__init__" else f"{HOST_PACKAGE}.{f.stem}"
+        out[name] = (f"<patchctl/host/{f.name}>", f.read_text())
+    return out
 
 
 def build_script(request: dict) -> str:
-    return f"_SOURCES = {_sources()!r}\n_REQUEST = {json.dumps(request)!r}\n{_BOOTSTRAP}"
+    packages = ["patchctl", HOST_PACKAGE]
+    return f"_SOURCES = {_sources()!r}\n_PACKAGES = {packages!r}\n_REQUEST = {json.dumps(request)!r}\n{_BOOTSTRAP}"
 
 
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,

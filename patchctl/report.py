@@ -3,7 +3,8 @@
 Every command that works on hosts emits the same events; the reporter decides
 how they look. `--json` makes stdout a stream of one JSON object per line
 (run_start, step_start, step_end, host_result, run_end); humans get progress
-on stderr (a live rich table on a terminal, timestamped lines otherwise).
+on stderr either way (a live rich table on a terminal, timestamped lines otherwise).
+Logs are private (0700 directories, 0600 files) and env values are masked everywhere.
 """
 
 from __future__ import annotations
@@ -42,6 +43,34 @@ def default_log_root() -> Path:
     return Path(base) / "patchctl" / "runs"
 
 
+def private_dir(root: Path, name: str, tighten_root: bool) -> Path:
+    """root/name, mode 0700. Run logs hold server configs and agent answers: on a shared bastion
+    they are the operator's alone. `tighten_root`: the default root is patchctl's own, so it (and
+    the patchctl/ above it) is made 0700 as well, closing logs an older version left 0755."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if tighten_root:
+        for d in (root, root.parent):
+            try:
+                if d.stat().st_mode & 0o077:
+                    d.chmod(0o700)
+            except OSError:
+                pass
+    d = root / name
+    d.mkdir(mode=0o700, exist_ok=True)
+    d.chmod(0o700)  # whatever the umask said
+    return d
+
+
+def append_private(path: Path, text: str) -> None:
+    """Append to a file created 0600 (never readable by group or others)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 class Reporter:
     def __init__(self, app: App, run_id: str, command: str, hosts: list[str], log_dir: Path | None = None,
                  live: bool | None = None):
@@ -54,8 +83,9 @@ class Reporter:
         self.current: dict[str, StepRecord] = {}
         self.lock = threading.Lock()
         self.t0 = time.time()
-        self.log_dir = (log_dir or default_log_root()) / run_id
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = private_dir(log_dir or default_log_root(), run_id, tighten_root=log_dir is None)
+        self.banner = ""  # shown in the live table's title (e.g. "stopping")
+        self.quiet = False  # events still logged (and on stdout with --json), no human lines
         self._live = None
         if live is None:
             live = app.err.is_terminal and not app.json
@@ -81,18 +111,28 @@ class Reporter:
 
     def emit(self, ev: dict) -> None:
         ev.setdefault("t", round(time.time(), 3))
+        ev = self.app.masker.data(ev)
+        text = json.dumps(ev, default=str) + "\n"
         with self.lock:
-            with open(self.log_dir / "events.jsonl", "a") as f:
-                f.write(json.dumps(ev, default=str) + "\n")
+            append_private(self.log_dir / "events.jsonl", text)
             if self.app.json:
-                sys.stdout.write(json.dumps(ev, default=str) + "\n")
+                sys.stdout.write(text)
                 sys.stdout.flush()
         if self._live:
             self._live.update(self._render())
-        elif not self.app.json or self.app.verbose:
+        elif not self.quiet:  # human progress always goes to stderr, with --json too (stdout stays JSON)
             line = self._line(ev)
             if line:
                 self.app.info(line)
+
+    def announce(self, msg: str) -> None:
+        """A message for the operator right now (above the live table when there is one)."""
+        live = self._live
+        if live is not None:
+            live.console.print(self.app.masker.text(msg), markup=False, highlight=False)
+            live.update(self._render())
+        else:
+            self.app.info(msg)
 
     def _line(self, ev: dict) -> str | None:
         k = ev["event"]
@@ -106,8 +146,14 @@ class Reporter:
             return f"{ev['host']}: {ev['outcome']}" + (f" — {ev['message']}" if ev.get("message") else "")
         if k == "note":
             return f"{ev['host']}: {ev['message']}"
+        if k == "preflight":
+            verdict = "ok" if ev.get("ok") else ("not checked" if ev.get("ok") is None else "BLOCKED")
+            return f"{ev['host']}: trace {ev.get('arch') or '(architecture unknown)'}: {verdict}" + (
+                f" — {ev['detail']}" if ev.get("detail") else "")
         if k == "agent" and self.app.verbose:
             return f"{ev['host']}: {ev['data']}"
+        if k == "run_end" and self.app.json:  # humans get the summary table instead
+            return f"run ended: exit {ev['exit_code']} ({ev['seconds']:.1f}s); logs: {ev['log_dir']}"
         return None
 
     # --- host steps -----------------------------------------------------
@@ -139,12 +185,13 @@ class Reporter:
 
     def host_log(self, host: str, entry: dict) -> None:
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in host)
-        with self.lock, open(self.log_dir / f"{safe}.jsonl", "a") as f:
-            f.write(json.dumps(entry, default=str) + "\n")
+        entry = self.app.masker.data(entry)
+        with self.lock:
+            append_private(self.log_dir / f"{safe}.jsonl", json.dumps(entry, default=str) + "\n")
         tail = (entry.get("detail") or {}).get("log_tail")
         if tail:
-            with self.lock, open(self.log_dir / f"{safe}.server-log-tail.txt", "a") as f:
-                f.write(f"--- {entry.get('step')} ---\n{tail}\n")
+            with self.lock:
+                append_private(self.log_dir / f"{safe}.server-log-tail.txt", f"--- {entry.get('step')} ---\n{tail}\n")
 
     def host_result(self, host: str, outcome: str, exit_code: int, message: str = "", **extra) -> None:
         self.results[host] = {"host": host, "outcome": outcome, "exit_code": exit_code, "message": message, **extra}
@@ -156,7 +203,8 @@ class Reporter:
 
     # --- views ----------------------------------------------------------
     def _render(self) -> Table:
-        t = table(f"patchctl {self.command} — run {self.run_id}", "host", "step", "elapsed", "result")
+        t = table(f"patchctl {self.command} — run {self.run_id}" + (f" — {self.banner}" if self.banner else ""),
+                  "host", "step", "elapsed", "result")
         for h in self.hosts:
             res = self.results.get(h)
             cur = self.current.get(h)
@@ -181,4 +229,4 @@ class Reporter:
             cases.append({"name": s.step, "classname": s.host, "time": s.seconds,
                           "status": "passed" if s.ok else ("failed" if s.ok is False else "error"),
                           "message": s.message, "output": json.dumps(s.detail, default=str)[:20000]})
-        return cases
+        return self.app.masker.data(cases)

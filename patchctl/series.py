@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from patchctl import applier
+from patchctl.host import applier
 from patchctl.errors import BadInput
 
 SERIES_FILE = "series.toml"
@@ -40,11 +40,20 @@ class Patch:
     path: Path
     text: str
     files: tuple[FileChange, ...]
+    series: str | None = None  # the series that owns the file, when this entry names another series' patch
+
+    @property
+    def label(self) -> str:
+        """The file as a person looks for it: `0001-x.patch`, or `other-series/0001-x.patch` for a reference."""
+        return f"{self.series}/{self.file}" if self.series else self.file
 
     def to_json(self) -> dict:
-        return {"file": self.file, "version": self.version, "sha256": self.sha256,
-                "description": self.description,
-                "files": [{"path": f.path, "action": f.action} for f in self.files]}
+        out = {"file": self.file, "version": self.version, "sha256": self.sha256,
+               "description": self.description,
+               "files": [{"path": f.path, "action": f.action} for f in self.files]}
+        if self.series:
+            out["series"] = self.series
+        return out
 
 
 @dataclass(frozen=True)
@@ -210,6 +219,55 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _plain_name(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name and not name.startswith(".")
+
+
+def _referenced_patch(patches_dir: Path, name: str, owner: str, pfile: str, pver: int, *,
+                      verify: bool, rel: str, line: int | None) -> Path:
+    """The file of a [[patch]] entry that names another series' patch (`series = "X"`, `file = "..."`).
+
+    The reference stays inside the patches directory, names a patch that series X lists as its own
+    (no chains), and pins X's version of it; the caller checks the pinned sha256 against the bytes."""
+    where = f"{owner}/{pfile}"
+    if not _plain_name(owner):
+        raise BadInput(f"patch.series {owner!r} must be the name of another series in {patches_dir}",
+                       file=rel, line=line)
+    if owner == name:
+        raise BadInput(f"patch.series names this series itself; drop the key to use its own {pfile}",
+                       file=rel, line=line)
+    otoml = patches_dir / owner / SERIES_FILE
+    if not otoml.is_file():
+        raise BadInput(f"patch refers to series {owner!r}, which does not exist (no {otoml})", file=rel, line=line)
+    ppath = patches_dir / owner / pfile
+    root = patches_dir.resolve()
+    try:
+        ppath.resolve().relative_to(root)
+        otoml.resolve().relative_to(root)
+    except ValueError:
+        raise BadInput(f"patch reference {where} leads outside the patches directory {root} "
+                       f"(to {ppath.resolve()})", file=rel, line=line) from None
+    try:
+        entries = tomllib.loads(otoml.read_text(encoding="utf-8")).get("patch", [])
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot check the reference to {where}: {_rel(otoml)} does not load ({e})",
+                       file=rel, line=line) from None
+    entries = [e for e in entries if isinstance(e, dict) and e.get("file") == pfile] if isinstance(entries, list) else []
+    own = next((e for e in entries if "series" not in e), None)
+    if own is None:
+        chained = next((e["series"] for e in entries if "series" in e), None)
+        raise BadInput(f"patch reference {where}: " + (
+            f"series {owner!r} itself takes {pfile} from series {chained!r}; name {chained!r} here" if chained
+            else f"series {owner!r} has no patch {pfile} (not listed in {_rel(otoml)})"), file=rel, line=line)
+    if not ppath.is_file():
+        raise BadInput(f"patch file {where} is missing ({ppath})", file=rel, line=line)
+    if verify and own.get("version") != pver:
+        raise BadInput(f"this series pins version {pver} of {where}, but series {owner!r} records version "
+                       f"{own.get('version')!r}; review the change, then copy its version and sha256 here",
+                       file=rel, line=line)
+    return ppath
+
+
 def load_series(patches_dir: Path, name: str, *, verify_hashes: bool = True) -> Series:
     """Read and validate series `name`; raises BadInput naming the file (and line)."""
     patches_dir = Path(patches_dir)
@@ -258,38 +316,47 @@ def load_series(patches_dir: Path, name: str, *, verify_hashes: bool = True) -> 
     if not isinstance(raw_patches, list) or not all(isinstance(p, dict) for p in raw_patches):
         raise BadInput("patch must be an array of [[patch]] tables", file=rel, line=_where(text, "patch"))
     patches: list[Patch] = []
-    seen: set[str] = set()
+    seen: set[tuple[str | None, str]] = set()
     for i, p in enumerate(raw_patches):
         kw = dict(text=text, rel=rel, table="patch", index=i)
         pfile = _req(p, "file", str, **kw)
         pline = _where(text, "file", "patch", i)
-        if not pfile or "/" in pfile or "\\" in pfile or pfile.startswith(".") or pfile == SERIES_FILE:
-            raise BadInput(f"patch file name {pfile!r} must be a plain file name in {sdir}", file=rel, line=pline)
-        if pfile in seen:
-            raise BadInput(f"patch file {pfile!r} listed twice", file=rel, line=pline)
-        seen.add(pfile)
+        owner = _typed(p, "series", str, **kw) if "series" in p else None
+        if not _plain_name(pfile) or pfile == SERIES_FILE:
+            hint = "; to use a patch of another series, name it with `series = \"NAME\"` and its plain file name" \
+                if "/" in pfile or "\\" in pfile else ""
+            raise BadInput(f"patch file name {pfile!r} must be a plain file name in {sdir}{hint}", file=rel, line=pline)
+        label = f"{owner}/{pfile}" if owner else pfile
+        if (owner, pfile) in seen:
+            raise BadInput(f"patch file {label!r} listed twice", file=rel, line=pline)
+        seen.add((owner, pfile))
         pver = _req(p, "version", int, what="a positive integer", **kw)
         if pver < 1:
             raise BadInput(f"patch.version must be a positive integer, got {pver}", file=rel,
                            line=_where(text, "version", "patch", i))
         psha = _req(p, "sha256", str, **kw)
         pdesc = _typed(p, "description", str, **kw) if "description" in p else ""
-        ppath = sdir / pfile
-        if not ppath.is_file():
-            raise BadInput(f"patch file {pfile} is missing ({ppath})", file=rel, line=pline)
+        if owner is None:
+            ppath = sdir / pfile
+            if not ppath.is_file():
+                raise BadInput(f"patch file {pfile} is missing ({ppath})", file=rel, line=pline)
+        else:
+            ppath = _referenced_patch(patches_dir, name, owner, pfile, pver, verify=verify_hashes, rel=rel,
+                                      line=_where(text, "series", "patch", i))
         raw = ppath.read_bytes()
         digest = hashlib.sha256(raw).hexdigest()
         prel = _rel(ppath)
         if verify_hashes and digest != psha.lower():
-            raise BadInput(f"{pfile} changed since recorded (sha256 {digest[:12]}…, series.toml says "
-                           f"{psha[:12]}…); run `patchctl refresh {name} {pfile} --from-tree PATH`",
-                           file=rel, line=_where(text, "sha256", "patch", i))
+            fix = (f"review the change, then copy version and sha256 from series {owner!r}'s {SERIES_FILE}" if owner
+                   else f"run `patchctl refresh {name} {pfile} --from-tree PATH`")
+            raise BadInput(f"{label} changed since recorded (sha256 {digest[:12]}…, series.toml says "
+                           f"{psha[:12]}…); {fix}", file=rel, line=_where(text, "sha256", "patch", i))
         try:
             ptext = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise BadInput("binary or non-UTF-8 file, not a unified diff", file=prel) from None
         files = validate_patch_text(ptext, file=prel)
-        patches.append(Patch(pfile, pver, psha, pdesc, ppath, ptext, files))
+        patches.append(Patch(pfile, pver, psha, pdesc, ppath, ptext, files, owner))
 
     smoke = _load_smoke(data.get("smoke", {}), text, rel)
     return Series(sname, version, description, spec, tuple(patches), smoke, sdir)
@@ -387,7 +454,7 @@ def run_series(app, args) -> int:
         first = True
         for p in s.patches or (None,):
             t.add_row(s.name if first else "", s.version if first else "", s.sglang if first else "",
-                      p.file if p else "(no patches)", str(p.version) if p else "",
+                      p.label if p else "(no patches)", str(p.version) if p else "",
                       p.sha256[:12] if p else "", p.description if p else s.description)
             first = False
     app.result({"series": [s.to_json() for s in good], "errors": [str(e) for e in bad]}, t)

@@ -61,7 +61,7 @@ def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
 
 
 def pid_on_port(port: int, host: str | None = None) -> int | None:
-    from patchctl.agent import pid_on_port as find
+    from patchctl.host.server import pid_on_port as find
 
     return find(port, host)
 
@@ -118,7 +118,9 @@ def real_patch(series: str, fname: str) -> str:
 def hidden_dump_patches() -> dict[str, str]:
     """The real hidden-dump patches, for test series that change only the smoke profile."""
     return {"0001.patch": real_patch("hidden-dump", "0001-hidden-dump-module.patch"),
-            "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch")}
+            "0002.patch": real_patch("hidden-dump", "0002-model-runner-hook.patch"),
+            # 2.0.0's module needs the prompt lengths this patch records, or the smoke finds no dump
+            "0003.patch": real_patch("hidden-dump", "0003-forward-batch-prompt-lens.patch")}
 
 
 @dataclass
@@ -191,7 +193,7 @@ class Fleet:
         self.inventory.write_text(text)
 
     def _lay_host(self, h: TestHost, layout: str):
-        from patchctl.simserver import write_model_config
+        from patchctl.simserver.model import write_model_config
 
         write_model_config(h.dir / "model", layers=8, hidden=64, vocab=512)
         if layout == "git":

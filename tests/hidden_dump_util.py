@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import subprocess
+import tomllib
 import types
 from pathlib import Path
 from typing import Optional, Sequence
@@ -12,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 # The stand-in's duck type of SGLang's ForwardMode and its stub of SGLang's runtime context.
-from patchctl.simserver import ForwardMode, install_runtime_context
+from patchctl.simserver.ducks import ForwardMode, install_runtime_context
 
 REPO = Path(__file__).resolve().parent.parent
 SERIES = REPO / "patches" / "hidden-dump"
@@ -23,14 +24,20 @@ MODULE = "sglang/srt/hidden_dump.py"
 FORWARD_BATCH_INFO = "sglang/srt/model_executor/forward_batch_info.py"
 
 
+def series_patch_paths(series: Path) -> list[Path]:
+    """A series' patch files in series.toml order; an entry with `series = "X"` names X's own file."""
+    data = tomllib.loads((series / "series.toml").read_text())
+    return [series.parent / p.get("series", series.name) / p["file"] for p in data["patch"]]
+
+
 def patched_tree(pristine: Path, dest: Path, series: Path = SERIES,
                  files: Sequence[str] = (MODEL_RUNNER, LLAMA, FORWARD_BATCH_INFO)) -> Path:
     """Copy only the files the series touches from the pristine tree, then `git apply -p1`
-    every patch of the series there (with --check first).  Returns dest."""
+    every patch of the series there, in series.toml order (with --check first).  Returns dest."""
     for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(pristine / rel, dest / rel)
-    patches = sorted(series.glob("*.patch"))
+    patches = series_patch_paths(series)
     assert patches, f"no patches in {series}"
     for p in patches:
         for args in (["--check"], []):

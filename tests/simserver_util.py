@@ -114,12 +114,11 @@ def make_mini_tree(pristine: Path, dest: Path) -> Path:
 
 
 def apply_series(tree: Path, series_dir: Path) -> None:
-    """Apply a series' patches (series.toml order) to a tree with patch -p1."""
-    import tomllib
-    series = tomllib.loads((series_dir / "series.toml").read_text())
-    for entry in series["patch"]:
+    """Apply a series' patches (series.toml order, following references to other series) with patch -p1."""
+    from hidden_dump_util import series_patch_paths
+    for path in series_patch_paths(series_dir):
         subprocess.run(["patch", "-p1", "-s", "--no-backup-if-mismatch", "-d", str(tree),
-                        "-i", str(series_dir / entry["file"])], check=True)
+                        "-i", str(path)], check=True)
 
 
 def add_hidden_dump(tree: Path, source: str = TEST_HIDDEN_DUMP) -> None:
@@ -158,7 +157,7 @@ def hook_model_runner(tree: Path, where: str = "forward") -> None:
 
 
 def write_model(path: Path, layers=8, hidden=64, vocab=512) -> Path:
-    from patchctl.simserver import write_model_config
+    from patchctl.simserver.model import write_model_config
     return write_model_config(path, layers=layers, hidden=hidden, vocab=vocab)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from patchctl.cli import main
+from patchctl.errors import BadInput
+from patchctl.series import load_series
 from test_check import ANCHOR, HOOK_LINES, RUNNER, SMALL_FILES, reason_line
 from test_series import snapshot
 
@@ -101,6 +103,17 @@ def test_new_then_check_round_trip(capsys, tmp_path, checkout, sglang_tree):
                        "--from-tree", str(checkout))
     assert rc == 0 and json.loads(out)["changed"] is False and "unchanged" in err
 
+    # another series names this patch by reference: refreshing it there is refused, here it says so
+    user = patches / "user"
+    user.mkdir()
+    (user / "series.toml").write_text(f'[series]\nname = "user"\nversion = "1.0.0"\nsglang = "==0.5.23"\n\n'
+                                      f'[[patch]]\nseries = "tiny"\nfile = "0001-capture.patch"\nversion = 1\n'
+                                      f'sha256 = "{r["sha256"]}"\n')
+    assert load_series(patches, "user").patches[0].series == "tiny"
+    rc, _, err = cli(capsys, "--patches", str(patches), "refresh", "user", "0001-capture", "--from-tree", str(checkout))
+    assert rc == 2 and "series tiny's patch (a reference); refresh it there" in reason_line(err)
+    assert sorted(p.name for p in user.iterdir()) == ["series.toml"]
+
     # edit more: refresh bumps the version and hash, keeps the file's comments and hook table
     (checkout / "python/sglang/srt/tiny_mod.py").write_text("def on_forward_end(*args):\n    return 1\n")
     rc, out, err = cli(capsys, "--patches", str(patches), "--json", "refresh", "tiny", "0001-capture.patch",
@@ -108,6 +121,9 @@ def test_new_then_check_round_trip(capsys, tmp_path, checkout, sglang_tree):
     assert rc == 0, err
     r2 = json.loads(out)
     assert r2["version"] == 2 and r2["sha256"] != r["sha256"]
+    assert r2["referenced_by"] == ["user"] and "note: series user pins an earlier version" in err
+    with pytest.raises(BadInput, match="pins version 1 of tiny/0001-capture.patch, but series .tiny. records version 2"):
+        load_series(patches, "user")
     toml_text = (patches / "tiny/series.toml").read_text()
     assert toml_text.startswith("# Series created by `patchctl new`") and "[smoke.hook]" in toml_text
     assert "# layers = [3, 31, 59]" in toml_text

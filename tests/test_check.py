@@ -248,6 +248,38 @@ def test_real_series_checks_clean(capsys, monkeypatch, seeded_cache):
     assert snapshot(PATCHES / "hidden-dump") == before
 
 
+def test_check_refuses_an_architecture_the_capture_cannot_serve(capsys, monkeypatch, seeded_cache):
+    """Issue 11, fix 5: DeepSeek-V4's bounded SWA replay returns hidden states for some rows only:
+    `check --arch` says so (the same rule the agent applies before any restart)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(seeded_cache))
+    rc, out, err = run(capsys, "--patches", str(PATCHES), "--json", "check", "hidden-dump",
+                       "--arch", "DeepseekV4ForCausalLM")
+    assert rc == 1, err
+    r = json.loads(out)
+    assert not r["ok"] and r["trace"]["ok"]  # the hook is reached: the configuration is what fails
+    assert r["capture_config"]["refusals"][0].startswith("DeepseekV4ForCausalLM: its bounded SWA replay")
+    assert "bounded SWA replay" in reason_line(err)
+    rc, out, err = run(capsys, "--patches", str(PATCHES), "--json", "check", "hidden-dump",
+                       "--arch", "KimiK25ForConditionalGeneration")
+    assert rc == 0, err
+    assert json.loads(out)["capture_config"] == {
+        "ok": True, "refusals": [],
+        "detail": "the series' server flags can capture for KimiK25ForConditionalGeneration"}
+
+
+def test_dead_hook_series_checks_hidden_dumps_module_through_its_reference(capsys, monkeypatch, seeded_cache):
+    """The known-bad series applies hidden-dump's own module patch (named by reference) and its hook:
+    `check` passes, as the README says (only the smoke catches a dead hook)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(seeded_cache))
+    rc, out, err = run(capsys, "--patches", str(PATCHES), "--json", "check", "hidden-dump-dead-hook")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["ok"] and r["hook"]["ok"]
+    assert [p["name"] for p in r["patches"]] == ["0001-hidden-dump-module.patch", "0002-llama-model-hook.patch",
+                                                 "0003-forward-batch-prompt-lens.patch"]
+    assert "sglang/srt/hidden_dump.py" in r["files"] and "sglang/srt/models/llama.py" in r["files"]
+
+
 # --- hook resolution and tree facts ---------------------------------------------------------
 
 SRC = """\

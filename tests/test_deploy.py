@@ -20,7 +20,7 @@ def fleet1(tmp_path, sglang_tree):
 
 def hidden_dump_source(sglang_tree, tmp_path) -> str:
     """sglang/srt/hidden_dump.py as the real series creates it."""
-    from patchctl.applier import stage
+    from patchctl.host.applier import stage
 
     scratch = tmp_path / "hd-scratch"
     scratch.mkdir()
@@ -87,7 +87,7 @@ def _assert_rolled_back(f, h, p, digest, old_pid=None):
 def test_dead_hook_rolls_back(fleet1):
     f, h = fleet1, fleet1.hosts[0]
     digest = f.digest(h)
-    p = f.patchctl("apply", "hidden-dump-dead-hook")
+    p = f.patchctl("apply", "hidden-dump-dead-hook", "--skip-trace")  # past the trace: the smoke must catch it
     _assert_rolled_back(f, h, p, digest)
     assert "no dump file" in p.stdout + p.stderr
 
@@ -161,7 +161,7 @@ def test_controller_killed_during_a_hung_smoke_frees_the_host_at_once(fleet1):
     alive until the request's own timeout: the agent notices within a heartbeat that nobody listens."""
     import signal
 
-    from patchctl.agent import pid_alive
+    from patchctl.host.osutil import pid_alive
 
     f, h = fleet1, fleet1.hosts[0]
     write_series(f.patches, "stalls", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_STALL_AFTER": "1"})

@@ -157,7 +157,7 @@ def test_plan_touches_nothing_and_tells_what_apply_would_do(fleet):
     f = fleet
     before = snapshot(f)
     p, plan = f.json("plan", "hidden-dump", "--limit", "host0,host1")
-    assert [d["action"] for d in plan] == ["apply hidden-dump 1.0.0 (2 patches)"] * 2
+    assert [d["action"] for d in plan] == ["apply hidden-dump 2.0.0 (3 patches)"] * 2
     assert {x["path"] for x in plan[0]["files"]} == {"sglang/srt/hidden_dump.py", "sglang/srt/model_executor/model_runner.py"}
     assert plan[0]["restart"].startswith("yes") and plan[0]["blockers"] == []
     assert snapshot(f) == before
@@ -201,7 +201,7 @@ def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
         worker = cmdlines_with(b"--node-rank\x001", str(f.base).encode())
         assert len(worker) == 1 and b"--enable-return-aux-hidden-states" in worker[0]
         # a failing series rolls the unit back as a unit, both nodes on the old config
-        p = f.patchctl("--json", "apply", "hidden-dump-dead-hook", "--limit", "kimi")
+        p = f.patchctl("--json", "apply", "hidden-dump-dead-hook", "--limit", "kimi", "--skip-trace")
         assert p.returncode == 1, p.stderr
         results = {e["host"]: e["outcome"] for e in events(p) if e["event"] == "host_result"}
         assert results == {"host0": "failed, rolled back (verified)", "host1": "failed, rolled back (verified)"}

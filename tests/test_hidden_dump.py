@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from hidden_dump_util import (DEAD_SERIES, FORWARD_BATCH_INFO, LLAMA, MODEL_RUNNER, MODULE, SERIES,
-                              Batch, load_module, make_runner, patched_tree)
+                              Batch, load_module, make_runner, patched_tree, series_patch_paths)
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+\.safetensors")
 
@@ -89,14 +89,16 @@ def test_series_hashes_match_patch_files():
     for series, n in ((SERIES, 3), (DEAD_SERIES, 3)):
         data = tomllib.loads((series / "series.toml").read_text())
         assert len(data["patch"]) == n
-        for p in data["patch"]:
-            digest = hashlib.sha256((series / p["file"]).read_bytes()).hexdigest()
+        for p, path in zip(data["patch"], series_patch_paths(series)):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
             assert p["sha256"] == digest, f"{series.name}/{p['file']}"
 
 
 def test_patches_are_git_unified_diffs_inside_sglang():
     for series in (SERIES, DEAD_SERIES):
-        for p in sorted(series.glob("*.patch")):
+        listed = series_patch_paths(series)
+        assert sorted(series.glob("*.patch")) == sorted(p for p in listed if p.parent == series)  # no stray copies
+        for p in listed:
             text = p.read_text()
             paths = re.findall(r"^(?:---|\+\+\+) (\S+)", text, re.M)
             assert paths and text.startswith("diff --git a/sglang/")
@@ -231,9 +233,11 @@ def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree
         {k: v for k, v in real["smoke"].items() if k != "hook"}
     assert data["smoke"]["hook"] == {
         "file": LLAMA, "function": "LlamaModel.forward", "call": "hidden_dump.on_forward_end"}
-    # same capture module (and batch hook) as the real series
+    # the same capture module (and batch hook) as the real series: its own files, named by reference, not copies
+    refs = {p["file"]: p.get("series") for p in data["patch"]}
     for name in ("0001-hidden-dump-module.patch", "0003-forward-batch-prompt-lens.patch"):
-        assert (DEAD_SERIES / name).read_bytes() == (SERIES / name).read_bytes()
+        assert refs[name] == "hidden-dump" and SERIES / name in series_patch_paths(DEAD_SERIES)
+        assert not (DEAD_SERIES / name).exists()
 
 
 def test_module_imports_only_stdlib_and_torch_at_module_level(patched):
@@ -430,7 +434,7 @@ def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
 
 
 def hd_mode(name):
-    from patchctl.simserver import ForwardMode
+    from patchctl.simserver.ducks import ForwardMode
     return ForwardMode(name)
 
 

@@ -6,13 +6,16 @@ import json
 import os
 import signal
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from fleet import Fleet, hidden_dump_patches, tree_digest, wait_for, write_series
+from fleet import PATCHES, SERVER_COMMAND, Fleet, hidden_dump_patches, tree_digest, wait_for, write_series
 
 HD = hidden_dump_patches()
+SHIPPED = tomllib.loads((PATCHES / "hidden-dump" / "series.toml").read_text())["series"]["version"]
+NEXT = "99.0.0"  # a test series that replaces the shipped version
 
 
 @pytest.fixture
@@ -66,13 +69,15 @@ def test_idempotent_upgrade_and_drift(fleet2):
     hook2 = HD["0002.patch"].replace("# patchctl hidden-dump:", "# patchctl hidden-dump v2:")
     assert hook2 != HD["0002.patch"]
     write_series(f.patches, "hidden-dump", {"0001-hidden-dump-module.patch": HD["0001.patch"],
-                                            "0002-model-runner-hook.patch": hook2}, version="2.0.0")
+                                            "0002-model-runner-hook.patch": hook2,
+                                            "0003-forward-batch-prompt-lens.patch": HD["0003.patch"]},
+                 version=NEXT)
     p = f.patchctl("apply", "hidden-dump", "--no-restart")
     assert p.returncode == 0, p.stderr
     mr = (h0.root / "sglang/srt/model_executor/model_runner.py").read_text()
     assert "hidden-dump v2:" in mr and mr.count("_hidden_dump.on_forward_end") == 1
     _, st = f.json("status")
-    assert st[0]["version"] == "2.0.0"
+    assert st[0]["version"] == NEXT
     # a hand edit is drift: status reports it (exit 3), apply and rollback refuse naming the file
     target = h1.root / "sglang/srt/hidden_dump.py"
     target.write_text(target.read_text() + "\n# hand edit\n")
@@ -87,7 +92,7 @@ def test_idempotent_upgrade_and_drift(fleet2):
     assert len(saved) == 1 and "# hand edit" in saved[0].read_text()
     # rollback goes to the previous state: v1, which v2 replaced
     _, st = f.json("status", "--limit", h1.name)
-    assert st[0]["series"] == "hidden-dump" and st[0]["version"] == "1.0.0" and st[0]["drift"] == []
+    assert st[0]["series"] == "hidden-dump" and st[0]["version"] == SHIPPED and st[0]["drift"] == []
     assert "hidden-dump v2:" not in (h1.root / "sglang/srt/model_executor/model_runner.py").read_text()
     assert f.patchctl("rollback", "--no-restart", "--limit", h1.name).returncode == 0
     assert f.digest(h1) == base[1]
@@ -242,16 +247,68 @@ def test_rollback_to_a_history_entry(fleet2):
     v1 = f.digest(h)
     hook2 = HD["0002.patch"].replace("# patchctl hidden-dump:", "# patchctl hidden-dump v2:")
     write_series(f.patches, "hidden-dump", {"0001-hidden-dump-module.patch": HD["0001.patch"],
-                                            "0002-model-runner-hook.patch": hook2}, version="2.0.0")
+                                            "0002-model-runner-hook.patch": hook2,
+                                            "0003-forward-batch-prompt-lens.patch": HD["0003.patch"]},
+                 version=NEXT)
     assert f.patchctl("apply", "hidden-dump", "--no-restart", "--limit", h.name).returncode == 0
     _, hist = f.json("history", "--limit", h.name)
-    first = next(e for e in hist[0]["history"] if e["op"] == "apply" and e["version"] == "1.0.0")
+    first = next(e for e in hist[0]["history"] if e["op"] == "apply" and e["version"] == SHIPPED)
     p = f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", first["id"])
     assert p.returncode == 0, p.stderr
     assert f.digest(h) == v1
     _, st = f.json("status", "--limit", h.name)
-    assert st[0]["version"] == "1.0.0" and st[0]["drift"] == []
+    assert st[0]["version"] == SHIPPED and st[0]["drift"] == []
     p = f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", "no-such-entry")
     assert p.returncode == 2 and "no-such-entry" in p.stdout + p.stderr
     assert f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", "clean").returncode == 0
     assert f.digest(h) == base
+
+
+def test_a_server_that_cannot_capture_is_refused_before_any_change(fleet2):
+    """Issue 11, fix 5: split prefill (--enable-pdmux) and DeepSeek-V4's bounded SWA replay return
+    no hidden states for whole prompts; the agent refuses them on the exact command line and model
+    a restart would use, before touching a file or the server, and leaves no lock behind."""
+    from patchctl.simserver.model import write_model_config
+
+    f = fleet2
+    h0, h1 = f.hosts
+    f.write_inventory(host_overrides={h0.name: {"server": {"command": SERVER_COMMAND + " --enable-pdmux"}}})
+    write_model_config(h1.dir / "model", layers=8, hidden=64, vocab=512, model_type="deepseek_v4",
+                       architecture="DeepseekV4ForCausalLM")
+    before = [f.digest(h) for h in f.hosts]
+    p, plan = f.json("plan", "hidden-dump", expect=2)
+    assert [b for b in plan[0]["blockers"] if b.startswith("cannot capture: --enable-pdmux: split prefill")]
+    assert [b for b in plan[1]["blockers"] if b.startswith("cannot capture: DeepseekV4ForCausalLM")]
+    p = f.patchctl("apply", "hidden-dump")
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    assert "--enable-pdmux" in out and "DeepseekV4ForCausalLM" in out and "bounded SWA replay" in out
+    assert [f.digest(h) for h in f.hosts] == before
+    _, st = f.json("status")
+    assert [(s["state"], s["lock"]) for s in st] == [("clean", None), ("clean", None)]
+    assert all(f.server_pid(h) is None for h in f.hosts)  # nothing was started
+
+
+def test_a_refused_rollback_leaves_no_lock(fleet2):
+    """Issue 13, item 1: bad input to an op that took the host's lock gives the lock back."""
+    f = fleet2
+    h = f.hosts[0]
+    assert f.patchctl("apply", "hidden-dump", "--no-restart", "--limit", h.name).returncode == 0
+    p = f.patchctl("rollback", "--no-restart", "--limit", h.name, "--to", "bogus-id")
+    assert p.returncode == 2 and "bogus-id" in p.stdout + p.stderr
+    _, st = f.json("status", "--limit", h.name)
+    assert st[0]["lock"] is None and st[0]["state"] == "applied"
+
+
+def test_deploy_creates_the_dump_directory_before_the_server_starts(fleet2):
+    """Issue 11: the dump directory exists, owned by the server's user, before the server's first
+    request; and the server's own warm-up request (a rid SGLang makes up) is not dumped into it."""
+    f = fleet2
+    h = f.hosts[0]
+    d = h.state / "dumps"
+    assert not d.exists()
+    p = f.patchctl("apply", "hidden-dump", "--no-smoke", "--limit", h.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert d.is_dir() and d.stat().st_uid == os.getuid() and d.stat().st_mode & 0o777 == 0o750
+    assert f.server_pid(h) is not None  # serving: its warm-up request went through the hook
+    assert sorted(p.name for p in d.iterdir()) == []

@@ -163,3 +163,98 @@ def test_cli_series_lists_and_reports_broken(tmp_path, capsys, monkeypatch):
     assert main(["--patches", str(tmp_path), "series"]) == 0
     out, _ = capsys.readouterr()
     assert "good" in out and "broken" in out and "0001-mod.patch" in out
+
+
+# --- a patch of another series, named by reference ------------------------------------------
+
+HOOK_PATCH = MODULE_PATCH.replace("tiny_mod.py", "tiny_hook.py")
+
+
+def write_referring(patches_dir: Path, entry: str, name: str = "user") -> Path:
+    """Series `name`: a reference entry (TOML lines) to series tiny's patch, then a patch of its own."""
+    sdir = write_series(patches_dir, name, {"0002-hook.patch": HOOK_PATCH})
+    text = (sdir / "series.toml").read_text().replace("[[patch]]", "[[patch]]\n" + entry + "\n\n[[patch]]", 1)
+    (sdir / "series.toml").write_text(text)
+    return sdir
+
+
+def reference(series: str = "tiny", file: str = "0001-mod.patch", version: int = 1, sha: str | None = None) -> str:
+    sha = sha or hashlib.sha256(MODULE_PATCH.encode()).hexdigest()
+    return f'series = "{series}"\nfile = "{file}"\nversion = {version}\nsha256 = "{sha}"\ndescription = "shared"'
+
+
+def test_reference_to_another_series_patch(tmp_path, capsys, monkeypatch):
+    owner = write_series(tmp_path)
+    write_referring(tmp_path, reference())
+    s = load_series(tmp_path, "user")
+    first, own = s.patches
+    assert (first.file, first.series, first.label) == ("0001-mod.patch", "tiny", "tiny/0001-mod.patch")
+    assert first.path == owner / "0001-mod.patch" and first.text == MODULE_PATCH
+    assert (own.series, own.label) == (None, "0002-hook.patch")
+    assert s.touched_files() == ["sglang/srt/tiny_mod.py", "sglang/srt/tiny_hook.py"]
+    assert s.to_json()["patches"][0]["series"] == "tiny" and "series" not in s.to_json()["patches"][1]
+    assert not (tmp_path / "user" / "0001-mod.patch").exists()
+    from patchctl.deploy import series_request  # the request bundle sent to hosts carries the owner's text
+    assert [p["text"] for p in series_request(s)["patches"]] == [MODULE_PATCH, HOOK_PATCH]
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["--patches", str(tmp_path), "series"]) == 0
+    assert "tiny/0001-mod.patch" in capsys.readouterr().out
+
+
+def test_reference_pin_follows_the_owner(tmp_path):
+    owner = write_series(tmp_path)
+    sdir = write_referring(tmp_path, reference())
+    (owner / "0001-mod.patch").write_text(MODULE_PATCH.replace("return None", "return 1"))  # the owner moves on
+    msg = expect_bad(tmp_path, "user")
+    assert "tiny/0001-mod.patch changed since recorded" in msg and "copy version and sha256" in msg
+    assert msg.startswith(f"{sdir / 'series.toml'}:"), msg
+    (owner / "0001-mod.patch").write_text(MODULE_PATCH)
+    (owner / "series.toml").write_text((owner / "series.toml").read_text().replace("version = 1", "version = 2", 1))
+    msg = expect_bad(tmp_path, "user")
+    assert "pins version 1 of tiny/0001-mod.patch" in msg and "records version 2" in msg
+    assert load_series(tmp_path, "user", verify_hashes=False).patches[0].series == "tiny"
+
+
+@pytest.mark.parametrize("entry,needle", [
+    (reference(series="nope"), "refers to series 'nope', which does not exist"),
+    (reference(series="../tiny"), "must be the name of another series"),
+    (reference(series="user"), "names this series itself"),
+    (reference(file="0009-none.patch"), "series 'tiny' has no patch 0009-none.patch"),
+    (reference(sha="0" * 64), "changed since recorded"),
+    ('file = "../tiny/0001-mod.patch"\nversion = 1\nsha256 = "x"', "name it with `series = \"NAME\"`"),
+])
+def test_bad_references_are_refused(tmp_path, entry, needle):
+    write_series(tmp_path)
+    sdir = write_referring(tmp_path, entry)
+    msg = expect_bad(tmp_path, "user")
+    assert needle in msg and msg.startswith(f"{sdir / 'series.toml'}:"), msg
+
+
+def test_reference_must_name_the_owner_not_a_chain_nor_leave_the_patches_dir(tmp_path):
+    write_series(tmp_path)
+    write_referring(tmp_path, reference(), name="middle")
+    write_referring(tmp_path, reference(series="middle"))
+    assert "series 'middle' itself takes 0001-mod.patch from series 'tiny'; name 'tiny' here" in expect_bad(tmp_path, "user")
+    outside = write_series(tmp_path / "elsewhere", "far")
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "far").symlink_to(outside, target_is_directory=True)
+    write_series(patches, "tiny")
+    write_referring(patches, reference(series="far"))
+    assert "leads outside the patches directory" in expect_bad(patches, "user")
+    (patches / "far").unlink()
+    (patches / "far").mkdir()
+    (patches / "far" / "series.toml").write_text((outside / "series.toml").read_text())
+    assert "patch file far/0001-mod.patch is missing" in expect_bad(patches, "user")
+
+
+def test_shipped_dead_hook_series_uses_hidden_dumps_own_patches():
+    patches = Path(__file__).resolve().parent.parent / "patches"
+    dead = load_series(patches, "hidden-dump-dead-hook")
+    real = load_series(patches, "hidden-dump")
+    for dp in (dead.patches[0], dead.patches[2]):  # the capture module and the batch hook
+        own = next(p for p in real.patches if p.file == dp.file)
+        assert (dp.series, dp.path, dp.text, dp.version) == ("hidden-dump", own.path, own.text, own.version)
+        assert not (patches / "hidden-dump-dead-hook" / dp.file).exists()
+    assert [p.file for p in dead.patches] == ["0001-hidden-dump-module.patch", "0002-llama-model-hook.patch",
+                                              "0003-forward-batch-prompt-lens.patch"]

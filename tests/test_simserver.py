@@ -76,6 +76,9 @@ def test_help_says_stand_in():
     for knob in ("PATCHCTL_SIM_START_DELAY", "PATCHCTL_SIM_CRASH_AT_START", "PATCHCTL_SIM_HANG",
                  "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_STALL_AFTER", "PATCHCTL_SIM_NAN_LAYER", "PATCHCTL_SIM_LIGHT"):
         assert knob in out
+    # the console script (pyproject: patchctl.simserver:main) is the same program
+    script = Path(sys.executable).with_name("patchctl-simserver")
+    assert subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True).stdout == out
 
 
 def test_pristine_tree_readiness_and_http_surface(sglang_tree, start):
@@ -152,7 +155,7 @@ def test_dump_through_tree_hook(sglang_tree, start, tmp_path):
 
     names = sorted(p.name for p in dumps.iterdir())
     assert names == sorted([f"{rid}.safetensors" for rid in prompts] + ["users-file.txt"]), names
-    from patchctl.simserver import TinyModel
+    from patchctl.simserver.model import TinyModel
     ref = TinyModel(N, H, V, [3, 5, 6])
     for rid, ids in prompts.items():
         meta, t = read_dump(dumps / f"{rid}.safetensors")
@@ -184,7 +187,7 @@ def test_default_layers_and_input_semantics(sglang_tree, start, tmp_path):
     s.wait_ready()
     assert gen(s, [9, 8, 7, 6], rid="p-0")[0] == 200
     _, t = read_dump(dumps / "p-0.safetensors")
-    from patchctl.simserver import TinyModel
+    from patchctl.simserver.model import TinyModel
     m = TinyModel(N, H, V, None)
     h = m.embed[torch.tensor([9, 8, 7, 6])]
     inputs = []

@@ -72,7 +72,7 @@ def test_unknown_arch_is_bad_input_with_close_matches(tracer):
 
 
 def test_changed_functions_from_hunks(sglang_tree, tmp_path):
-    from patchctl.applier import stage
+    from patchctl.host.applier import stage
 
     patches = [("0001", HOOK_MODULE), ("0002", runner_hook_patch(sglang_tree)), ("0003", deepseek_hook_patch(sglang_tree))]
     assert stage(sglang_tree, patches, tmp_path / "s")["ok"]

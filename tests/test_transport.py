@@ -445,7 +445,7 @@ def test_hung_link_is_declared_lost_after_the_silence_limit(tmp_path, hosts):
 
 
 def test_local_transport_silence_kills_a_mute_command(tmp_path):
-    from patchctl.agent import pid_alive
+    from patchctl.host.osutil import pid_alive
 
     pidfile = tmp_path / "pid"
     script = f"import os, time, pathlib\npathlib.Path({str(pidfile)!r}).write_text(str(os.getpid()))\ntime.sleep(30)\n"

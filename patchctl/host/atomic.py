@@ -1,4 +1,8 @@
-"""Atomic file replacement (standard library only: shipped to hosts with the agent)."""
+"""Atomic file replacement: temporary name beside the target, fsync, rename.
+
+Standard library only: shipped to hosts with the rest of this package; the controller
+uses it too (series authoring, JUnit reports).
+"""
 
 import os
 import tempfile

@@ -1,7 +1,8 @@
 """Apply a patch series to a scratch copy of the files it touches (plumbing).
 
-Standard library only, Python >= 3.8: this file is also piped to remote hosts
-and run by the host's own Python, where neither patchctl nor unidiff exists.
+Standard library only, Python >= 3.8: this module is piped to hosts with the
+rest of `patchctl.host` and run by the host's own Python, where neither
+patchctl nor unidiff exists.
 `check` runs it on the controller against a release tree; the on-host agent runs
 it to stage the new file contents before swapping them into the live tree.
 """

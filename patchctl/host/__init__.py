@@ -1,0 +1,18 @@
+"""What runs on a host: the agent and its plumbing, standard library only (Python >= 3.8).
+
+`patchctl.remote` ships every module of this package, with one request, to
+the host's own Python (`python -`) in one script, one round trip; nothing of
+patchctl needs to be installed there. A host module imports only the standard
+library and its siblings (tests/test_host_package.py enforces it); the
+controller imports the same modules (`check` runs the applier locally).
+
+    agent    the ops a step runs (apply, restart, smoke, rollback, status, ...); main
+    events   progress events and heartbeats to the controller; AgentError
+    state    per-tree state: blobs, journal, manifest, history, run lock
+    server   server config, process/systemd managers, port ownership, readiness
+    smoke    the smoke extraction and dump validation
+    applier  a series applied to a scratch copy with git apply, then compiled
+    tree     where the SGLang tree is, its version, stale __pycache__
+    osutil   process and file helpers
+    atomic   atomic file replacement
+"""

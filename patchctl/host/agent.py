@@ -1,0 +1,535 @@
+"""The on-host agent: one step of a deploy, done entirely on the host, answered with one JSON document.
+
+The controller pipes this package (`patchctl/host/`) to the host's own Python
+over one SSH session (`patchctl.remote`); it runs with the standard library
+only, so any host that can run SGLang can run it. Progress and heartbeats go
+to stderr as `PATCHCTL-EVENT {json}` lines (`events`); the answer is the last
+thing written to stdout.
+
+This module owns the ops (`op_apply`, `op_restart`, `op_smoke`, `op_rollback`,
+`op_status`, ...), each composed from the plumbing of its siblings, the
+one-agent-per-host lock, and `main`: start the beating thread, run one
+request, answer. Nothing is created or deleted outside `state_dir`, except
+the SGLang files a series changes and their stale `__pycache__` entries:
+
+    state_dir/agent.lock        flock held by the one agent working on this host
+    state_dir/server.json       the server patchctl started (`server`)
+    state_dir/tmp/              scratch copies a series is staged on (`applier`)
+    state_dir/trees/<id>/       one per SGLang tree (`state`)
+"""
+
+import errno
+import fcntl
+import http.client
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+from . import applier
+from .capture_config import refusals
+from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
+from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
+from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
+from .smoke import model_arch_of, smoke
+from .state import TreeState
+from .tree import locate_tree, tree_version, version_matches
+
+FORMAT = 1
+
+
+class Agent(object):
+    def __init__(self, req):
+        self.req = req
+        self.run_id = req.get("run_id") or "adhoc"
+        self.state_dir = expand(req["state_dir"])
+        if not os.path.isdir(self.state_dir):
+            os.makedirs(self.state_dir, 0o700)
+        self.notes = []
+        self._tree = None
+        self.took_lock = False
+
+    # plumbing ----------------------------------------------------------
+    @property
+    def tree(self):
+        if self._tree is None:
+            root = locate_tree(self.req.get("sglang_root", "auto"))
+            self._tree = TreeState(self.state_dir, root)
+        return self._tree
+
+    def lock_agent(self, wait=30.0):
+        """One agent per host at a time; an orphaned agent (controller gone) notices within a heartbeat."""
+        self._agent_lock = open(os.path.join(self.state_dir, "agent.lock"), "a+")
+        deadline = time.time() + wait
+        while True:
+            try:
+                fcntl.flock(self._agent_lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._agent_lock.seek(0)
+                self._agent_lock.truncate()
+                self._agent_lock.write(str(os.getpid()))
+                self._agent_lock.flush()
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.time() > deadline:
+                self._agent_lock.seek(0)
+                pid = self._agent_lock.read().strip()
+                raise AgentError("locked", "another patchctl agent (pid %s) is working on this host" % pid,
+                                 **self._holder_details())
+            time.sleep(0.1)
+
+    def _holder_details(self):
+        try:
+            h = self.tree.lock_holder()
+        except AgentError:
+            h = None
+        return {"holder": h} if h else {}
+
+    def _refuse_if_held(self):
+        """Fail at once (no waiting on the agent lock) when another run holds this tree."""
+        cur = self.tree.lock_holder()
+        if cur and cur.get("run_id") not in (self.run_id, self.req.get("break_stale")):
+            raise AgentError("locked", "locked by run %s" % cur.get("run_id"), holder=cur)
+
+    def recover(self):
+        rec = self.tree.recover()
+        if rec:
+            self.notes.append("recovered: %s interrupted %s of run %s (%d files)" % (rec["action"], rec["op"], rec["run_id"], len(rec["files"])))
+        return rec
+
+    def facts(self):
+        t = self.tree
+        m = t.manifest()
+        return {"root": t.root, "version": tree_version(t.root), "manifest": m, "drift": t.drift(m),
+                "lock": t.lock_holder(), "python": sys.executable, "hostname": socket.gethostname()}
+
+    def server_cfg(self, profile=None, layers=None):
+        return build_server_config(self.req, profile, layers)
+
+    def base_manager(self):
+        cfg = self.server_cfg()
+        return manager_for(self.state_dir, cfg), cfg
+
+    # ops ----------------------------------------------------------------
+    def op_probe(self):
+        """Read-only facts (plan uses this); touches nothing, not even recovery."""
+        f = self.facts()
+        f["journal"] = read_json(self.tree.journal_path)
+        if self.req.get("series") and not f["journal"]:
+            m = f["manifest"]
+            originals = dict((rel, x["original"]) for rel, x in (m or {}).get("files", {}).items())
+            try:
+                f["stage"] = self._stage_on_originals(self.req["series"], originals, dry=True)
+            except AgentError as e:
+                f["stage"] = e.details.get("stage") or {"ok": False, "error": str(e)}
+        mgr, cfg = self.base_manager()
+        f["server"] = self._server_status(mgr, cfg)
+        f["free_bytes"] = shutil.disk_usage(self.state_dir).free
+        f["model_arch"] = model_arch_of(cfg["argv"])
+        if self.req.get("series"):
+            f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke"))
+        return f
+
+    def _server_status(self, mgr, cfg, probe_health=True):
+        cur = mgr.current_config()
+        out = {"running": bool(cur.get("running")), "series": cur.get("series"), "port": cfg["port"], "manager": cfg["manager"]}
+        if probe_health and out["running"]:
+            try:
+                status, _ = http_request(cfg["host"], cfg["port"], "GET", "/health", timeout=5)
+                out["health"] = "healthy" if status == 200 else "HTTP %d" % status
+            except (OSError, http.client.HTTPException) as e:
+                out["health"] = "unreachable: %s" % e
+        return out
+
+    def op_status(self):
+        try:  # a deploy may hold the host for a 30-minute restart: report read-only instead of waiting
+            self.lock_agent(wait=0)
+            self.recover()
+        except AgentError as e:
+            if e.kind != "locked":
+                raise
+            self.notes.append("%s; read-only status (no recovery attempted)" % e)
+        f = self.facts()
+        mgr, cfg = self.base_manager()
+        f["server"] = self._server_status(mgr, cfg)
+        f["history_tail"] = self.tree.history()[-3:]
+        return f
+
+    def op_history(self):
+        return {"root": self.tree.root, "history": self.tree.history()}
+
+    def op_unlock(self):
+        self.lock_agent()
+        cur = self.tree.lock_holder()
+        if not cur:
+            return {"unlocked": None}
+        want = self.req.get("expect_run_id")
+        if want and cur.get("run_id") != want:
+            raise AgentError("locked", "lock changed hands (now run %s)" % cur.get("run_id"), holder=cur)
+        os.unlink(self.tree.lock_path)
+        self.tree.append_history({"op": "unlock", "outcome": "released", "holder": cur, "run_id": self.run_id})
+        return {"unlocked": cur}
+
+    def _take_lock(self):
+        held = self.tree.lock_holder()
+        self.tree.acquire(self.req["holder"], self.req.get("break_stale"))
+        # a lock this call took is given back if the op is refused as bad input (nothing changed)
+        self.took_lock = not (held and held.get("run_id") == self.run_id)
+
+    def capture_refusals(self, profile):
+        """Why a server restarted with this capture profile could not capture (capture_config),
+        judged on the exact command line the restart would run and the model it serves."""
+        if not profile or not profile.get("dump_dir_env"):
+            return []
+        cfg = self.server_cfg(profile)
+        return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
+
+    def op_apply(self):
+        """Files part of a deploy: lock, recover, checks, one transition, manifest (pending until verified)."""
+        self._refuse_if_held()
+        self.lock_agent()
+        self._take_lock()
+        t = self.tree
+        self.recover()
+        series = self.req["series"]
+        version = tree_version(t.root)
+        if version is None:
+            raise AgentError("bad_input", "cannot tell the SGLang version of %s" % t.root)
+        if not version_matches(version, series.get("spec") or []) and not self.req.get("force"):
+            raise AgentError("bad_input", "SGLang %s at %s is not a version series %s targets (%s)" % (version, t.root, series["name"], series.get("sglang")))
+        if self.req.get("restart"):
+            refused = self.capture_refusals(series.get("smoke"))
+            if refused:
+                raise AgentError("bad_input", "this server configuration cannot capture with %s: %s" % (
+                    series["name"], "; ".join(refused)), refusals=refused)
+        m = t.manifest()
+        if m and m.get("status") == "pending" and m.get("run_id") != self.run_id:
+            # an earlier deploy never got verified: put the host back first
+            self.notes.append("undoing unverified deploy of %s %s by run %s" % (m["series"], m["version"], m.get("run_id")))
+            event("undo_pending", series=m["series"], run_id=m.get("run_id"))
+            self._rollback_to(m.get("previous"), m, restart=True, reason="undo interrupted deploy")
+            m = t.manifest()
+        drift = t.drift(m)
+        if drift:
+            raise AgentError("drift", "files changed since patchctl applied %s %s: %s" % (
+                m["series"], m["version"], ", ".join(d["path"] for d in drift)), drift=drift)
+        same = m and m["series"] == series["name"] and m["version"] == series["version"] and \
+            [p["sha256"] for p in m["patches"]] == [p["sha256"] for p in series["patches"]]
+        mgr, _ = self.base_manager()
+        server_before = mgr.current_config() if self.req.get("restart") else None
+        if self.req.get("restart"):
+            self._check_dump_space(series.get("smoke") or {})
+        if same:
+            t.release(self.run_id)
+            return {"changed": False, "note": "%s %s is already applied" % (series["name"], series["version"]),
+                    "manifest": m, "version": version, "root": t.root, "already_verified": m.get("status") == "verified"}
+        # originals: what the tree held before patchctl touched it (from blobs for files of the old series)
+        originals = dict((rel, f["original"]) for rel, f in (m or {}).get("files", {}).items())
+        result = self._stage_on_originals(series, originals)
+        target = {}
+        files = {}
+        for rel, info in result["files"].items():
+            orig = originals[rel] if rel in originals else sha256_file(os.path.join(t.root, rel))
+            target[rel] = info["after_blob"]
+            files[rel] = {"original": orig, "applied": info["after_blob"], "action": info["action"]}
+        for rel, orig in originals.items():  # files only the old series touched go back to their originals
+            if rel not in target:
+                target[rel] = orig
+        manifest = {
+            "format": FORMAT, "series": series["name"], "version": series["version"], "sglang_version": version,
+            "patches": [{"file": p["file"], "version": p["version"], "sha256": p["sha256"]} for p in series["patches"]],
+            "files": files, "base_fingerprint": sha256_bytes(json.dumps(sorted((r, f["original"]) for r, f in files.items())).encode()),
+            "repo_commit": self.req.get("repo_commit"), "who": self.req["holder"].get("who"), "when": now(),
+            "run_id": self.run_id, "status": "pending" if self.req.get("restart") else "applied",
+            "profile": series.get("smoke"), "root": t.root,
+            "previous": self._snapshot(m),
+            "server_before": server_before,
+        }
+        changes = t.transition("apply", target, manifest, self.run_id)
+        hid = t.append_history({"op": "apply", "series": series["name"], "version": series["version"], "run_id": self.run_id,
+                                "who": manifest["who"], "outcome": "files applied", "state": self._snapshot(manifest),
+                                "repo_commit": manifest["repo_commit"]})
+        if not self.req.get("keep_lock"):
+            t.release(self.run_id)
+        return {"changed": True, "files": [c["path"] for c in changes], "patches": result["patches"],
+                "replaced": self._snapshot(m), "version": version, "root": t.root, "history_id": hid,
+                "server_before": server_before, "manifest": manifest}
+
+    def _check_dump_space(self, profile):
+        """Dumps cost 8·H bytes per token (57 GB per million tokens at H = 7168): say how much room there is."""
+        cfg = self.server_cfg(profile)
+        d = cfg["env"].get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
+        if not d:
+            return
+        probe = expand(d)
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe).free
+        min_free = int(self.req.get("min_free_bytes") or 1 << 30)
+        if free < min_free:
+            raise AgentError("bad_input", "only %.1f GiB free for dumps at %s (need at least %.1f GiB)" % (
+                free / 2.0 ** 30, expand(d), min_free / 2.0 ** 30))
+        self.notes.append("%.0f GiB free for dumps at %s" % (free / 2.0 ** 30, expand(d)))
+
+    def _snapshot(self, m):
+        if not m:
+            return None
+        return {"series": m["series"], "version": m["version"], "patches": m["patches"], "files": m["files"],
+                "profile": m.get("profile"), "status": m.get("status"), "when": m.get("when"), "who": m.get("who"),
+                "repo_commit": m.get("repo_commit"), "server": m.get("server_before"), "previous": m.get("previous")}
+
+    def _stage_on_originals(self, series, originals, dry=False):
+        """Apply the series to the original contents (not the currently patched ones) in a scratch dir."""
+        t = self.tree
+        scratch_base = os.path.join(self.state_dir, "tmp")
+        if not os.path.isdir(scratch_base):
+            os.makedirs(scratch_base)
+        work = tempfile.mkdtemp(prefix="stage.", dir=scratch_base)
+        try:
+            base = os.path.join(work, "base")
+            os.makedirs(base)
+            # materialise originals of the previously patched files; others come from the tree
+            for rel, sha in originals.items():
+                if sha is not None:
+                    p = os.path.join(base, rel)
+                    if not os.path.isdir(os.path.dirname(p)):
+                        os.makedirs(os.path.dirname(p))
+                    with open(p, "wb") as f:
+                        f.write(t.blob(sha))
+            patches = [(p["file"], p["text"]) for p in series["patches"]]
+            for _name, text in patches:
+                for rel, _action in applier.touched_paths(text):
+                    src = os.path.join(t.root, rel)
+                    dst = os.path.join(base, rel)
+                    if rel not in originals and os.path.isfile(src) and not os.path.exists(dst):
+                        if not os.path.isdir(os.path.dirname(dst)):
+                            os.makedirs(os.path.dirname(dst))
+                        shutil.copy2(src, dst)
+            scratch = os.path.join(work, "scratch")
+            os.makedirs(scratch)
+            res = applier.stage(base, patches, scratch)
+            if not res.get("ok"):
+                failed = [p for p in res.get("patches", []) if p.get("status") == "failed"]
+                msg = res.get("error") or (failed and "%s does not apply: %s" % (failed[0]["name"], failed[0].get("detail"))) or "staging failed"
+                if res.get("compile_errors"):
+                    msg += "; " + "; ".join(str(e) for e in res["compile_errors"][:3])
+                raise AgentError("bad_input", msg, stage=res)
+            for rel, info in res["files"].items():
+                if dry:
+                    continue
+                if info.get("sha256_after") is None:
+                    info["after_blob"] = None
+                else:
+                    with open(os.path.join(scratch, rel), "rb") as f:
+                        info["after_blob"] = t.put_blob(f.read())
+            return res
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def op_restart(self):
+        """Stop the server, start it with the series' profile (or none), wait until it really serves."""
+        self._refuse_if_held()
+        self.lock_agent()
+        self._take_lock()
+        if self.req.get("config"):  # an exact earlier config (multi-node rollback)
+            cfg = dict(self.req["config"])
+            cfg.pop("running", None)
+        else:
+            cfg = self.server_cfg(self.req.get("profile"), self.req.get("capture_layers"))
+        mgr = manager_for(self.state_dir, cfg)
+        out = {"stop": mgr.stop()}
+        if self.req.get("stop_only"):
+            return out
+        out["dump_dir"] = prepare_dump_dir(cfg, mgr)
+        mgr.start(cfg)
+        if self.req.get("no_wait"):
+            return out
+        out["ready_seconds"] = wait_ready(mgr, cfg)
+        return out
+
+    def op_wait_ready(self):
+        self.lock_agent()
+        if self.req.get("config"):
+            cfg = dict(self.req["config"])
+        else:
+            cfg = self.server_cfg(self.req.get("profile"), self.req.get("capture_layers"))
+        mgr = manager_for(self.state_dir, cfg)
+        return {"ready_seconds": wait_ready(mgr, cfg)}
+
+    def op_smoke(self):
+        """Smoke against the running server; with `finalize`, mark the deploy verified and release the lock."""
+        self.lock_agent()
+        mgr, base = self.base_manager()
+        cur = mgr.current_config()
+        if not cur.get("running"):
+            raise AgentError("failed", "no server is running on port %s" % base["port"])
+        if self.req.get("profile") and not cur.get("profile"):
+            cur = dict(cur, profile=self.req["profile"])
+        res = smoke(self.state_dir, cur, self.run_id, self.req.get("capture_layers"), self.req.get("hidden_size"),
+                    (self.req.get("server") or {}).get("layer_outputs"))
+        if self.req.get("finalize"):
+            self._finalize(res)
+        return {"smoke": res}
+
+    def op_release(self):
+        self.lock_agent()
+        self.tree.release(self.run_id)
+        return {}
+
+    def op_finalize(self):
+        self.lock_agent()
+        self._finalize(None)
+        return {}
+
+    def _finalize(self, smoke_result):
+        t = self.tree
+        m = t.manifest()
+        if m and m.get("run_id") == self.run_id and m.get("status") != "verified":
+            m["status"] = "verified" if smoke_result is not None else "restarted"
+            m["verified_at"] = now()
+            write_json(t.manifest_path, m)
+            t.append_history({"op": "deploy", "series": m["series"], "version": m["version"], "run_id": self.run_id,
+                              "who": m.get("who"), "outcome": "verified" if smoke_result else "restarted (smoke skipped)",
+                              "smoke": smoke_result, "state": self._snapshot(m)})
+        t.release(self.run_id)
+
+    def op_rollback(self):
+        """Back to the previous (or given) state: files, then the server config in force before, proven healthy."""
+        self._refuse_if_held()
+        self.lock_agent()
+        self._take_lock()
+        t = self.tree
+        self.recover()
+        m = t.manifest()
+        to = self.req.get("to")
+        if to in (None, "previous"):
+            target_state = m.get("previous") if m else None
+        elif to == "clean":
+            target_state = None
+        else:
+            hits = [h for h in t.history() if h.get("id") == to and h.get("state")]
+            if not hits:
+                raise AgentError("bad_input", "no history entry %r with a recorded state on this host" % to)
+            target_state = hits[-1]["state"]
+        if not m and target_state is None:
+            if not self.req.get("keep_lock"):
+                t.release(self.run_id)
+            return {"changed": False, "note": "nothing is applied"}
+        out = self._rollback_to(target_state, m, restart=self.req.get("restart", True), reason=self.req.get("reason") or "rollback")
+        if not self.req.get("keep_lock"):
+            t.release(self.run_id)
+        return out
+
+    def _rollback_to(self, state, m, restart, reason):
+        t = self.tree
+        drift = t.drift(m) if m else []
+        saved = None
+        if drift:
+            if not self.req.get("force"):
+                raise AgentError("drift", "files changed by hand since the apply: %s (use --force to save them and roll back)" %
+                                 ", ".join(d["path"] for d in drift), drift=drift)
+            saved = os.path.join(t.dir, "handedits", time.strftime("%Y%m%dT%H%M%S"))
+            for d in drift:
+                src = os.path.join(t.root, d["path"])
+                if os.path.exists(src):
+                    dst = os.path.join(saved, d["path"])
+                    if not os.path.isdir(os.path.dirname(dst)):
+                        os.makedirs(os.path.dirname(dst))
+                    shutil.copy2(src, dst)
+            event("hand_edits_saved", dir=saved, files=[d["path"] for d in drift])
+        target = {}
+        for rel, f in ((m or {}).get("files") or {}).items():
+            target[rel] = f["original"]
+        new_manifest = None
+        if state:
+            for rel, f in state["files"].items():
+                target[rel] = f["applied"]
+            new_manifest = {
+                "format": FORMAT, "series": state["series"], "version": state["version"], "patches": state["patches"],
+                "files": state["files"], "profile": state.get("profile"), "status": "verified" if state.get("status") == "verified" else state.get("status") or "applied",
+                "who": state.get("who"), "when": state.get("when"), "repo_commit": state.get("repo_commit"),
+                "run_id": self.run_id, "root": t.root, "previous": state.get("previous"), "server_before": state.get("server"),
+                "restored_at": now(),
+            }
+        changes = t.transition("rollback", target, new_manifest, self.run_id, note=reason)
+        out = {"changed": True, "files": [c["path"] for c in changes], "to": state and {"series": state["series"], "version": state["version"]},
+               "hand_edits_saved": saved}
+        before = (m or {}).get("server_before")
+        if restart == "stop":  # a multi-node unit: the controller restarts the nodes in order
+            if before is not None:
+                mgr = manager_for(self.state_dir, dict(before))
+                out["stop"] = mgr.stop()
+            out["server_before"] = before
+        elif restart:
+            out.update(self._restore_server(before, state))
+        t.append_history({"op": "rollback", "run_id": self.run_id, "reason": reason,
+                          "outcome": "to %s %s" % (state["series"], state["version"]) if state else "to clean", "from": self._snapshot(m) and {"series": m["series"], "version": m["version"]},
+                          "to": out["to"], "files": out["files"], "state": state, "server": out.get("server")})
+        return out
+
+    def _restore_server(self, before, state):
+        """Restart exactly the config in force before the deploy; prove it healthy (and smoke the old series)."""
+        if before is None:
+            return {"server": "not restarted (the deploy being undone did not restart it)"}
+        cfg = dict(before)
+        cfg.pop("running", None)
+        mgr = manager_for(self.state_dir, cfg)
+        mgr.stop()
+        if not before.get("running"):
+            return {"server": "left stopped (it was not running before the deploy)"}
+        mgr.start(cfg)
+        ready = wait_ready(mgr, cfg)
+        out = {"server": "restarted on previous config, healthy", "ready_seconds": ready}
+        if cfg.get("profile") and state:
+            out["smoke"] = smoke(self.state_dir, cfg, self.run_id + "-prev")
+            out["server"] += ", smoke of %s passed" % state["series"]
+        return out
+
+
+def handle(req):
+    agent = Agent(req)
+    op = req["op"]
+    fn = getattr(agent, "op_" + op, None)
+    if fn is None:
+        raise AgentError("bad_input", "unknown agent op %r" % op)
+    try:
+        result = fn()
+    except AgentError as e:
+        if e.kind == "bad_input" and agent.took_lock:  # refused before any change: leave no lock behind
+            agent.tree.release(agent.run_id)
+        raise
+    result["notes"] = agent.notes
+    return result
+
+
+def main(req):
+    """Entry point used by the bundle: run one request, print one JSON answer."""
+    t0 = time.time()
+    beater = threading.Thread(target=keep_beating, name="heartbeat")
+    beater.daemon = True
+    beater.start()
+    try:
+        result = handle(req)
+        answer = {"ok": True, "result": result}
+    except AgentError as e:
+        answer = {"ok": False, "error": {"kind": e.kind, "message": str(e), "details": e.details}}
+    except ControllerGone:
+        sys.exit(75)
+    except Exception as e:  # an agent bug must still answer in JSON
+        import traceback
+        answer = {"ok": False, "error": {"kind": "attention", "message": "agent error: %s: %s" % (e.__class__.__name__, e),
+                                         "details": {"traceback": traceback.format_exc()}}}
+    stop_beating.set()  # no daemon thread may be writing to stderr while the interpreter shuts down
+    beater.join(2)
+    answer["seconds"] = round(time.time() - t0, 3)
+    answer["agent_pid"] = os.getpid()
+    try:
+        sys.stdout.write(json.dumps(answer, default=str) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError):
+        sys.exit(75)

@@ -1,0 +1,71 @@
+"""The line to the controller: progress events, heartbeats, and the errors that end an op.
+
+Owns the `PATCHCTL-EVENT {json}` lines written to stderr, the heartbeat every
+wait loop calls (it raises ControllerGone there, a safe point, once nobody
+listens), the side thread that beats at least once a second whatever the main
+thread does, and AgentError (a refusal or failure the controller maps to an
+exit code). Standard library only: shipped to hosts with the rest of this package.
+"""
+
+import json
+import sys
+import threading
+import time
+
+
+class AgentError(Exception):
+    """A refusal or failure the controller maps to an exit code via `kind`."""
+
+    def __init__(self, kind, message, **details):
+        Exception.__init__(self, message)
+        self.kind = kind  # bad_input | drift | locked | failed | attention | gone
+        self.details = details
+
+
+class ControllerGone(Exception):
+    """stderr is closed: the controller died or the SSH session was cut."""
+
+
+_last_beat = [0.0]
+_gone = [False]  # set once a write to the controller failed (by any thread)
+_emit_lock = threading.Lock()
+
+
+def event(kind, **data):
+    """One progress line for the controller; raises ControllerGone when nobody listens."""
+    if _gone[0]:
+        raise ControllerGone()
+    data["event"] = kind
+    data["t"] = round(time.time(), 3)
+    line = "PATCHCTL-EVENT " + json.dumps(data, sort_keys=True) + "\n"
+    with _emit_lock:
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except (BrokenPipeError, OSError):
+            _gone[0] = True
+            raise ControllerGone()
+        _last_beat[0] = time.time()
+
+
+def heartbeat(**data):
+    """Called in every wait loop: raises ControllerGone there (a safe point) once the controller is gone."""
+    if _gone[0]:
+        raise ControllerGone()
+    if time.time() - _last_beat[0] >= 1.0:
+        event("heartbeat", **data)
+
+
+stop_beating = threading.Event()
+
+
+def keep_beating():
+    """A beat at least every second for the whole op, whatever the main thread is doing: the controller
+    takes a long silence for a hung link or host (PATCHCTL_SILENCE_S). A failed write only marks the
+    controller gone; the main thread stops at its next heartbeat, never in the middle of a file change."""
+    while not _gone[0] and not stop_beating.wait(0.5):
+        if time.time() - _last_beat[0] >= 1.0:
+            try:
+                event("heartbeat", step="working")
+            except ControllerGone:
+                return

@@ -1,0 +1,308 @@
+"""The smoke extraction and dump validation (DESIGN.md "Smoke validation").
+
+Owns sending the profile's prompts to the running server, waiting (bounded)
+for the asynchronous writer's files, checking each dump (a stdlib
+safetensors reader: ids, prefix_len, shapes, bfloat16, finite, no all-zero
+or identical layer slices, no leftovers, no new error-log lines), removing
+exactly the files named with the run's own prefix, and the served model's
+facts (config.json) that give the expected layers and hidden size.
+"""
+
+import http.client
+import json
+import os
+import random
+import struct
+import time
+
+from .events import AgentError, event, heartbeat
+from .osutil import expand, log_tail
+from .server import http_request
+
+DUMP_WAIT_S = 10  # how long the smoke waits for the asynchronous writer's files to land
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 8:
+        raise ValueError("truncated file")
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n].decode())
+    meta = header.pop("__metadata__", {}) or {}
+    body = data[8 + n:]
+    tensors = {}
+    for name, info in header.items():
+        b, e = info["data_offsets"]
+        if e > len(body):
+            raise ValueError("tensor %s runs past the end of the file" % name)
+        tensors[name] = (info["dtype"], list(info["shape"]), body[b:e])
+    return meta, tensors
+
+
+def _bf16_nonfinite(buf):
+    mv = memoryview(buf).cast("H") if len(buf) % 2 == 0 else None
+    if mv is None:
+        return True
+    for v in mv:
+        if v & 0x7F80 == 0x7F80:
+            return True
+    return False
+
+
+FORMAT_VERSION = "2"  # of the hidden-dump files this smoke understands
+LAYER_NAMES = {
+    "layers_to_capture": "SGLang's capture indices (the hidden state entering decoder layer i)",
+    "layer_outputs": "outputs of decoder layers (EAGLE-3 lists such as Kimi-K2.5's [2, 30, 58])",
+    "eagle_aux_hidden_state_layer_ids": "the ids SGLang was given (--return-aux-hidden-state-layer-ids)",
+}
+
+
+def expected_layers(given=None, outputs=None, num_layers=None):
+    """What a dump's layers must be, each in the convention its source speaks:
+    `given` (inventory/profile capture_layers) are the ids passed to SGLang's flag, which maps
+    them per architecture (+1 on Llama, as given on DeepseekV2); `outputs` (layer_outputs) are
+    the decoder layers whose outputs the drafter is trained on; without either, SGLang's default
+    capture indices [2, N//2, N-3] for the served model's N layers. {metadata key: (ids, source)}."""
+    exp = {}
+    if given:
+        exp["eagle_aux_hidden_state_layer_ids"] = (list(given), "capture_layers")
+    if outputs:
+        exp["layer_outputs"] = (list(outputs), "layer_outputs")
+    if not given and num_layers:
+        n = int(num_layers)
+        exp["layers_to_capture"] = ([2, n // 2, n - 3], "SGLang's default for N = %d layers (config.json)" % n)
+    return exp
+
+
+def _json_meta(meta, key):
+    try:
+        return json.loads(meta.get(key, "null"))
+    except ValueError:
+        return None
+
+
+def check_layers(meta, expect):
+    """Problems with the file's layer metadata against `expect` (see expected_layers); every
+    message names the convention of both sides."""
+    if meta.get("format_version") != FORMAT_VERSION:
+        return ["format_version %r, expected %r: the file was written by another hidden-dump module "
+                "(its layer metadata is not comparable; deploy hidden-dump >= 2.0.0)" % (
+                    meta.get("format_version"), FORMAT_VERSION)]
+    captured = _json_meta(meta, "layers_to_capture")
+    problems = []
+    for key, (want, source) in sorted(expect.items()):
+        got = _json_meta(meta, key)
+        if got != want:
+            problems.append("%s %s, expected %s from %s [%s: %s]; the file holds layers_to_capture %s, "
+                            "i.e. the outputs of layers %s" % (
+                                key, json.dumps(got), json.dumps(want), source, key, LAYER_NAMES[key],
+                                json.dumps(captured), meta.get("layer_outputs")))
+    return problems
+
+
+def validate_dump(path, sent_ids, expect, hidden):
+    """Every check of DESIGN.md's smoke validation for one file; returns a list of problems.
+    `expect` is expected_layers(...)."""
+    problems = []
+    try:
+        meta, t = read_safetensors(path)
+    except Exception as e:
+        return ["unreadable safetensors file: %s" % e]
+    T = len(sent_ids)
+    layers = _json_meta(meta, "layers_to_capture")
+    if not isinstance(layers, list):
+        layers = None
+    wanted = [ids for ids, _ in expect.values()]
+    K = len(layers) if layers is not None else (len(wanted[0]) if wanted else None)
+    for name in ("input_ids", "aux_hidden_states", "hidden_states"):
+        if name not in t:
+            problems.append("tensor %s missing" % name)
+    if problems:
+        return problems
+    dt, shape, raw = t["input_ids"]
+    if dt != "I64" or shape != [T]:
+        problems.append("input_ids is %s %s, expected I64 [%d]" % (dt, shape, T))
+    else:
+        got = list(struct.unpack("<%dq" % T, raw))
+        if got != list(sent_ids):
+            problems.append("input_ids differ from the prompt sent")
+    if meta.get("prefix_len") != "0":
+        problems.append("prefix_len is %r, expected '0' (radix cache or chunked prefill on?)" % meta.get("prefix_len"))
+    problems += check_layers(meta, expect)
+    if any(len(ids) != K for ids in wanted):
+        problems.append("%s layers captured, %s expected" % (K, " / ".join(str(len(ids)) for ids in wanted)))
+    if hidden is not None and meta.get("hidden_size") not in (None, str(hidden)):
+        problems.append("hidden_size %s, expected %d" % (meta.get("hidden_size"), hidden))
+    dt, shape, raw = t["hidden_states"]
+    if dt != "BF16" or len(shape) != 2 or shape[0] != T or (hidden is not None and shape[1] != hidden):
+        problems.append("hidden_states is %s %s, expected BF16 [%d, %s]" % (dt, shape, T, hidden))
+    elif _bf16_nonfinite(raw):
+        problems.append("hidden_states has NaN or Inf")
+    H = hidden if hidden is not None else (shape[1] if len(shape) == 2 else None)
+    dt, shape, raw = t["aux_hidden_states"]
+    if K is None and H:
+        K = shape[1] // H if len(shape) == 2 and H else None
+    if dt != "BF16" or len(shape) != 2 or shape[0] != T or not H or not K or shape[1] != K * H:
+        problems.append("aux_hidden_states is %s %s, expected BF16 [%d, %s*%s]" % (dt, shape, T, K, H))
+        return problems
+    row = K * H * 2
+    slices = []
+    for k in range(K):
+        parts = [raw[r * row + k * H * 2: r * row + (k + 1) * H * 2] for r in range(T)]
+        slices.append(b"".join(parts))
+    for k, s in enumerate(slices):
+        if _bf16_nonfinite(s):
+            problems.append("layer %s slice has NaN or Inf" % (layers[k] if layers else k))
+        if not s.strip(b"\0"):
+            problems.append("layer %s slice is all zeros" % (layers[k] if layers else k))
+    for a in range(K):
+        for b in range(a + 1, K):
+            if slices[a] == slices[b]:
+                problems.append("layer slices %s and %s are identical" % (a, b))
+    return problems
+
+
+def model_facts(cfg):
+    """num_hidden_layers / hidden_size / vocab from the served model's config.json (path from /get_model_info)."""
+    try:
+        status, info = http_request(cfg["host"], cfg["port"], "GET", "/get_model_info", timeout=10)
+    except (OSError, http.client.HTTPException):
+        return {}
+    if status != 200 or not isinstance(info, dict):
+        return {}
+    path = info.get("model_path") or ""
+    facts = {"model_path": path}
+    conf = os.path.join(expand(path), "config.json") if path else None
+    if conf and os.path.isfile(conf):
+        with open(conf) as f:
+            c = json.load(f)
+        c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c else c
+        facts.update(num_hidden_layers=c.get("num_hidden_layers"), hidden_size=c.get("hidden_size"),
+                     vocab_size=c.get("vocab_size"), architectures=c.get("architectures"))
+    return facts
+
+
+def model_arch_of(argv):
+    """architectures[0] of the config.json in the server command's --model-path, when it is a local dir."""
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--model-path", "--model"):
+            conf = os.path.join(expand(argv[i + 1]), "config.json")
+            try:
+                with open(conf) as f:
+                    archs = json.load(f).get("architectures") or []
+                return archs[0] if archs else None
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def smoke_prefix(env_prefix, run_id):
+    """The smoke's own rid prefix: unique to the run, and inside the series' dump prefix
+    (SGLANG_HIDDEN_DUMP_RID_PREFIX) without repeating it."""
+    own = "patchctl-smoke-%s-" % run_id
+    return own if own.startswith(env_prefix) else env_prefix + own
+
+
+def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outputs=None):
+    """Send the profile's prompts, validate each dump, remove the smoke's own files (and only those)."""
+    profile = cfg.get("profile")
+    if not profile:
+        raise AgentError("bad_input", "the running server was not started with a capture profile: nothing to smoke")
+    t0 = time.time()
+    env = cfg.get("env") or {}
+    dump_dir = env.get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
+    if not dump_dir:
+        raise AgentError("bad_input", "server env has no %s: capture is off" % profile.get("dump_dir_env"))
+    dump_dir = expand(dump_dir)
+    facts = model_facts(cfg)
+    expect = expected_layers(host_layers or cfg.get("capture_layers") or profile.get("layers"),
+                             host_outputs, facts.get("num_hidden_layers"))
+    captured = {}
+    hidden = host_hidden or profile.get("hidden_size") or facts.get("hidden_size")
+    vocab = int(facts.get("vocab_size") or 1000)
+    prefix = smoke_prefix(env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "", run_id)
+    errlog = os.path.join(dump_dir, "_hidden_dump_errors.log")
+    try:
+        errlog_size = os.path.getsize(errlog)
+    except OSError:
+        errlog_size = 0
+    rng = random.Random(run_id)
+    n_prompts = int(profile.get("prompts") or 4)
+    n_tokens = int(profile.get("prompt_tokens") or 32)
+    sent = {}
+    problems = []
+    for i in range(n_prompts):
+        rid = "%s%d" % (prefix, i)
+        ids = [rng.randrange(10, max(11, vocab - 1)) for _ in range(n_tokens + i)]  # distinct lengths
+        sent[rid] = ids
+        try:
+            status, resp = http_request(cfg["host"], cfg["port"], "POST", "/generate",
+                                        {"rid": rid, "input_ids": ids,
+                                         "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, timeout=300)
+        except (OSError, http.client.HTTPException) as e:
+            raise AgentError("failed", "smoke request %s failed: %s" % (rid, e), log_tail=log_tail(cfg["log"]))
+        if status != 200:
+            raise AgentError("failed", "smoke request %s: HTTP %d %s" % (rid, status, str(resp)[:300]), log_tail=log_tail(cfg["log"]))
+        pt = (resp.get("meta_info") or {}).get("prompt_tokens") if isinstance(resp, dict) else None
+        if pt is not None and pt != len(ids):
+            problems.append("%s: server counted %s prompt tokens, sent %d" % (rid, pt, len(ids)))
+        heartbeat(step="smoke", sent=i + 1)
+    # the writer is asynchronous: wait (bounded) for every file to land
+    expected = dict((rid, os.path.join(dump_dir, rid + ".safetensors")) for rid in sent)
+    deadline = time.time() + DUMP_WAIT_S
+    while time.time() < deadline and not all(os.path.exists(p) for p in expected.values()):
+        heartbeat(step="smoke_wait_files")
+        time.sleep(0.05)
+    found = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
+    ours = [f for f in found if f.startswith(prefix)]
+    tmp_left = [f for f in found if f.startswith(prefix) and not f.endswith(".safetensors")] + \
+               [f for f in found if f.endswith(".tmp") and prefix in f]
+    nbytes = 0
+    tokens = 0
+    missing = [rid for rid, path in sorted(expected.items()) if not os.path.exists(path)]
+    if missing:
+        problems.append("no dump file for %d of %d prompts (%s): the hook never fired?" % (
+            len(missing), len(expected), ", ".join(missing[:2]) + (", ..." if len(missing) > 2 else "")))
+    for rid, path in sorted(expected.items()):
+        if rid in missing:
+            continue
+        nbytes += os.path.getsize(path)
+        tokens += len(sent[rid])
+        if not captured:
+            try:
+                meta = read_safetensors(path)[0]
+                captured = dict((k, _json_meta(meta, k)) for k in LAYER_NAMES)
+            except Exception:  # reported by validate_dump
+                pass
+        for p in validate_dump(path, sent[rid], expect, hidden):
+            problems.append("%s: %s" % (rid, p))
+    extra = [f for f in ours if f[: -len(".safetensors")] not in expected and f not in tmp_left]
+    if extra:
+        problems.append("unexpected extra files: %s" % ", ".join(extra[:5]))
+    if tmp_left:
+        problems.append("temporary files left behind: %s" % ", ".join(sorted(set(tmp_left))[:5]))
+    try:
+        grown = os.path.getsize(errlog) > errlog_size
+    except OSError:
+        grown = False
+    if grown:
+        with open(errlog, "rb") as f:
+            f.seek(errlog_size)
+            problems.append("hidden_dump error log: %s" % f.read(500).decode("utf-8", "replace").strip())
+    removed = []
+    for f in ours:  # only files named with this run's unique prefix
+        try:
+            os.unlink(os.path.join(dump_dir, f))
+            removed.append(f)
+        except OSError:
+            pass
+    result = {"prompts": n_prompts, "tokens": tokens, "bytes": nbytes, "seconds": round(time.time() - t0, 3),
+              "layers": captured.get("layers_to_capture"), "hidden_size": hidden, "dump_dir": dump_dir,
+              "removed": len(removed), "captured": captured,
+              "expected": dict((k, {"ids": ids, "from": src}) for k, (ids, src) in expect.items())}
+    if problems:
+        raise AgentError("failed", "smoke failed: " + "; ".join(problems[:8]), smoke=result, problems=problems)
+    event("smoke_passed", **result)
+    return result
+

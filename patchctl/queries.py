@@ -1,0 +1,337 @@
+"""Porcelain for questions and housekeeping, host by host: status, history, plan, unlock.
+
+Facts in pyinfra's sense: each command asks every selected host one agent op
+concurrently (one reused connection per host), collects one JSON answer per
+host and prints a table; nothing is deployed. `status` exits 3 when a host
+needs attention and says what to run. `plan` also runs the static trace of the
+series for the architecture each host serves (`preflight`) and shows the exact
+restart command line and env, and with --diff the diff per file. `unlock` is the one
+that changes something: a lock whose holder is gone (or, with --force, any).
+The steps that change hosts (apply, rollback, smoke) are in `deploy`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from patchctl.console import App, table
+from patchctl.deploy import series_request
+from patchctl.inventory import CONTROLLER_PYTHON, Host
+from patchctl.preflight import Reachability
+from patchctl.redact import MASK
+from patchctl.remote import AgentFailure
+from patchctl.series import Series, load_series
+from patchctl.session import HostSession, Run, describe_holder, holder_is_stale, host_error, worst
+
+
+def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=None) -> int:
+    """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
+    run = Run(app, args, command)
+
+    def one(h: Host):
+        s = run.session(h)
+        try:
+            return h.name, per_host(s), None
+        except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
+            return h.name, None, e
+
+    try:
+        outs = run.parallel(one, run.hosts)
+    finally:
+        run.close()
+    data, codes = [], []
+    for name, res, err in outs:
+        if err is not None:
+            outcome, msg = host_error(err)
+            data.append({"host": name, "ok": False, "outcome": outcome, "error": msg})
+            app.info(f"{name}: {outcome}: {msg}")
+            codes.append(getattr(err, "exit_code", 3))
+        else:
+            data.append(dict({"host": name, "ok": True}, **res))
+            codes.append(exit_of(res) if exit_of else 0)
+    app.result(data, render(data))
+    if after:
+        after(data)
+    return worst(codes)
+
+
+def attention_of(app: App, d: dict) -> list[dict]:
+    """What on a host needs the operator, each with the command that deals with it."""
+    host, out = d["host"], []
+    lock, state = d.get("lock"), d.get("state")
+    dead = bool(lock) and holder_is_stale(lock)
+    if state == "pending" and (not lock or dead):
+        who = f"run {d.get('run_id')}" if d.get("run_id") else "an earlier run"
+        out.append({"why": f"unfinished deploy of {d['series']} {d['version']} by {who}: files patched, never verified "
+                           f"({'its process is gone' if lock else 'halted or cut off'})",
+                    "run": app.cmd("rollback", "--limit", host) + "   # back to the state before it"})
+    elif dead:
+        out.append({"why": f"lock held by {describe_holder(lock)}, whose process is gone",
+                    "run": app.cmd("unlock", "--limit", host)})
+    if d.get("drift"):
+        files = ", ".join(x["path"] for x in d["drift"])
+        out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
+                    "run": app.cmd("rollback", "--limit", host, "--force") + "   # saves the edits beside the backups, then restores"})
+    return out
+
+
+def run_status(app: App, args) -> int:
+    def per_host(s: HostSession):
+        r = s.call("status")
+        m = r.get("manifest") or {}
+        return {"root": r["root"], "sglang_version": r["version"], "series": m.get("series"), "version": m.get("version"),
+                "state": m.get("status") if m else "clean", "when": m.get("when"), "who": m.get("who"),
+                "repo_commit": m.get("repo_commit"), "run_id": m.get("run_id"),
+                "patches": m.get("patches"), "drift": r["drift"], "lock": r["lock"], "server": r["server"],
+                "notes": r.get("notes") or []}
+
+    def render(data):
+        t = table("status", "host", "series", "state", "applied", "drift", "lock", "server")
+        for d in data:
+            if not d["ok"]:
+                t.add_row(d["host"], "?", d["outcome"], "", "", "", d["error"])
+                continue
+            srv = d["server"]
+            lock = d["lock"]
+            t.add_row(d["host"], f"{d['series']} {d['version']}" if d["series"] else "-",
+                      d["state"] + ("".join(f" [{n}]" for n in d["notes"])),
+                      f"{d['when']} by {d['who']} @ {d['repo_commit']}" if d["series"] else "",
+                      ", ".join(x["path"] for x in d["drift"]) or "none",
+                      (("DEAD " if holder_is_stale(lock) else "") + describe_holder(lock)) if lock else "free",
+                      ("running" if srv["running"] else "stopped") + (f", {srv['health']}" if srv.get("health") else "")
+                      + (f", capture {srv['series']}" if srv.get("series") else ""))
+        return t
+
+    def hints(data):
+        for d in data:
+            if d["ok"] and d["attention"]:
+                for a in d["attention"]:
+                    app.info(f"{d['host']} needs attention: {a['why']}\n    run: {a['run']}")
+            elif d["ok"] and d["state"] == "pending" and d["lock"]:
+                app.info(f"{d['host']}: deploy in progress ({describe_holder(d['lock'])})")
+
+    def exit_of(r):
+        return 3 if r["attention"] else 0
+
+    def with_attention(s: HostSession):
+        d = per_host(s)
+        d["attention"] = attention_of(app, dict(d, host=s.host.name))
+        return d
+
+    return _simple(app, args, "status", with_attention, render, exit_of=exit_of, after=hints)
+
+
+def _short(text: str, n: int = 100) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def run_history(app: App, args) -> int:
+    def render(data):
+        t = table("history", "host", "id", "time", "op", "series", "outcome", "run")
+        for d in data:
+            if not d["ok"]:
+                t.add_row(d["host"], "", "", "", "", d["error"], "")
+                continue
+            for h in d["history"]:
+                t.add_row(d["host"], h.get("id", ""), h.get("time", ""), h.get("op", ""),
+                          f"{h.get('series') or ''} {h.get('version') or ''}".strip(), _short(str(h.get("outcome", ""))), h.get("run_id", ""))
+        return t
+
+    return _simple(app, args, "history", lambda s: s.call("history"), render)
+
+
+def run_unlock(app: App, args) -> int:
+    def per_host(s: HostSession):
+        r = s.call("status")
+        h = r.get("lock")
+        if not h:
+            return {"unlocked": None, "message": "not locked"}
+        if not args.force and not holder_is_stale(h):
+            raise AgentFailure("locked", f"held by {describe_holder(h)}, which may still be alive; use --force to release it", {"holder": h})
+        s.call("unlock", expect_run_id=h.get("run_id"))
+        return {"unlocked": h, "message": f"released lock of {describe_holder(h)}"}
+
+    def render(data):
+        t = table("unlock", "host", "result")
+        for d in data:
+            t.add_row(d["host"], d.get("message") or d.get("error", ""))
+        return t
+
+    return _simple(app, args, "unlock", per_host, render)
+
+
+def run_plan(app: App, args) -> int:
+    series = load_series(app.patches_dir, args.series)
+    sreq = series_request(series)
+    reach = Reachability(series)
+
+    def per_host(s: HostSession):
+        r = s.call("probe", series=sreq)
+        d = plan_host(series, s.host, r)
+        d["restart_config"] = restart_preview(s, series, r) if d["restart"] != "no" else None
+        arch = d.get("model_arch")
+        if arch:
+            v = reach.verdict(arch)
+            if v is not None:
+                d["reachability"] = dict(v, arch=arch)
+                if not v["ok"]:
+                    d["blockers"].append(f"{arch}: {v['detail']}")
+        if getattr(args, "diff", False):
+            d["file_diffs"] = file_diffs(series)
+        return d
+
+    def render(data):
+        app.masker = app.masker.with_public(series.smoke.env)
+        return render_plan(app, series, data, show_diff=getattr(args, "diff", False))
+
+    return _simple(app, args, "plan", per_host, render,
+                   exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2))
+
+
+def file_diffs(series: Series) -> dict[str, str]:
+    """The series' unified diff, per file (a file several patches touch shows each patch's hunks in order)."""
+    import unidiff
+
+    out: dict[str, list[str]] = {}
+    for p in series.patches:
+        for pf in unidiff.PatchSet(p.text):
+            path = pf.path
+            out.setdefault(path, []).append(str(pf) if len(series.patches) == 1 else f"# {p.file}\n{pf}")
+    return {path: "".join(parts) for path, parts in out.items()}
+
+
+def restart_preview(s: HostSession, series: Series, probe: dict) -> dict:
+    """The server command line and env a restart would run, rendered as the agent renders them
+    (placeholders as single shell words, then split into argv; the series' flags and env added).
+    A `~` in a remote host's paths is left for the host (its login user's home)."""
+    h, srv = s.host, s.host.server
+    local = h.connection == "local"
+
+    def here(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path)) if local or not path.startswith("~") else path
+
+    python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
+    values = {"python": here(python) if python.startswith("~") else python, "port": srv.port, "host": srv.host,
+              "state_dir": here(h.state_dir)}
+    if "{sglang_root}" in srv.command:
+        values["sglang_root"] = probe.get("root") or h.sglang_root
+    try:
+        argv = shlex.split(srv.command.format(**{k: shlex.quote(str(v)) for k, v in values.items()})) if srv.command else []
+    except (KeyError, IndexError, ValueError) as e:
+        argv = [f"<server command {srv.command!r}: unknown placeholder {e}>"]
+
+    def fill(text: str) -> str:
+        for k, v in values.items():
+            text = text.replace("{" + k + "}", str(v))
+        return text
+
+    extra = list(series.smoke.server_args)
+    layers = srv.capture_layers or (list(series.smoke.layers) if series.smoke.layers else None)
+    if layers:
+        extra += [series.smoke.layers_arg] + [str(x) for x in layers]
+    env = {k: fill(str(v)) for k, v in srv.env.items()}
+    env.update({k: fill(str(v)) for k, v in series.smoke.env.items()})
+    return {"manager": srv.manager, "unit": srv.unit, "argv": argv + extra, "env": env, "log": here(srv.log),
+            "host_expands_home": any("~" in str(x) for x in [*argv, *env.values()])}
+
+
+def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
+    """Per host: the action, what was read from it, the trace verdict, the exact restart; then the diff."""
+    from rich.console import Group
+    from rich.text import Text
+
+    m = app.masker
+    out: list = [Text(f"plan: apply {series.name} {series.version} ({len(series.patches)} patches) — plan changes nothing",
+                      style="bold")]
+    for d in data:
+        out.append(Text(""))
+        if not d["ok"]:
+            out.append(Text(f"{d['host']}: {d['outcome']}: {m.text(d['error'])}", style="red"))
+            continue
+        rows = [("sglang", f"{d['sglang_version']} at {d['root']}")]
+        arch = d.get("model_arch")
+        rows.append(("model", f"{arch} (architectures[0] of config.json under the server's --model-path)" if arch
+                     else "unknown (no config.json under the server command's --model-path)"))
+        r = d.get("reachability")
+        rows.append(("trace", ("ok — " if r["ok"] else "BLOCKED — ") + r["detail"] if r
+                     else "not run (architecture unknown or no single pinned SGLang release)"))
+        rows.append(("files", "\n".join(f"{f['action']:<7} {f['path']}" for f in d["files"])))
+        rows.append(("restart", d["restart"]))
+        rc = d.get("restart_config")
+        if rc:
+            rows.append(("command", shlex.join(rc["argv"]) if rc["argv"] else f"(none: {rc['manager']} unit {rc['unit']})"))
+            env = m.env(rc["env"])
+            rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
+            if rc["manager"] == "systemd":
+                rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
+            if rc["host_expands_home"]:
+                rows.append(("", "(~ is the home directory of the login user on the host)"))
+        rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
+        out.append(Text(f"{d['host']}: {d['action']}", style="bold red" if d["blockers"] else "bold"))
+        for k, v in rows:
+            v = m.text(str(v)).replace("\n", "\n" + " " * 12)
+            out.append(Text(f"  {k:<9} {v}"))
+    if show_diff:
+        diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
+        hosts = [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]
+        out.append(Text(""))
+        out.append(Text(f"diff: what {series.name} {series.version} changes, against the unpatched files"
+                        f" (hosts: {', '.join(hosts) or 'none'})", style="bold"))
+        color = app.out.is_terminal
+        for path, text in diffs.items():
+            out.append(Text(""))
+            out.append(Text(f"=== {path}", style="bold"))
+            for line in text.rstrip("\n").split("\n"):
+                style = None
+                if color:
+                    if line.startswith(("+++", "---", "diff ", "index ", "new file", "deleted file")):
+                        style = "bold"
+                    elif line.startswith("@@"):
+                        style = "cyan"
+                    elif line.startswith("+"):
+                        style = "green"
+                    elif line.startswith("-"):
+                        style = "red"
+                out.append(Text(line, style=style or ""))
+    return Group(*out)
+
+
+def plan_host(series: Series, host: Host, probe: dict) -> dict:
+    from packaging.specifiers import SpecifierSet
+
+    m = probe.get("manifest")
+    blockers = []
+    if probe.get("lock") and not holder_is_stale(probe["lock"]):
+        blockers.append(f"locked by {describe_holder(probe['lock'])}")
+    if probe.get("drift"):
+        blockers.append("drift: " + ", ".join(d["path"] for d in probe["drift"]))
+    ver = probe.get("version")
+    if ver is None or ver not in SpecifierSet(series.sglang):
+        blockers.append(f"SGLang {ver} is not targeted by {series.name} ({series.sglang})")
+    stage = probe.get("stage") or {}
+    if stage and not stage.get("ok"):
+        failed = [p for p in stage.get("patches", []) if p.get("status") == "failed"]
+        blockers.append("does not apply: " + (f"{failed[0]['name']}: {failed[0].get('detail')}" if failed else str(stage.get("error"))))
+    blockers += [f"cannot capture: {r}" for r in probe.get("capture_refusals") or []]
+    same = m and m["series"] == series.name and m["version"] == series.version and \
+        [p["sha256"] for p in m["patches"]] == [p.sha256 for p in series.patches]
+    if same:
+        action = "nothing (already applied)"
+    elif m:
+        action = f"replace {m['series']} {m['version']} with {series.name} {series.version}"
+    else:
+        action = f"apply {series.name} {series.version} ({len(series.patches)} patches)"
+    if probe.get("journal"):
+        action += " — first undo an interrupted change"
+    files = [{"path": f.path, "action": f.action} for p in series.patches for f in p.files]
+    srv = probe.get("server") or {}
+    restart = "no" if same else (f"yes: {host.server.manager} on port {host.server.port} with {' '.join(series.smoke.server_args)}"
+                                 + (", then smoke" if series.smoke.hook or series.smoke.prompts else ""))
+    if not same and not srv.get("running"):
+        restart += " (server not running now)"
+    return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
+            "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")),
+            "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),
+            "diff": {p.file: p.text for p in series.patches}}

@@ -1,0 +1,233 @@
+"""SGLang's HTTP surface, as patchctl sees it: health, model and server info, POST /generate.
+
+`/health` and `/health_generate` answer 503 until the server is ready (and while
+it shuts down), then run a one-token health request through the engine;
+`/get_model_info` and `/get_server_info` say they are a stand-in; `POST /generate`
+takes `text` or `input_ids` (one or a batch), `rid`, `sampling_params`, and answers
+with `meta_info.prompt_tokens` as SGLang does. The DIE_AFTER / STALL_AFTER knobs act here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler
+
+from patchctl.simserver import knobs
+from patchctl.simserver.engine import Work
+
+logger = logging.getLogger("patchctl.simserver")
+
+STAND_IN = "patchctl SGLang stand-in (not SGLang)"
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+
+
+class State:
+    def __init__(self):
+        self.ready = False
+        self.shutting_down = False
+        self.generate_count = 0
+        self.count_lock = threading.Lock()
+        self.die_after = knobs.die_after()
+        self.stall_after = knobs.stall_after()
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def tokenize(text: str, vocab: int) -> list[int]:
+    return [b % vocab for b in text.encode("utf-8")]
+
+
+def detokenize(ids) -> str:
+    return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "patchctl-simserver"
+    protocol_version = "HTTP/1.1"
+    app = None  # set by serve()
+
+    def log_message(self, fmt, *a):
+        logger.info('%s - "%s %s" %s', self.client_address[0], self.command, self.path, a[1] if len(a) > 1 else "")
+
+    def _send(self, code, body=None):
+        data = b"" if body is None else json.dumps(body).encode()
+        self.send_response(code)
+        if body is not None:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        app = self.app
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/health_generate"):
+            if app.state.shutting_down or not app.state.ready:
+                return self._send(503)
+            w = Work(f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}", [0], 1)
+            app.engine.submit(w)
+            if w.done.wait(HEALTH_CHECK_TIMEOUT) and w.error is None:
+                return self._send(200)
+            logger.error("Health check failed: %s", w.error or "timeout")
+            return self._send(503)
+        if path in ("/ready",):
+            return self._send(200 if app.state.ready and not app.state.shutting_down else 503)
+        if path in ("/get_model_info", "/model_info"):
+            return self._send(200, app.model_info())
+        if path in ("/get_server_info", "/server_info"):
+            return self._send(200, app.server_info())
+        return self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        app = self.app
+        path = self.path.split("?", 1)[0]
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b""
+        if path not in ("/generate",):
+            return self._send(404, {"detail": "Not Found"})
+        with app.state.count_lock:
+            app.state.generate_count += 1
+            count = app.state.generate_count
+        if app.state.die_after and count >= app.state.die_after:
+            logger.error("PATCHCTL_SIM_DIE_AFTER=%d: request %d arrived, dying abruptly (stand-in knob)",
+                         app.state.die_after, count)
+            logging.shutdown()
+            os._exit(1)
+        if app.state.stall_after and count >= app.state.stall_after:
+            logger.warning("PATCHCTL_SIM_STALL_AFTER=%d: request %d will never be answered (stand-in knob)",
+                           app.state.stall_after, count)
+            while not app.state.shutting_down:
+                time.sleep(0.05)
+            return self._send(503, {"detail": "shutting down"})
+        if not app.state.ready:
+            # SGLang queues requests until the scheduler runs; we do the same by waiting.
+            while not app.state.ready and not app.state.shutting_down:
+                time.sleep(0.05)
+        try:
+            body = json.loads(raw or b"null")
+            if not isinstance(body, dict):
+                raise BadRequest("Request body must be a JSON object.")
+            code, res = 200, app.generate(body)
+        except (BadRequest, json.JSONDecodeError) as e:
+            logger.error("[http_server] Error: %s", e)
+            code, res = 400, {"error": {"message": str(e)}}
+        except Exception as e:  # noqa: BLE001
+            code, res = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+        self._send(code, res)
+
+    do_PUT = do_POST
+
+
+class App:
+    def __init__(self, args, root, version, model_cfg, engine, unknown):
+        self.args, self.root, self.version = args, root, version
+        self.cfg, self.engine, self.unknown = model_cfg, engine, unknown
+        self.state = State()
+
+    def model_info(self):
+        return {
+            "model_path": self.args.model_path,
+            "served_model_name": self.args.served_model_name or self.args.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "auto",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.cfg.get("model_type"),
+            "architectures": self.cfg.get("architectures"),
+            "stand_in": True,
+        }
+
+    def server_info(self):
+        info = {k: v for k, v in vars(self.args).items()}
+        info.update(
+            version=self.version,
+            stand_in=True,
+            stand_in_note=f"{STAND_IN}: patchctl.simserver serving the SGLang tree at {self.root}",
+            sglang_root=str(self.root),
+            ignored_args=self.unknown,
+            status="ready" if self.state.ready else "starting",
+            aux_hidden_state_layer_ids=self.engine.capture_ids,
+            hook_lines=self.engine.hook.lines if self.engine.hook else [],
+            internal_states=[{"last_gen_throughput": 0.0, "forward_pass_id": self.engine.forward_pass_id}],
+            launch_command=" ".join([sys.executable, "-m", "patchctl.simserver"] + sys.argv[1:]),
+        )
+        return info
+
+    def generate(self, body):
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be an object")
+        max_new = sp.get("max_new_tokens", 128)
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
+            raise BadRequest(f"max_new_tokens must be a non-negative integer, got {max_new!r}")
+        temp = sp.get("temperature", 1.0)
+        if not isinstance(temp, (int, float)) or temp < 0:
+            raise BadRequest(f"temperature must be non-negative, got {temp!r}")
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("Either text or input_ids should be provided." if text is None
+                             else "Only one of text or input_ids should be provided.")
+        vocab = self.engine.vocab
+        if text is not None:
+            single = isinstance(text, str)
+            texts = [text] if single else text
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise BadRequest("text must be a string or a non-empty list of strings")
+            prompts = [tokenize(t, vocab) for t in texts]
+        else:
+            single = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+            prompts = [ids] if single else ids
+            if not isinstance(prompts, list) or not prompts or not all(
+                    isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                    for p in prompts):
+                raise BadRequest("input_ids must be a list of integers or a list of lists of integers")
+        for p in prompts:
+            if not p:
+                raise BadRequest("The input_ids is empty.")
+            bad = [t for t in p if t < 0 or t >= vocab]
+            if bad:
+                raise BadRequest(f"The input_ids {bad[:5]} contains values outside the vocabulary [0, {vocab}).")
+        rid = body.get("rid")
+        if single:
+            rids = [rid if rid is not None else uuid.uuid4().hex]
+        elif rid is None:
+            rids = [uuid.uuid4().hex for _ in prompts]
+        elif isinstance(rid, list) and len(rid) == len(prompts):
+            rids = rid
+        else:
+            raise BadRequest("The rid should be a list with the same length as the prompts for a batch request.")
+        if not all(isinstance(r, str) for r in rids):
+            raise BadRequest("rid must be a string")
+        works = [Work(r, p, max_new) for r, p in zip(rids, prompts)]
+        for w in works:
+            self.engine.submit(w)
+        results = []
+        for w in works:
+            w.done.wait()
+            if w.error is not None:
+                raise RuntimeError(f"{type(w.error).__name__}: {w.error}")
+            results.append({
+                "text": detokenize(w.output_ids),
+                "output_ids": list(w.output_ids),
+                "meta_info": {
+                    "id": w.rid,
+                    "finish_reason": {"type": "length", "length": w.max_new_tokens},
+                    "prompt_tokens": len(w.input_ids),
+                    "completion_tokens": len(w.output_ids),
+                    "cached_tokens": 0,
+                    "e2e_latency": round(time.time() - w.t0, 6),
+                },
+            })
+        return results[0] if single else results

@@ -1,0 +1,299 @@
+"""The stand-in's command line and start-up, in SGLang's order; SIGTERM/SIGINT shut it down.
+
+Start-up, in SGLang's order:
+  1. compile (in memory) every `.py` under `sglang/` whose sha256 differs from
+     the dist-info RECORD or that RECORD does not list (without RECORD:
+     `sglang/srt/model_executor/*.py` and `sglang/srt/hidden_dump.py`);
+  2. import `sglang/srt/hidden_dump.py`, if present, as `sglang.srt.hidden_dump`
+     (stub parent packages, so SGLang's heavy `__init__`s do not run, and a stub
+     `sglang.srt.runtime_context` whose `get_parallel()` says attention-TP rank 0);
+  3. extract the hook statements from `ModelRunner.forward` and `ForwardBatch.init_new`;
+  4. open the HTTP port, "load" the model, warm up with one `/generate`-like
+     request (text "The capital city of France is", 8 tokens, random rid, as
+     SGLang 0.5.23 does), then log "The server is fired up and ready to roll!".
+
+The warm-up request (rid = random hex) goes through the hook like SGLang's does: a hook
+that raises makes start-up fail ("warmup error"); whether it is dumped is the tree's
+hidden_dump's decision (the current one never dumps a rid SGLang made up).
+
+SIGTERM/SIGINT: /health turns 503, `hidden_dump.flush()` is called (if the
+module has one, at most ~1.5 s), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+from patchctl.simserver import knobs
+from patchctl.simserver.api import STAND_IN, App, Handler, tokenize
+from patchctl.simserver.engine import Engine, Work
+from patchctl.simserver.hook import FORWARD_BATCH_INFO, MODEL_RUNNER, extract_batch_hook, extract_hook
+from patchctl.simserver.model import resolve_capture_ids
+from patchctl.simserver.multinode import DistInitError, follow_head, head_rendezvous
+from patchctl.simserver.tree import (HIDDEN_DUMP_MODULE, compile_check, find_sglang_root, import_hidden_dump,
+                                     read_tree_version)
+
+logger = logging.getLogger("patchctl.simserver")
+
+EPILOG = """\
+This is a STAND-IN for `python -m sglang.launch_server`, shipped with patchctl for
+tests and the local demo. Production inventories run the real SGLang.
+
+environment knobs:
+""" + knobs.HELP + """\
+SGLang env such as SGLANG_HIDDEN_DUMP_DIR is read by the served tree's own code.
+Multi-node: --nnodes/--node-rank/--dist-init-addr; rank 0 waits for the others, ranks >= 1
+serve no HTTP; when a node dies the others exit 1.
+Unknown sglang flags are accepted and ignored (logged).
+"""
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="patchctl-simserver",
+        description=f"{STAND_IN}: serves SGLang's HTTP API with a tiny deterministic model and the "
+                    "SGLang tree's own hidden_dump hook. Same command line as `python -m sglang.launch_server`.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--model-path", "--model", required=True, help="directory with config.json")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    p.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    p.add_argument("--speculative-algorithm", default=None)
+    p.add_argument("--return-aux-hidden-state-layer-ids", nargs="+", default=None,
+                   help="layer ids to capture (input of each layer; used as given); also a JSON list")
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--sglang-root", default=None,
+                   help="directory containing the sglang/ package to serve (default: find_spec('sglang'))")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port where node rank 0 waits for the other nodes to join")
+    p.add_argument("--pid-file", default=None)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _parse_layer_ids(values):
+    if values is None:
+        return None
+    out = []
+    for v in values:
+        v = v.strip()
+        if v.startswith("["):
+            out.extend(int(x) for x in json.loads(v))
+        else:
+            out.extend(int(x) for x in v.replace(",", " ").split())
+    return out
+
+
+def _fatal(msg):
+    logger.error(msg)
+    logging.shutdown()
+    sys.exit(1)
+
+
+def main(argv=None):
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    try:
+        sys.stdout.reconfigure(line_buffering=True)
+    except Exception:  # noqa: BLE001
+        pass
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stdout)
+    t_start = time.time()
+    try:
+        args.return_aux_hidden_state_layer_ids = _parse_layer_ids(args.return_aux_hidden_state_layer_ids)
+    except (ValueError, TypeError) as e:
+        parser.error(f"--return-aux-hidden-state-layer-ids: {e}")
+    light = knobs.light()
+    logger.info("%s starting (pid %d)%s", STAND_IN, os.getpid(), " in LIGHT mode (no torch, no hook)" if light else "")
+    logger.info("server_args=%s", {k: v for k, v in vars(args).items()})
+    if unknown:
+        logger.warning("Stand-in ignores unsupported sglang arguments: %s", " ".join(unknown))
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    root = Path(args.sglang_root) if args.sglang_root else find_sglang_root()
+    if root is None or not (root / "sglang").is_dir():
+        _fatal(f"ModuleNotFoundError: No module named 'sglang' (stand-in looked in {root or 'sys.path'})")
+    root = root.resolve()
+    version = read_tree_version(root)
+    logger.info("Serving SGLang tree %s (version %s) with the stand-in", root, version)
+
+    cfg_path = Path(args.model_path) / "config.json"
+    try:
+        model_cfg = json.loads(cfg_path.read_text())
+        layers = int(model_cfg["num_hidden_layers"])
+        int(model_cfg["hidden_size"])
+        int(model_cfg["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        _fatal(f"OSError: cannot load model config {cfg_path}: {type(e).__name__}: {e}")
+
+    # 1. compile what patches changed, as importing the tree would.
+    t0 = time.time()
+    try:
+        files = compile_check(root)
+    except SyntaxError as e:
+        tb = "".join(traceback.format_exception_only(type(e), e)).rstrip()
+        _fatal(f"Traceback (most recent call last):\n  File \"{e.filename}\", line {e.lineno}, in <module>\n{tb}\n"
+               f"Stand-in start-up failed: the SGLang tree does not compile")
+    logger.info("Compiled %d changed file(s) of the tree in %.2fs%s", len(files), time.time() - t0,
+                (": " + ", ".join(str(p.relative_to(root)) for p in files[:10])) if files else "")
+
+    # 2./3. import hidden_dump and find the hook in ModelRunner.forward.
+    hd, hook, batch_hook = None, None, None
+    if not light:
+        if (root / "sglang" / "srt" / "hidden_dump.py").exists():
+            try:
+                hd = import_hidden_dump(root)
+            except BaseException:  # noqa: BLE001
+                _fatal(traceback.format_exc().rstrip() + f"\nStand-in start-up failed: cannot import {HIDDEN_DUMP_MODULE}")
+            logger.info("Imported %s from %s", HIDDEN_DUMP_MODULE, hd.__file__)
+        try:
+            hook = extract_hook(root)
+            batch_hook = extract_batch_hook(root)
+        except SyntaxError as e:
+            _fatal(f"SyntaxError in {e.filename}: {e}")
+        for h, rel in ((hook, MODEL_RUNNER), (batch_hook, FORWARD_BATCH_INFO)):
+            if h is not None and hd is None:
+                _fatal(f"ModuleNotFoundError: No module named '{HIDDEN_DUMP_MODULE}' (imported by {rel})")
+        if hook is not None:
+            logger.info("ModelRunner.forward calls %s.on_forward_end at line(s) %s%s", hook.aliases[0], hook.lines,
+                        " (with statements before the raw forward)" if hook.pre is not None else "")
+        else:
+            logger.info("No hidden_dump hook in ModelRunner.forward")
+        if batch_hook is not None:
+            logger.info("ForwardBatch.init_new calls %s.note_batch at line(s) %s", batch_hook.aliases[0],
+                        batch_hook.lines)
+
+    capture = resolve_capture_ids(args, layers)
+    if capture is not None:
+        bad = [L for L in capture if L < 0 or L >= layers]
+        if bad:
+            _fatal(f"ValueError: aux hidden state layer ids {bad} out of range for {layers} layers")
+        logger.info("Capturing aux hidden states: input of layers %s (ids used as given)", capture)
+    nan_layer = knobs.nan_layer()
+    if nan_layer:
+        if capture is None or int(nan_layer) not in capture:
+            logger.warning("PATCHCTL_SIM_NAN_LAYER=%s is not a captured layer (%s): no NaN will appear",
+                           nan_layer, capture)
+        else:
+            logger.warning("PATCHCTL_SIM_NAN_LAYER=%s: captured input of that layer gets NaN (stand-in knob)",
+                           nan_layer)
+
+    engine = Engine(args, model_cfg, hook, hd, light, batch_hook)
+    app = App(args, root, version, model_cfg, engine, unknown)
+    Handler.app = app
+    follower = args.nnodes > 1 and args.node_rank >= 1
+    httpd = None
+    if not follower:  # like SGLang: non-zero-rank nodes run no HTTP server
+        try:
+            httpd = ThreadingHTTPServer((args.host, args.port), Handler)
+        except OSError as e:
+            _fatal(f"OSError: [Errno {e.errno}] error while attempting to bind on address "
+                   f"({args.host!r}, {args.port}): {e.strerror}")
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+        logger.info("Uvicorn running on http://%s:%d (stand-in HTTP server; not ready yet)", args.host, args.port)
+    if args.pid_file:
+        Path(args.pid_file).write_text(f"{os.getpid()}\n")
+
+    def shutdown(code=0):
+        app.state.shutting_down = True
+        logger.info("Received termination signal; shutting down the stand-in gracefully")
+        flush = getattr(hd, "flush", None)
+        if callable(flush):
+            th = threading.Thread(target=flush, daemon=True)
+            th.start()
+            th.join(1.5)
+            if th.is_alive():
+                logger.warning("hidden_dump.flush() did not finish within 1.5s")
+        if httpd is not None:
+            try:
+                httpd.server_close()
+            except Exception:  # noqa: BLE001
+                pass
+        if args.pid_file:
+            try:
+                Path(args.pid_file).unlink()
+            except OSError:
+                pass
+        logger.info("Stand-in stopped")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+
+    if args.nnodes > 1:
+        if not args.dist_init_addr:
+            _fatal("ValueError: --dist-init-addr is required when --nnodes > 1")
+        if follower:
+            follow_head(args, stop, shutdown)
+        else:
+            try:
+                joined = head_rendezvous(args, stop, app.state)
+            except DistInitError as e:
+                _fatal(str(e))
+            if not joined:
+                shutdown()
+
+    delay = knobs.start_delay()
+    logger.info("Load weight begin (stand-in: seeded random weights, %d layers, hidden %s)%s", layers,
+                model_cfg.get("hidden_size"), f", simulated load time {delay}s" if delay else "")
+    try:
+        engine.load()
+    except Exception:  # noqa: BLE001
+        _fatal(traceback.format_exc().rstrip())
+    if stop.wait(delay):
+        shutdown()
+    logger.info("Load weight end")
+
+    if knobs.crash_at_start():
+        logger.error("RuntimeError: simulated crash at start-up (PATCHCTL_SIM_CRASH_AT_START)")
+        logging.shutdown()
+        os._exit(1)
+    if follower:
+        logger.info("node_rank %d: ready as a follower of %s; no HTTP server on non-zero rank nodes "
+                    "(as in SGLang)", args.node_rank, args.dist_init_addr)
+        while not stop.wait(0.5):
+            pass
+        shutdown()
+    if knobs.hang():
+        logger.warning("PATCHCTL_SIM_HANG: the stand-in will never become ready")
+        while not stop.wait(0.5):
+            pass
+        shutdown()
+
+    # Warm-up like SGLang 0.5.23: one /generate with random rid, 8 tokens.
+    w = Work(uuid.uuid4().hex, tokenize("The capital city of France is", engine.vocab), 8)
+    engine.submit(w)
+    w.done.wait()
+    if w.error is not None:
+        logger.error("Initialization failed. warmup error: %s: %s", type(w.error).__name__, w.error)
+        logging.shutdown()
+        os._exit(1)
+    app.state.ready = True
+    logger.info("The server is fired up and ready to roll! (stand-in, %.2fs after start)", time.time() - t_start)
+    while not stop.wait(0.5):
+        pass
+    shutdown()

@@ -1,0 +1,60 @@
+"""The stand-in's knobs: environment variables that make it slow, broken or light (read where they act).
+
+  PATCHCTL_SIM_START_DELAY=S   seconds of "weight loading" (port open, /health 503)
+  PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before ready
+  PATCHCTL_SIM_HANG=1          never become ready (/health 503 until killed)
+  PATCHCTL_SIM_DIE_AFTER=N     os._exit(1) when the N-th client POST /generate arrives
+  PATCHCTL_SIM_STALL_AFTER=N   the N-th and later client POST /generate never answer (a hung
+                               scheduler: the connection stays open until shutdown)
+  PATCHCTL_SIM_NAN_LAYER=L     NaN in column 0 of the captured input of layer L
+  PATCHCTL_SIM_LIGHT=1         no torch, no hidden_dump import, no hook: the tree is
+                               only compile-checked and tokens come from a pure-Python
+                               function (fast start for tests that need no dumps)
+"""
+
+from __future__ import annotations
+
+import os
+
+HELP = """\
+  PATCHCTL_SIM_START_DELAY=S     seconds of simulated weight loading (HTTP port open, /health 503)
+  PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before becoming ready
+  PATCHCTL_SIM_HANG=1            never become ready (/health answers 503 forever)
+  PATCHCTL_SIM_DIE_AFTER=N       os._exit(1) when the N-th client POST /generate arrives
+  PATCHCTL_SIM_STALL_AFTER=N     the N-th and later client POST /generate never answer
+  PATCHCTL_SIM_NAN_LAYER=L       write NaN into the captured input of layer L
+  PATCHCTL_SIM_LIGHT=1           no torch, no hidden_dump import, no hook (compile check only)
+"""
+
+
+def _on(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def start_delay() -> float:
+    return float(os.environ.get("PATCHCTL_SIM_START_DELAY") or 0)
+
+
+def crash_at_start() -> bool:
+    return _on("PATCHCTL_SIM_CRASH_AT_START")
+
+
+def hang() -> bool:
+    return _on("PATCHCTL_SIM_HANG")
+
+
+def light() -> bool:
+    return _on("PATCHCTL_SIM_LIGHT")
+
+
+def die_after() -> int:
+    return int(os.environ.get("PATCHCTL_SIM_DIE_AFTER") or 0)
+
+
+def stall_after() -> int:
+    return int(os.environ.get("PATCHCTL_SIM_STALL_AFTER") or 0)
+
+
+def nan_layer() -> str | None:
+    """The raw value: callers tell unset/empty from a layer id."""
+    return os.environ.get("PATCHCTL_SIM_NAN_LAYER")

@@ -1,0 +1,84 @@
+"""The tiny deterministic model: its config.json, its forward with aux capture, the capture layer ids.
+
+Model: embedding -> N layers `h = h + tanh(h @ W_i)` -> RMSNorm -> tied lm
+head, float32 weights from a fixed seed, greedy decoding (temperature is
+ignored). Tokens do not mix, so the next token depends on the last token only.
+Aux capture (`--enable-return-aux-hidden-states`): layer id L captures the
+INPUT of layer L (= output of layer L-1), ids used as given (DeepseekV2
+semantics; Llama would add 1); default `[2, N//2, N-3]`; the list is the model's
+`layers_to_capture` (`model_runner.model.model.layers_to_capture`, as in SGLang).
+`logits_output.hidden_states` = concat of captured layers `[T, K*H]` bf16,
+`logits_output.last_hidden_states` = final post-norm `[T, H]` bf16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def write_model_config(path, layers: int = 8, hidden: int = 64, vocab: int = 512,
+                       model_type: str = "llama", architecture: str = "LlamaForCausalLM") -> Path:
+    """Write a model directory (config.json only: weights come from a fixed seed)."""
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "num_hidden_layers": int(layers),
+        "hidden_size": int(hidden),
+        "vocab_size": int(vocab),
+        "intermediate_size": int(hidden) * 4,
+        "num_attention_heads": 1,
+        "torch_dtype": "bfloat16",
+    }
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d
+
+
+class TinyModel:
+    """embedding -> N x (h + tanh(h @ W)) -> RMSNorm -> tied lm head; float32, seed 0."""
+
+    def __init__(self, layers, hidden, vocab, capture_ids, nan_layer=None):
+        import torch  # noqa: PLC0415
+
+        self.torch = torch
+        g = torch.Generator().manual_seed(0)
+        self.layers, self.hidden, self.vocab = layers, hidden, vocab
+        self.embed = torch.randn(vocab, hidden, generator=g)
+        self.weights = [torch.randn(hidden, hidden, generator=g) / hidden ** 0.5 for _ in range(layers)]
+        self.norm = 1.0 + 0.1 * torch.randn(hidden, generator=g)
+        self.capture_ids = capture_ids
+        self.nan_layer = nan_layer
+
+    def forward(self, input_ids, last_index):
+        torch = self.torch
+        with torch.no_grad():
+            h = self.embed[input_ids]
+            captured = {}
+            for i, w in enumerate(self.weights):
+                if self.capture_ids and i in self.capture_ids:
+                    captured[i] = h.clone()
+                h = h + torch.tanh(h @ w)
+            normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+            logits = normed[last_index] @ self.embed.T
+            aux = None
+            if self.capture_ids:
+                parts = []
+                for L in self.capture_ids:
+                    c = captured[L]
+                    if self.nan_layer is not None and L == self.nan_layer:
+                        c = c.clone()
+                        c[:, 0] = float("nan")
+                    parts.append(c)
+                aux = torch.cat(parts, dim=-1).to(torch.bfloat16)
+            last = normed.to(torch.bfloat16) if self.capture_ids else None
+            return aux, last, logits.float()
+
+
+def resolve_capture_ids(args, layers):
+    if not args.enable_return_aux_hidden_states:
+        return None
+    if args.return_aux_hidden_state_layer_ids:
+        return list(args.return_aux_hidden_state_layer_ids)
+    return [2, layers // 2, layers - 3]

@@ -1,0 +1,245 @@
+"""The host package's pieces on their own: version clauses, command rendering, dump validation, systemd drop-ins."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from patchctl.host import events, server, smoke, tree
+
+
+@pytest.mark.parametrize("version,clauses,ok", [
+    ("0.5.23", [["==", "0.5.23"]], True),
+    ("0.5.23", [["==", "0.5.22"]], False),
+    ("0.5.23", [[">=", "0.5.20"], ["<", "0.6"]], True),
+    ("0.5.23", [["==", "0.5.*"]], True),
+    ("0.6.0", [["==", "0.5.*"]], False),
+    ("0.5.23", [["~=", "0.5.20"]], True),
+    ("0.5.10", [[">", "0.5.9"]], True),  # numeric, not lexical
+    ("0.5.23", [["!=", "0.5.23"]], False),
+])
+def test_version_clauses(version, clauses, ok):
+    assert tree.version_matches(version, clauses) is ok
+
+
+def test_command_placeholders_are_single_words_and_no_shell_runs(tmp_path):
+    argv = server.render_command("{python} -m srv --root {state_dir} --port {port}",
+                                {"python": "/opt/my env/bin/python", "state_dir": "/x/$(touch y); `z`", "port": 1})
+    assert argv == ["/opt/my env/bin/python", "-m", "srv", "--root", "/x/$(touch y); `z`", "--port", "1"]
+    with pytest.raises(events.AgentError) as e:
+        server.render_command("{python} {nope}", {"python": "p"})
+    assert e.value.kind == "bad_input"
+
+
+def _dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None, mutate=None, prefix="0",
+          dtype=torch.bfloat16, fmt="2"):
+    """A dump as hidden-dump 2.0.0 writes it; the default is Llama's `--return-aux-hidden-state-layer-ids
+    2 4 5`, which captures layers_to_capture [3, 5, 6] (the outputs of layers 2, 4, 5)."""
+    ids = ids if ids is not None else list(range(10, 10 + T))
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(T, K * H, generator=g).to(dtype)
+    hid = torch.randn(T, H, generator=g).to(dtype)
+    if mutate:
+        mutate(aux, hid)
+    layers = list(layers)
+    save_file({"input_ids": torch.tensor(ids, dtype=torch.int64), "aux_hidden_states": aux, "hidden_states": hid},
+              str(path), metadata={"format_version": fmt, "rid": "r", "num_tokens": str(T), "prefix_len": prefix,
+                                   "prompt_len": str(T), "hidden_size": str(H), "layers": json.dumps(layers),
+                                   "layers_convention": "layers_to_capture", "layers_to_capture": json.dumps(layers),
+                                   "layer_outputs": json.dumps([i - 1 for i in layers]),
+                                   "eagle_aux_hidden_state_layer_ids": json.dumps(list(given) if given else None),
+                                   "model_arch": "X", "dtype": "bfloat16"})
+    return ids
+
+
+LLAMA_245 = smoke.expected_layers(given=[2, 4, 5])
+
+
+def test_validate_dump_accepts_a_good_file(tmp_path):
+    p = tmp_path / "a.safetensors"
+    ids = _dump(p)
+    assert smoke.validate_dump(str(p), ids, LLAMA_245, 8) == []
+    # the same file against the layers a drafter is trained on (outputs of 2, 4, 5)
+    assert smoke.validate_dump(str(p), ids, smoke.expected_layers([2, 4, 5], [2, 4, 5]), 8) == []
+
+
+def test_layer_expectations_name_both_conventions(tmp_path):
+    # Kimi-K2.5 (DeepseekV2 keeps explicit ids): capture_layers [3, 31, 59] captures
+    # layers_to_capture [3, 31, 59] = the outputs of 2, 30, 58.
+    p = tmp_path / "kimi.safetensors"
+    ids = _dump(p, layers=(3, 31, 59), given=(3, 31, 59))
+    assert smoke.validate_dump(str(p), ids, smoke.expected_layers([3, 31, 59], [2, 30, 58]), 8) == []
+    # A user who wrote the EAGLE-3 output ids as the flag gets told what the server captured.
+    p2 = tmp_path / "kimi-wrong.safetensors"
+    ids = _dump(p2, layers=(2, 30, 58), given=(2, 30, 58))
+    problems = smoke.validate_dump(str(p2), ids, smoke.expected_layers([2, 30, 58], [2, 30, 58]), 8)
+    assert len(problems) == 1, problems
+    assert "layer_outputs [1, 29, 57], expected [2, 30, 58] from layer_outputs" in problems[0]
+    assert "outputs of decoder layers" in problems[0] and "layers_to_capture [2, 30, 58]" in problems[0]
+    # Without capture_layers: SGLang's default capture indices for the served model's N layers.
+    p3 = tmp_path / "default.safetensors"
+    ids = _dump(p3, layers=(2, 30, 58), given=None)
+    assert smoke.validate_dump(str(p3), ids, smoke.expected_layers(num_layers=61), 8) == []
+    problems = smoke.validate_dump(str(p3), ids, smoke.expected_layers(num_layers=62), 8)
+    assert any("expected [2, 31, 59] from SGLang's default for N = 62" in x for x in problems), problems
+
+
+def test_files_of_the_old_format_are_refused(tmp_path):
+    p = tmp_path / "v1.safetensors"
+    ids = _dump(p, fmt="1")
+    problems = smoke.validate_dump(str(p), ids, LLAMA_245, 8)
+    assert any("format_version '1'" in x and "hidden-dump >= 2.0.0" in x for x in problems), problems
+
+
+def test_smoke_prefix_sits_inside_the_dump_prefix_once():
+    assert smoke.smoke_prefix("patchctl-", "r1") == "patchctl-smoke-r1-"
+    assert smoke.smoke_prefix("", "r1") == "patchctl-smoke-r1-"
+    assert smoke.smoke_prefix("team-a/", "r1") == "team-a/patchctl-smoke-r1-"
+
+
+@pytest.mark.parametrize("kw,expect", [
+    ({"mutate": lambda a, h: a.__setitem__((1, 9), float("nan"))}, "NaN"),
+    ({"mutate": lambda a, h: h.__setitem__((0, 0), float("inf"))}, "hidden_states has NaN"),
+    ({"mutate": lambda a, h: a[:, 8:16].zero_()}, "all zeros"),
+    ({"mutate": lambda a, h: a[:, 16:24].copy_(a[:, 0:8])}, "identical"),
+    ({"prefix": "3"}, "prefix_len"),
+    ({"given": (2, 4, 6)}, "eagle_aux_hidden_state_layer_ids [2, 4, 6], expected [2, 4, 5] from capture_layers"),
+    ({"layers": (3, 5, 6, 7), "K": 4}, "4 layers captured, 3 expected"),
+    ({"dtype": torch.float16}, "expected BF16"),
+])
+def test_validate_dump_catches(tmp_path, kw, expect):
+    p = tmp_path / "a.safetensors"
+    ids = _dump(p, **kw)
+    problems = smoke.validate_dump(str(p), ids, LLAMA_245, 8)
+    assert any(expect in x for x in problems), problems
+
+
+def test_validate_dump_wrong_ids_and_truncation(tmp_path):
+    p = tmp_path / "a.safetensors"
+    ids = _dump(p)
+    assert any("input_ids differ" in x for x in smoke.validate_dump(str(p), [1] + ids[1:], LLAMA_245, 8))
+    assert any("expected I64 [6]" in x for x in smoke.validate_dump(str(p), ids + [1], LLAMA_245, 8))
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) - 7])
+    assert any("unreadable" in x or "past the end" in x for x in smoke.validate_dump(str(p), ids, LLAMA_245, 8))
+
+
+def test_systemd_manager_writes_a_dropin_and_restores_the_previous_one(tmp_path, monkeypatch):
+    # systemd cannot run in this container: a recording systemctl stands in for it, the drop-in is real
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    calls = tmp_path / "calls"
+    sc = bindir / "systemctl"
+    sc.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n[ \"$1\" = is-active ] && echo active\nexit 0\n")
+    sc.chmod(sc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    req = {"state_dir": str(tmp_path / "state"), "python": "/usr/bin/python3", "sglang_root": "auto",
+           "server": {"manager": "systemd", "unit": "sglang.service", "command": "", "host": "127.0.0.1", "port": 1}}
+    profile = {"series": "hidden-dump", "server_args": ["--enable-return-aux-hidden-states"], "layers_arg": "--ids",
+               "env": {"SGLANG_HIDDEN_DUMP_DIR": "{state_dir}/dumps"}}
+    os.makedirs(req["state_dir"])
+    cfg = server.build_server_config(req, profile, [3, 31, 59])
+    mgr = server.SystemdManager(req["state_dir"], cfg)
+    mgr.dropin_dir = str(tmp_path / "sglang.service.d")
+    mgr.dropin = os.path.join(mgr.dropin_dir, "50-patchctl.conf")
+    before = mgr.current_config()
+    assert before["dropin"] is None and before["running"]
+    mgr.start(cfg)
+    text = open(mgr.dropin).read()
+    assert f'Environment="SGLANG_HIDDEN_DUMP_DIR={tmp_path}/state/dumps"' in text
+    assert 'Environment="PATCHCTL_EXTRA_ARGS=--enable-return-aux-hidden-states --ids 3 31 59"' in text
+    mgr.start(dict(before))  # rollback: the unit's previous state, i.e. no drop-in
+    assert not os.path.exists(mgr.dropin)
+    assert open(calls).read().count("restart sglang.service") == 2
+
+
+def test_server_found_by_port_only_on_an_address_the_health_checks_reach():
+    """A listener on the same port number of another address is some other service, never our server."""
+    import socket
+
+    other = socket.socket()
+    other.bind(("127.0.0.2", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        assert server.pid_on_port(port) == os.getpid()  # by port alone
+        assert server.pid_on_port(port, "127.0.0.1") is None
+        assert server.pid_on_port(port, "127.0.0.2") == os.getpid()
+        ours = socket.socket()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ours.bind(("0.0.0.0", 0))  # a wildcard listener is reached through 127.0.0.1 and localhost
+        ours.listen()
+        with ours:
+            wild = ours.getsockname()[1]
+            assert server.pid_on_port(wild, "127.0.0.1") == os.getpid()
+            assert server.pid_on_port(wild, "localhost") == os.getpid()
+    finally:
+        other.close()
+    assert server.pid_on_port(port) is None
+
+
+def test_start_refuses_a_port_another_process_holds(tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cfg = {"argv": ["/bin/true"], "env": {}, "log": str(tmp_path / "server.log"), "host": "127.0.0.1", "port": port}
+        with pytest.raises(events.AgentError, match=f"port 127.0.0.1:{port} is held by another process \\(pid {os.getpid()}"):
+            server.ProcessManager(str(tmp_path), cfg).start(cfg)
+    assert not (tmp_path / "server.json").exists()  # nothing started, nothing recorded
+
+
+def test_agent_beats_while_its_main_thread_is_busy_and_notices_a_gone_controller():
+    """The side thread reports every second whatever the main thread does (the controller's silence
+    limit relies on it), and a closed stderr marks the controller gone for the main thread."""
+    import subprocess
+    import sys
+
+    busy = ("import threading, time\nfrom patchctl.host import events\n"
+            "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
+            "time.sleep(3.2)\n")  # a main thread that never reports by itself
+    p = subprocess.run([sys.executable, "-c", busy], capture_output=True, text=True, timeout=60)
+    beats = [json.loads(l.split(" ", 1)[1]) for l in p.stderr.splitlines() if l.startswith("PATCHCTL-EVENT ")]
+    assert p.returncode == 0 and len(beats) >= 2 and all(b["event"] == "heartbeat" for b in beats), p.stderr
+    waits = ("import sys, threading, time\nfrom patchctl.host import events\n"
+             "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
+             "deadline = time.time() + 30\n"
+             "while not events._gone[0] and time.time() < deadline:\n    time.sleep(0.05)\n"
+             "try:\n    events.heartbeat(step='x')\nexcept events.ControllerGone:\n    sys.exit(75)\n")
+    proc = subprocess.Popen([sys.executable, "-c", waits], stderr=subprocess.PIPE)
+    proc.stderr.close()  # the controller goes away
+    assert proc.wait(timeout=60) == 75
+
+
+@pytest.mark.parametrize("argv,arch,expect", [
+    (["python", "-m", "sglang.launch_server", "--tp", "8"], "DeepseekV3ForCausalLM", []),
+    (["x", "--enable-pdmux"], None, ["--enable-pdmux: split prefill"]),
+    (["x", "--pp-size", "2"], None, ["--pp-size 2: EAGLE-3 aux hidden-state capture needs pipeline parallel = 1"]),
+    (["x", "--pipeline-parallel-size=4"], None, ["--pipeline-parallel-size 4"]),
+    (["x", "--pp-size", "2", "--pp-size", "1"], None, []),  # the last value wins, as in argparse
+    (["x"], "DeepseekV4ForCausalLM", ["DeepseekV4ForCausalLM: its bounded SWA replay"]),
+    (["x", "--enable-pdmux"], "DeepseekV4ForCausalLM", ["--enable-pdmux", "DeepseekV4ForCausalLM"]),
+])
+def test_capture_config_refusals_name_the_flag_or_architecture(argv, arch, expect):
+    from patchctl.host.capture_config import refusals
+
+    got = refusals(argv, arch)
+    assert len(got) == len(expect) and all(g.startswith(e) for g, e in zip(got, expect)), got
+
+
+def test_dump_directory_is_created_for_the_servers_user_and_an_existing_one_is_left_alone(tmp_path):
+    cfg = {"profile": {"dump_dir_env": "D"}, "env": {"D": str(tmp_path / "a" / "dumps")}}
+    pm = server.ProcessManager(str(tmp_path), cfg)
+    d = server.prepare_dump_dir(cfg, pm)
+    assert d == str(tmp_path / "a" / "dumps") and os.path.isdir(d)
+    assert os.stat(d).st_mode & 0o777 == 0o750
+    os.chmod(d, 0o700)
+    assert server.prepare_dump_dir(cfg, pm) == d and os.stat(d).st_mode & 0o777 == 0o700  # untouched
+    assert server.prepare_dump_dir({"profile": None, "env": {}}, pm) is None
