@@ -480,15 +480,15 @@ def _cpu_engine_padding(backend) -> None:
     """What SGLang's CPU engine sets for DP-attention padding, without importing it.
 
     `ForwardBatch.prepare_mlp_sync_batch` pins a host tensor unless the module-level
-    `forward_batch_info._is_cpu` is true (forward_batch_info.py:1952; every other copy there
+    `forward_batch_info._is_cpu` is true (forward_batch_info.py:1948 in the pristine tree; every other copy there
     asks `is_pin_memory_available(device)`), and `_pad_inputs_to_size` asks the attention
     backend for a padded row's seq_len through `get_cpu_graph_seq_len_fill_value` when
-    `_is_cpu` (:2017-2021).  `_is_cpu` comes from SGLANG_USE_CPU_ENGINE=1, which cannot be
+    `_is_cpu` (:2013-2017).  `_is_cpu` comes from SGLANG_USE_CPU_ENGINE=1, which cannot be
     set here: it makes sglang import the sgl_kernel CPU build (not on PyPI) at import time.
     So: `_is_cpu = True` in that one module, and the torch_native backend answers the fill
     value as SGLang's CPU backend (intel_amx_backend.py:198) and every GPU backend do: 1.
     Likewise DP attention's gather copies rows with a triton kernel unless `_is_cpu`
-    (layers/dp_attention.py:643): the CPU engine's `memcpy_cpu` (a plain slice copy) is
+    (layers/dp_attention.py:644): the CPU engine's `memcpy_cpu` (a plain slice copy) is
     selected instead.
     """
     from sglang.srt.layers import dp_attention
