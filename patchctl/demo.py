@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from patchctl.host.server import pid_on_port  # the agent's own /proc port lookup (Linux)
 from patchctl.release import fetch_release
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,32 +87,6 @@ def setup(d: DemoHost) -> None:
             time.sleep(0.3)
 
 
-def listener_pid(port: int) -> int | None:
-    """The pid of the process listening on a TCP port (Linux /proc), or None."""
-    inodes = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(name) as f:
-                next(f)
-                for line in f:
-                    parts = line.split()
-                    if parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(parts[9])
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue
-    if not inodes:
-        return None
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(pid)
-        except OSError:
-            continue
-    return None
-
-
 def patchctl(*args: str) -> int:
     print("$ patchctl " + " ".join(args), flush=True)
     return subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(INVENTORY),
@@ -142,7 +117,7 @@ def main() -> int:
     say("5. roll the demo host back to a clean tree")
     rc = patchctl("rollback", "--limit", "local", "--to", "clean")
     patchctl("status", "--limit", "local")
-    pid = listener_pid(d.port)
+    pid = pid_on_port(d.port)
     say(f"the demo host's server is still running on {d.host}:{d.port}" + (f" (pid {pid})" if pid else "")
         + ", unpatched, serving the demo tree")
     print(f"    its log:       {d.log}")

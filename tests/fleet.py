@@ -299,3 +299,23 @@ class Fleet:
                     except OSError:
                         pass
         stop_hosts(self.ssh)
+
+
+def started_fleet(base: Path, n: int, sglang_tree: Path) -> "Fleet":
+    """A fleet of n hosts with their unpatched servers running and each tree's pristine digest
+    recorded (for module-scoped fixtures shared by many tests)."""
+    f = Fleet(base, n, sglang_tree)
+    f.start_servers()
+    f.pristine = {h.name: f.digest(h) for h in f.hosts}
+    return f
+
+
+def clean_fleet(f: "Fleet"):
+    """Per-test use of a shared fleet: checked clean and healthy before, put back after."""
+    f.write_inventory()
+    for h in f.hosts:
+        assert f.digest(h) == f.pristine[h.name] and f.healthy(h), f"{h.name} not clean before the test"
+    yield f
+    f.write_inventory()
+    p = f.patchctl("rollback", "--to", "clean")
+    assert p.returncode == 0, p.stdout + p.stderr

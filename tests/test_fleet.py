@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fleet import Fleet, wait_for
+from fleet import Fleet, clean_fleet, started_fleet, wait_for
 from sshhosts import free_port, free_ports
 
 CRASH = {"server": {"env": {"PATCHCTL_SIM_CRASH_AT_START": "1"}}}
@@ -17,9 +17,7 @@ CRASH = {"server": {"env": {"PATCHCTL_SIM_CRASH_AT_START": "1"}}}
 
 @pytest.fixture(scope="module")
 def fleet8(tmp_path_factory, sglang_tree):
-    f = Fleet(tmp_path_factory.mktemp("fleet8"), 8, sglang_tree)
-    f.start_servers()
-    f.pristine = {h.name: f.digest(h) for h in f.hosts}
+    f = started_fleet(tmp_path_factory.mktemp("fleet8"), 8, sglang_tree)
     yield f
     f.close()
 
@@ -27,14 +25,7 @@ def fleet8(tmp_path_factory, sglang_tree):
 @pytest.fixture
 def fleet(fleet8):
     """The shared fleet, checked clean and healthy before each test and put back after it."""
-    f = fleet8
-    f.write_inventory()
-    for h in f.hosts:
-        assert f.digest(h) == f.pristine[h.name] and f.healthy(h), f"{h.name} not clean before the test"
-    yield f
-    f.write_inventory()
-    p = f.patchctl("rollback", "--to", "clean")
-    assert p.returncode == 0, p.stdout + p.stderr
+    yield from clean_fleet(fleet8)
 
 
 def events(p):

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from fleet import REPO, Fleet, hidden_dump_patches, http_status, pid_on_port, wait_for, write_series
+from fleet import (REPO, Fleet, clean_fleet, hidden_dump_patches, http_status, pid_on_port, started_fleet, wait_for,
+                   write_series)
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
 
@@ -129,9 +130,7 @@ def run_pasted(f: Fleet, command: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def fleet2m(tmp_path_factory, sglang_tree):
-    f = Fleet(tmp_path_factory.mktemp("operator"), 2, sglang_tree)
-    f.start_servers()
-    f.pristine = {h.name: f.digest(h) for h in f.hosts}
+    f = started_fleet(tmp_path_factory.mktemp("operator"), 2, sglang_tree)
     yield f
     f.close()
 
@@ -140,13 +139,7 @@ def fleet2m(tmp_path_factory, sglang_tree):
 def fleet(fleet2m):
     """The shared two-host fleet, clean and healthy before each test and put back after it."""
     f = fleet2m
-    f.write_inventory()
-    for h in f.hosts:
-        assert f.digest(h) == f.pristine[h.name] and f.healthy(h), f"{h.name} not clean before the test"
-    yield f
-    f.write_inventory()
-    p = f.patchctl("rollback", "--to", "clean")
-    assert p.returncode == 0, p.stdout + p.stderr
+    yield from clean_fleet(f)
     for h in f.hosts:
         lf = lock_file(h)
         assert lf is None, f"{h.name}: lock left behind: {lf.read_text()}"
