@@ -20,6 +20,7 @@ from typing import Any
 from patchctl.errors import BadInput
 
 CONNECTIONS = ("ssh", "local")
+BECOME_METHODS = ("sudo",)  # `become = ""` in a host table: none (overrides [defaults])
 MANAGERS = ("process", "systemd")
 
 # `python = "controller"` on a `connection = "local"` host: the interpreter running patchctl.
@@ -62,6 +63,8 @@ class Host:
     server: ServerConfig = field(default_factory=ServerConfig)
     groups: list[str] = field(default_factory=list)
     ssh_config: bool = True  # honour ~/.ssh/config (inventory values win)
+    become: str | None = None  # "sudo": the agent runs through `sudo -n` as become_user (patchctl.become)
+    become_user: str | None = None  # None: root
     # Resolved by load_inventory: the gateway's Host (an inventory host, or one built from user@host:port).
     gateway_host: Host | None = field(default=None, repr=False, compare=False)
     # Keys set explicitly by the inventory (defaults or host table); others may come from ~/.ssh/config.
@@ -81,6 +84,8 @@ class Host:
             "gateway": self.gateway,
             "connection": self.connection,
             "ssh_config": self.ssh_config,
+            "become": self.become,
+            "become_user": (self.become_user or "root") if self.become else None,
             "groups": list(self.groups),
             "server": {
                 "manager": self.server.manager,
@@ -172,7 +177,7 @@ class Inventory:
 _TOP_KEYS = ("defaults", "hosts", "groups", "servers")
 _HOST_KEYS = (
     "address", "port", "user", "identity_file", "known_hosts", "python", "sglang_root",
-    "state_dir", "gateway", "connection", "ssh_config", "server",
+    "state_dir", "gateway", "connection", "ssh_config", "become", "become_user", "server",
 )
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
@@ -394,6 +399,7 @@ def load_inventory(path: Path) -> Inventory:
                     pass  # the bastion named in [defaults] is itself reached directly
                 else:
                     gateways[name] = (gw, p)
+        _become(L, h, pick, hp)
         h.server = _server(L, dserver, hserver, hp + ("server",))
         hosts[name] = h
 
@@ -486,6 +492,29 @@ def load_inventory(path: Path) -> Inventory:
         servers[s] = ServerGroup(name=s, nodes=list(nodes))
 
     return Inventory(path=path, hosts=hosts, groups=groups, servers=servers)
+
+
+_USER_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*\$?|#[0-9]+)$")  # a login name, or sudo's #uid
+
+
+def _become(L: _Loader, h: Host, pick, hp: tuple[str, ...]) -> None:
+    """become = "sudo" (or "" for none) and become_user (default root), from the host table or [defaults]."""
+    v, p = pick("become")
+    if p is not None:
+        if not isinstance(v, str) or (v and v not in BECOME_METHODS):
+            L.fail(p, f"expected \"sudo\" (or \"\" for none), got {repr(v) if isinstance(v, str) else _tname(v)}"
+                      + (" (patchctl's become names the method, as Ansible's become_method)" if v is True else ""))
+        h.become = v or None
+    v, p = pick("become_user")
+    if p is not None:
+        user = L.want_str(v, p)
+        if not _USER_NAME.match(user):
+            L.fail(p, f"{user!r} is not a user name (letters, digits, '_', '.', '-', or #uid)")
+        if h.become is None:
+            if p[0] == "hosts":
+                L.fail(p, "needs become = \"sudo\" on this host (without it the agent runs as the SSH user)")
+        else:
+            h.become_user = user
 
 
 def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> ServerConfig:
@@ -586,7 +615,10 @@ def run_inventory(app, args) -> int:
         if sg:
             unit = f"{sg.name} ({'head' if sg.nodes[0] == h.name else 'node'} {sg.nodes.index(h.name) + 1}/{len(sg.nodes)})"
         srv = f"{h.server.manager} :{h.server.port}" + (f" {h.server.unit}" if h.server.unit else "")
-        t.add_row(h.name, addr, h.connection, h.user or "(ssh config)" if h.connection == "ssh" else h.user or "-",
+        user = h.user or "(ssh config)" if h.connection == "ssh" else h.user or "-"
+        if h.become:
+            user += f" ({h.become} -> {h.become_user or 'root'})"
+        t.add_row(h.name, addr, h.connection, user,
                   h.python, h.sglang_root, h.state_dir, srv, ", ".join(h.groups), unit)
     app.result(None, t)
     return 0

@@ -86,6 +86,7 @@ class Reachability:
 def preflight(run: Run, series: Series, hosts: list[Host]) -> dict[str, str]:
     """apply's reachability preflight: probe each host (read-only), trace the series for the model
     it serves. Returns {host: why it is blocked}; hosts that cannot be probed are left to the deploy."""
+    from patchctl.become import BecomeRefused
     from patchctl.transport import HostKeyRefused, HostUnreachable
 
     rep, reach = run.reporter, Reachability(series)
@@ -100,7 +101,7 @@ def preflight(run: Run, series: Series, hosts: list[Host]) -> dict[str, str]:
     for h, r, e in run.parallel(probe, hosts):
         ev = {"event": "preflight", "run_id": run.run_id, "host": h.name, "arch": None, "ok": None}
         if e is not None:
-            if isinstance(e, (HostUnreachable, HostKeyRefused)):
+            if isinstance(e, (HostUnreachable, HostKeyRefused, BecomeRefused)):
                 run.preflight_errors[h.name] = e
             ev["detail"] = f"not checked: {host_error(e)[1]}"
         elif not r.get("model_arch"):

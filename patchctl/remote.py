@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from patchctl import become
 from patchctl.errors import NeedsAttention, PatchctlError
 
 HOST_PACKAGE = "patchctl.host"
@@ -77,9 +78,11 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
     """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
     every second, so `silence` seconds without a byte means a hung link or host (ConnectionLost)."""
     other: list[str] = []
+    saw_agent: list[bool] = []
 
     def on_line(line: str) -> None:
         if line.startswith(EVENT_PREFIX):
+            saw_agent.append(True)
             try:
                 ev = json.loads(line[len(EVENT_PREFIX):])
             except ValueError:
@@ -99,6 +102,9 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
         except ValueError:
             continue
     if not isinstance(answer, dict) or "ok" not in answer:
+        refused = become.refusal(transport.host, other, bool(saw_agent), res.exit_code)
+        if refused is not None:  # sudo answered instead of the agent: nothing ran on the host
+            raise refused
         tail = "\n".join(other[-10:]) or res.stdout[-500:]
         raise AgentLost(f"no answer from the agent on {transport.host.name} (exit {res.exit_code}); state unknown"
                         + (f": {tail}" if tail else ""))

@@ -263,11 +263,12 @@ class Run:
 
 def host_error(e: Exception) -> tuple[str, str]:
     """(outcome, message) for an error a host step raised."""
+    from patchctl.become import BecomeRefused
     from patchctl.transport import ConnectionLost, HostKeyRefused, HostUnreachable
 
     if isinstance(e, HostUnreachable):
         return "unreachable", str(e)
-    if isinstance(e, HostKeyRefused):
+    if isinstance(e, (HostKeyRefused, BecomeRefused)):
         return "refused", str(e)
     if isinstance(e, (ConnectionLost, AgentLost)):
         return "unknown", str(e)

@@ -27,6 +27,7 @@ import paramiko
 # paramiko logs connect failures with tracebacks from its own thread; we report them as one line.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
+from patchctl.become import argv_prefix, shell_prefix
 from patchctl.errors import EXIT_ATTENTION, EXIT_BAD_INPUT, PatchctlError
 from patchctl.inventory import Host
 
@@ -191,7 +192,7 @@ class LocalTransport(Transport):
         python = os.path.expanduser(self.host.python) if self.host.python.startswith("~") else self.host.python
         self.commands_run += 1
         try:
-            proc = subprocess.Popen([python, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(argv_prefix(self.host) + [python, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=os.path.expanduser("~"), start_new_session=True)
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             return RunResult(127, "", f"patchctl: cannot run python {self.host.python!r}: {e.strerror}\n")
@@ -406,7 +407,7 @@ class SSHTransport(Transport):
     # running ------------------------------------------------------------------------------------
     def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None) -> RunResult:
         with self._lock:
-            command = _remote_python_argv0(self.host.python) + " -"
+            command = shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " -"
             for attempt in (1, 2):
                 conn = self._open()
                 transport = conn.transport

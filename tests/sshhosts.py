@@ -223,6 +223,25 @@ class SSHHost:
         self.start()
 
 
+USER_KEYS = ".ssh/patchctl-test-authorized-keys"  # relative to a login user's home
+
+
+def authorize_login_user(user: str, identity_file: Path) -> Path:
+    """Let a (non-root) user a test created log in to the test hosts with the client key: the key goes
+    to ~user/USER_KEYS, which sshd reads as that user (the shared file lies in root's private temp dir)."""
+    import pwd
+
+    pw = pwd.getpwnam(user)
+    ssh_dir = Path(pw.pw_dir) / ".ssh"
+    ssh_dir.mkdir(mode=0o700, exist_ok=True)
+    os.chown(ssh_dir, pw.pw_uid, pw.pw_gid)
+    keys = Path(pw.pw_dir) / USER_KEYS
+    keys.write_text(Path(str(identity_file) + ".pub").read_text())
+    os.chown(keys, pw.pw_uid, pw.pw_gid)
+    os.chmod(keys, 0o600)
+    return keys
+
+
 def start_hosts(n: int, base_dir: Path, *, first: int = 2) -> list[SSHHost]:
     """Start n sshd hosts on 127.0.1.<first+i>, each with base_dir/host<i>/ as its disk."""
     if not os.path.exists(SSHD):
@@ -250,7 +269,9 @@ def start_hosts(n: int, base_dir: Path, *, first: int = 2) -> list[SSHHost]:
                 f"ListenAddress {address}:{port}",
                 f"HostKey {host_key}",
                 f"PidFile {etc / 'sshd.pid'}",
-                f"AuthorizedKeysFile {authorized}",
+                # the shared file (root; sshd reads it as the user logging in, so under a private temp
+                # dir only root can); other login users a test creates: see authorize_login_user
+                f"AuthorizedKeysFile {authorized} {USER_KEYS}",
                 "StrictModes no",
                 "UsePAM no",
                 "PermitRootLogin yes",

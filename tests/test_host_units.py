@@ -243,3 +243,105 @@ def test_dump_directory_is_created_for_the_servers_user_and_an_existing_one_is_l
     os.chmod(d, 0o700)
     assert server.prepare_dump_dir(cfg, pm) == d and os.stat(d).st_mode & 0o777 == 0o700  # untouched
     assert server.prepare_dump_dir({"profile": None, "env": {}}, pm) is None
+
+
+# --- owner, group and mode through transitions (become) -------------------------------------------
+
+def _meta(p):
+    st = os.stat(p)
+    return st.st_uid, st.st_gid, st.st_mode & 0o7777
+
+
+def test_transition_keeps_owner_group_mode_and_an_interrupted_one_restores_them(tmp_path, monkeypatch):
+    from patchctl.host import state as hstate
+
+    assert os.geteuid() == 0, "the suite runs as root (chown)"
+    root = tmp_path / "tree"
+    (root / "sglang").mkdir(parents=True)
+    os.chown(root / "sglang", 4444, 4545)
+    a = root / "sglang" / "a.py"
+    a.write_bytes(b"old\n")
+    os.chown(a, 4242, 4343)
+    os.chmod(a, 0o640)
+    ts = hstate.TreeState(str(tmp_path / "state"), str(root))
+    new = ts.put_blob(b"new\n")
+    orig = ts.put_blob(b"old\n")
+    ts.transition("apply", {"sglang/a.py": new, "sglang/sub/b.py": new}, {"series": "x"}, "r1")
+    assert a.read_bytes() == b"new\n" and _meta(a) == (4242, 4343, 0o640)
+    assert _meta(root / "sglang" / "sub") == (4444, 4545, 0o755)  # a created directory: its parent's owner
+    assert _meta(root / "sglang" / "sub" / "b.py") == (4444, 4545, 0o644)
+
+    # a rollback that dies after its first file: the journal puts content and meta back
+    os.chmod(a, 0o600)
+    real_put, calls = hstate.TreeState._put, []
+
+    def dying_put(self, rel, sha, meta):
+        if calls:
+            raise KeyboardInterrupt("killed mid-transition")
+        calls.append(rel)
+        return real_put(self, rel, sha, meta)
+
+    monkeypatch.setattr(hstate.TreeState, "_put", dying_put)
+    with pytest.raises(KeyboardInterrupt):
+        ts.transition("rollback", {"sglang/a.py": orig, "sglang/sub/b.py": None}, None, "r2",
+                      metas={"sglang/a.py": {"uid": 4242, "gid": 4343, "mode": 0o640}})
+    assert a.read_bytes() == b"old\n" and _meta(a) == (4242, 4343, 0o640)  # the first file was swapped
+    monkeypatch.setattr(hstate.TreeState, "_put", real_put)
+    assert ts.recover()["action"] == "undone"
+    assert a.read_bytes() == b"new\n" and _meta(a) == (4242, 4343, 0o600)  # exactly as before the rollback
+    assert (root / "sglang" / "sub" / "b.py").exists()
+
+
+def test_an_agent_that_is_not_root_refuses_to_take_a_file_from_its_owner():
+    """Without become, a change that would hand a root-owned file to the SSH user is refused before any change;
+    and a state_dir that belongs to another user is refused (it steers what the agent writes)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="patchctl-nonroot-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        nobody = 65534
+        root = os.path.join(base, "tree")
+        os.makedirs(os.path.join(root, "sglang"))
+        theirs = os.path.join(root, "sglang", "theirs.py")
+        with open(theirs, "w") as f:
+            f.write("root's\n")
+        os.chown(os.path.join(root, "sglang"), nobody, nobody)  # the directory is writable by nobody
+        for d in (base, root):
+            os.chown(d, nobody, nobody)
+        os.mkdir(os.path.join(base, "rootstate"), 0o700)
+        script = (
+            "import json, sys\n"
+            "from patchctl.host.state import TreeState\n"
+            "from patchctl.host.events import AgentError\n"
+            "from patchctl.host.agent import Agent\n"
+            "out = {}\n"
+            "ts = TreeState(%r, %r)\n"
+            "b = ts.put_blob(b'mine\\n')\n"
+            "try:\n"
+            "    ts.transition('apply', {'sglang/theirs.py': b}, {}, 'r1')\n"
+            "except AgentError as e:\n"
+            "    out['transition'] = [e.kind, str(e)]\n"
+            "try:\n"
+            "    Agent({'state_dir': %r, 'op': 'status'})\n"
+            "except AgentError as e:\n"
+            "    out['state_dir'] = [e.kind, str(e)]\n"
+            "print(json.dumps(out))\n"
+        ) % (os.path.join(base, "state"), root, os.path.join(base, "rootstate"))
+        env = {"PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "PATH": "/usr/bin:/bin"}
+        p = subprocess.run(["/usr/bin/python3", "-c", script],
+                           user=nobody, group=nobody, capture_output=True, text=True, env=env, cwd=base)
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        kind, msg = out["transition"]
+        assert kind == "bad_input" and "sglang/theirs.py belongs to root:root" in msg and 'become = "sudo"' in msg, msg
+        with open(theirs) as f:
+            assert f.read() == "root's\n"
+        assert (os.stat(theirs).st_uid, os.stat(theirs).st_gid) == (0, 0)
+        assert os.listdir(os.path.join(root, "sglang")) == ["theirs.py"]  # no temporary file left either
+        kind, msg = out["state_dir"]
+        assert kind == "bad_input" and "belongs to uid 0, not to uid 65534" in msg, msg
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -275,6 +275,15 @@ ERRORS = [
     pytest.param(BASE + "[hosts.c]\naddress = \"root@127.0.9.2\"\n", 10, ["hosts.c.address", "give the user in 'user'"],
                  id="user-in-address"),
     pytest.param(BASE + "[hosts.c]\naddress = \"\"\n", 10, ["hosts.c.address", "must not be empty"], id="empty-address"),
+    pytest.param(BASE + "become = true\n", 9, ["hosts.b.become", "expected \"sudo\"", "a boolean"], id="become-bool"),
+    pytest.param("[defaults]\nbecome = \"su\"\n[hosts.a]\n", 2, ["defaults.become", "expected \"sudo\"", "'su'"],
+                 id="become-method"),
+    pytest.param(BASE + "become_user = \"sglang\"\n", 9, ["hosts.b.become_user", "needs become = \"sudo\""],
+                 id="become-user-without-become"),
+    pytest.param(BASE + "become = \"sudo\"\nbecome_user = \"-u root\"\n", 10, ["hosts.b.become_user", "not a user name"],
+                 id="become-user-name"),
+    pytest.param(BASE + "become = \"sudo\"\nbecome_user = \"\"\n", 10, ["hosts.b.become_user", "must not be empty"],
+                 id="become-user-empty"),
     pytest.param(BASE + "address = \"127.0.9.3\n", 9, ["TOML syntax error"], id="toml-syntax"),
     pytest.param(BASE + "[hosts.a]\nport = 1\n", 9, ["TOML syntax error"], id="toml-duplicate-table"),
 ]
@@ -322,6 +331,32 @@ def test_empty_gateway_overrides_defaults(tmp_path):
     text = "[defaults]\ngateway = \"a\"\n[hosts.a]\n[hosts.b]\ngateway = \"\"\n[hosts.c]\n"
     inv = load_inventory(write(tmp_path, text))
     assert inv.hosts["b"].gateway is None and inv.hosts["c"].gateway == "a"
+
+
+def test_become_in_defaults_and_per_host(tmp_path):
+    text = ("[defaults]\nuser = \"ops\"\nbecome = \"sudo\"\nbecome_user = \"sglang\"\n"
+            "[hosts.a]\n[hosts.b]\nbecome = \"\"\n[hosts.c]\nbecome_user = \"root\"\n")
+    inv = load_inventory(write(tmp_path, text))
+    h = inv.hosts
+    assert (h["a"].become, h["a"].become_user) == ("sudo", "sglang")
+    assert (h["b"].become, h["b"].become_user) == (None, None)  # "" turns it off; the default user is unused
+    assert (h["c"].become, h["c"].become_user) == ("sudo", "root")
+    assert h["b"].to_json()["become"] is None and h["a"].to_json()["become_user"] == "sglang"
+    assert load_inventory(write(tmp_path, BASE)).hosts["a"].to_json()["become"] is None
+
+
+def test_become_wraps_the_agent_command_in_sudo_n_with_quoted_words(tmp_path):
+    from patchctl.become import argv_prefix, shell_prefix
+    from patchctl.transport import _remote_python_argv0
+
+    text = ("[hosts.a]\nbecome = \"sudo\"\n[hosts.b]\nbecome = \"sudo\"\nbecome_user = \"#1001\"\n"
+            "python = \"/opt/my venv/bin/python\"\n[hosts.c]\n")
+    h = load_inventory(write(tmp_path, text)).hosts
+    assert argv_prefix(h["a"]) == ["sudo", "-n", "-H", "--"]
+    assert argv_prefix(h["b"]) == ["sudo", "-n", "-H", "-u", "#1001", "--"]
+    assert argv_prefix(h["c"]) == [] and shell_prefix(h["c"]) == ""
+    line = shell_prefix(h["b"]) + _remote_python_argv0(h["b"].python) + " -"
+    assert line == "sudo -n -H -u '#1001' -- '/opt/my venv/bin/python' -"
 
 
 def test_explicit_keys_recorded_for_ssh_config(tmp_path):

@@ -36,7 +36,7 @@ from .events import AgentError, ControllerGone, event, keep_beating, stop_beatin
 from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
 from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
 from .smoke import model_arch_of, smoke
-from .state import TreeState
+from .state import TreeState, file_meta, new_file_meta
 from .tree import locate_tree, tree_version, version_matches
 
 FORMAT = 1
@@ -49,11 +49,24 @@ class Agent(object):
         self.state_dir = expand(req["state_dir"])
         if not os.path.isdir(self.state_dir):
             os.makedirs(self.state_dir, 0o700)
+        self._keep_state_dir_private()
         self.notes = []
         self._tree = None
         self.took_lock = False
 
     # plumbing ----------------------------------------------------------
+    def _keep_state_dir_private(self):
+        """The journal and backups decide what the agent writes into the tree (as root, with become):
+        state_dir must belong to the user the agent runs as, and nobody else may enter it."""
+        st = os.stat(self.state_dir)
+        if st.st_uid != os.geteuid():
+            raise AgentError("bad_input", "state_dir %s belongs to uid %d, not to uid %d that the agent runs as; it holds "
+                             "the journal and backups that decide what is written into the tree, so it must be "
+                             "private to that user: chown it, or set another state_dir" % (
+                                 self.state_dir, st.st_uid, os.geteuid()))
+        if st.st_mode & 0o077:
+            os.chmod(self.state_dir, 0o700)
+
     @property
     def tree(self):
         if self._tree is None:
@@ -233,13 +246,27 @@ class Agent(object):
         result = self._stage_on_originals(series, originals)
         target = {}
         files = {}
+        metas = {}  # owner, group and mode each file ends with: a patched file keeps its original's
+        old_files = (m or {}).get("files", {})
         for rel, info in result["files"].items():
-            orig = originals[rel] if rel in originals else sha256_file(os.path.join(t.root, rel))
+            path = os.path.join(t.root, rel)
+            orig = originals[rel] if rel in originals else sha256_file(path)
+            # the original's meta: recorded by the old series' manifest, else the file as it is now
+            orig_meta = old_files[rel].get("original_meta") if rel in old_files else None
+            if orig_meta is None and orig is not None:
+                orig_meta = file_meta(path)
+            applied_meta = None
+            if info["after_blob"] is not None:
+                applied_meta = orig_meta or new_file_meta(path)
+                metas[rel] = applied_meta
             target[rel] = info["after_blob"]
-            files[rel] = {"original": orig, "applied": info["after_blob"], "action": info["action"]}
+            files[rel] = {"original": orig, "applied": info["after_blob"], "action": info["action"],
+                          "original_meta": orig_meta, "applied_meta": applied_meta}
         for rel, orig in originals.items():  # files only the old series touched go back to their originals
             if rel not in target:
                 target[rel] = orig
+                if old_files[rel].get("original_meta"):
+                    metas[rel] = old_files[rel]["original_meta"]
         manifest = {
             "format": FORMAT, "series": series["name"], "version": series["version"], "sglang_version": version,
             "patches": [{"file": p["file"], "version": p["version"], "sha256": p["sha256"]} for p in series["patches"]],
@@ -250,7 +277,7 @@ class Agent(object):
             "previous": self._snapshot(m),
             "server_before": server_before,
         }
-        changes = t.transition("apply", target, manifest, self.run_id)
+        changes = t.transition("apply", target, manifest, self.run_id, metas=metas)
         hid = t.append_history({"op": "apply", "series": series["name"], "version": series["version"], "run_id": self.run_id,
                                 "who": manifest["who"], "outcome": "files applied", "state": self._snapshot(manifest),
                                 "repo_commit": manifest["repo_commit"]})
@@ -443,12 +470,18 @@ class Agent(object):
                     shutil.copy2(src, dst)
             event("hand_edits_saved", dir=saved, files=[d["path"] for d in drift])
         target = {}
+        metas = {}  # owner, group and mode as recorded (a manifest of an older patchctl has none: kept as is)
         for rel, f in ((m or {}).get("files") or {}).items():
             target[rel] = f["original"]
+            if f.get("original_meta"):
+                metas[rel] = f["original_meta"]
         new_manifest = None
         if state:
             for rel, f in state["files"].items():
                 target[rel] = f["applied"]
+                metas.pop(rel, None)
+                if f.get("applied_meta"):
+                    metas[rel] = f["applied_meta"]
             new_manifest = {
                 "format": FORMAT, "series": state["series"], "version": state["version"], "patches": state["patches"],
                 "files": state["files"], "profile": state.get("profile"), "status": "verified" if state.get("status") == "verified" else state.get("status") or "applied",
@@ -456,7 +489,7 @@ class Agent(object):
                 "run_id": self.run_id, "root": t.root, "previous": state.get("previous"), "server_before": state.get("server"),
                 "restored_at": now(),
             }
-        changes = t.transition("rollback", target, new_manifest, self.run_id, note=reason)
+        changes = t.transition("rollback", target, new_manifest, self.run_id, note=reason, metas=metas)
         out = {"changed": True, "files": [c["path"] for c in changes], "to": state and {"series": state["series"], "version": state["version"]},
                "hand_edits_saved": saved}
         before = (m or {}).get("server_before")

@@ -8,8 +8,9 @@ import os
 import tempfile
 
 
-def write_atomic(path, data, mode=None):
-    """Write bytes under a temporary name beside `path`, fsync, rename into place."""
+def write_atomic(path, data, mode=None, owner=None):
+    """Write bytes under a temporary name beside `path`, fsync, rename into place.
+    `owner` (uid, gid): set on the new file before it takes the name (then `mode`, which chown may clear)."""
     d = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=".patchctl-", suffix=".tmp", dir=d)
     try:
@@ -24,6 +25,8 @@ def write_atomic(path, data, mode=None):
                 umask = os.umask(0)
                 os.umask(umask)
                 mode = 0o666 & ~umask
+        if owner is not None:
+            os.chown(tmp, owner[0], owner[1])
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

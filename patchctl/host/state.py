@@ -11,11 +11,20 @@ Every change of files is one transition: all new contents are stored as blobs
 first, the journal names before and after of every file, then files are
 swapped in with os.replace. An interrupted transition is undone from the
 journal by the next agent call (apply, rollback or status).
+
+A file's owner, group and mode travel with its contents ("meta", {uid, gid, mode}):
+the journal records them before and after each change, the manifest records them
+for the original and the applied file, so a patched file keeps all three and a
+rollback restores all three exactly. A created file takes the owner and group of
+its directory (mode 0644). An agent that is not root refuses a change that would
+hand a file to another owner (it could not keep it): such trees need `become`.
 """
 
+import grp
 import hashlib
 import json
 import os
+import pwd
 import socket
 import time
 
@@ -23,6 +32,60 @@ from .atomic import write_atomic
 from .events import AgentError, event
 from .osutil import fsync_dir, now, read_json, sha256_bytes, sha256_file, write_json
 from .tree import clear_pycache
+
+
+NEW_FILE_MODE = 0o644
+
+
+def file_meta(path):
+    """{uid, gid, mode} of a file, or None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return {"uid": st.st_uid, "gid": st.st_gid, "mode": st.st_mode & 0o7777}
+
+
+def new_file_meta(path):
+    """What a file created at `path` gets: its nearest existing directory's owner and group, mode 0644.
+    Not root: the agent's own user (the OS gives no other), the directory's group when it is one of ours."""
+    d = os.path.dirname(path)
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    st = os.stat(d)
+    if os.geteuid() == 0:
+        return {"uid": st.st_uid, "gid": st.st_gid, "mode": NEW_FILE_MODE}
+    gid = st.st_gid if _may_use_group(st.st_gid) else os.getegid()
+    return {"uid": os.geteuid(), "gid": gid, "mode": NEW_FILE_MODE}
+
+
+def _may_use_group(gid):
+    return gid == os.getegid() or gid in os.getgroups()
+
+
+def describe_owner(uid, gid):
+    try:
+        u = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        u = str(uid)
+    try:
+        g = grp.getgrgid(gid).gr_name
+    except KeyError:
+        g = str(gid)
+    return "%s:%s" % (u, g)
+
+
+def makedirs_like_parent(d):
+    """Create missing directories; as root each takes its parent's owner and group (not root's)."""
+    missing = []
+    while not os.path.isdir(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    for m in reversed(missing):
+        os.mkdir(m, 0o755)
+        if os.geteuid() == 0:
+            st = os.stat(os.path.dirname(m))
+            os.chown(m, st.st_uid, st.st_gid)
 
 
 class TreeState(object):
@@ -118,11 +181,13 @@ class TreeState(object):
             os.unlink(self.lock_path)
 
     # transitions ------------------------------------------------------
-    def transition(self, op, target, new_manifest, run_id, note=None):
+    def transition(self, op, target, new_manifest, run_id, note=None, metas=None):
         """Move files to `target` ({rel: sha256 or None}) as one journalled transaction.
 
-        Every `after` blob must already be stored. `before` contents are stored
-        first, so the journal can always put the tree back.
+        `metas` ({rel: {uid, gid, mode}}) gives the owner, group and mode a file must end with;
+        a file without one keeps its own (a created file: new_file_meta). Every `after` blob must
+        already be stored. `before` contents and metas are stored first, so the journal can always
+        put the tree back.
         """
         changes = []
         for rel in sorted(target):
@@ -131,22 +196,29 @@ class TreeState(object):
                 with open(path, "rb") as f:
                     data = f.read()
                 before = self.put_blob(data)
-                mode = os.stat(path).st_mode & 0o7777
+                before_meta = file_meta(path)
             except FileNotFoundError:
-                before, mode = None, None
+                before, before_meta = None, None
             after = target[rel]
-            if after == before:
+            after_meta = None
+            if after is not None:
+                after_meta = (metas or {}).get(rel) or before_meta or new_file_meta(path)
+                after_meta = {"uid": after_meta["uid"], "gid": after_meta["gid"], "mode": after_meta["mode"]}
+            if after == before and (after is None or after_meta == before_meta):
                 continue
             if after is not None and not os.path.exists(os.path.join(self.blobs, after)):
                 raise AgentError("attention", "no stored content for %s" % rel)
-            changes.append({"path": rel, "before": before, "after": after, "mode": mode})
+            if after_meta is not None:
+                self._check_may_own(rel, after_meta)
+            changes.append({"path": rel, "before": before, "after": after, "mode": before_meta and before_meta["mode"],
+                            "before_meta": before_meta, "after_meta": after_meta})
         journal = {"op": op, "run_id": run_id, "phase": "prepared", "changes": changes,
                    "manifest": new_manifest, "started": now(), "note": note}
         write_json(self.journal_path, journal)
         journal["phase"] = "committing"
         write_json(self.journal_path, journal)
         for ch in changes:
-            self._put(ch["path"], ch["after"], ch["mode"])
+            self._put(ch["path"], ch["after"], ch["after_meta"])
         if new_manifest is None:
             if os.path.exists(self.manifest_path):
                 os.unlink(self.manifest_path)
@@ -158,7 +230,18 @@ class TreeState(object):
         fsync_dir(self.dir)
         return changes
 
-    def _put(self, rel, sha, mode):
+    def _check_may_own(self, rel, meta):
+        """Refused before anything changes: a file this agent could not give its owner and group."""
+        if os.geteuid() == 0:
+            return
+        if meta["uid"] != os.geteuid() or not _may_use_group(meta["gid"]):
+            raise AgentError("bad_input", "%s belongs to %s, and the agent runs as %s: it could not keep the file's "
+                             "owner and group; give this host become = \"sudo\" in the inventory" % (
+                                 rel, describe_owner(meta["uid"], meta["gid"]), describe_owner(os.geteuid(), os.getegid())),
+                             path=rel)
+
+    def _put(self, rel, sha, meta):
+        """`meta`: {uid, gid, mode} (an old journal's bare mode is an int: owner left to the OS)."""
         path = os.path.join(self.root, rel)
         if sha is None:
             try:
@@ -166,10 +249,14 @@ class TreeState(object):
             except FileNotFoundError:
                 pass
         else:
-            d = os.path.dirname(path)
-            if not os.path.isdir(d):
-                os.makedirs(d)
-            write_atomic(path, self.blob(sha), mode if mode is not None else 0o644)
+            makedirs_like_parent(os.path.dirname(path))
+            if isinstance(meta, dict):
+                owner = (meta["uid"], meta["gid"])
+                if os.geteuid() != 0 and owner == (os.geteuid(), os.getegid()):
+                    owner = None  # already ours: no chown needed
+                write_atomic(path, self.blob(sha), meta["mode"], owner=owner)
+            else:
+                write_atomic(path, self.blob(sha), meta if meta is not None else NEW_FILE_MODE)
         clear_pycache(self.root, rel)
 
     def recover(self):
@@ -187,7 +274,7 @@ class TreeState(object):
             action = "finished"
         elif phase == "committing":
             for ch in j["changes"]:
-                self._put(ch["path"], ch["before"], ch["mode"])
+                self._put(ch["path"], ch["before"], ch.get("before_meta") or ch.get("mode"))
             action = "undone"
         else:
             action = "discarded"  # nothing had been changed yet
