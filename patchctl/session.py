@@ -131,6 +131,8 @@ class HostSession:
         except PatchctlError as e:
             if rec:
                 self.run.reporter.step_end(rec, False, str(e), dict(getattr(e, "details", None) or {}))
+            if getattr(e, "step", None) is None:
+                e.step = step or op  # the step that failed: the reason a rollback records in the history
             raise
         if rec:
             self.run.reporter.step_end(rec, True, _step_summary(op, res), res)
