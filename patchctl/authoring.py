@@ -1,7 +1,7 @@
 """`patchctl new` / `patchctl refresh`: capture an SGLang checkout's edits as a series patch.
 
 The diff is taken with git (through GitPython) in the path convention of
-DESIGN.md: paths relative to the directory that contains `sglang/`, so a
+docs/design.md: paths relative to the directory that contains `sglang/`, so a
 checkout's `python/` prefix is dropped. The user's index and working tree are
 never changed: untracked files are added with intent-to-add to a temporary
 copy of the index.
@@ -166,7 +166,7 @@ def _q(s: str) -> str:
 
 
 def _new_series_toml(name: str, version: str, first_patch: dict) -> str:
-    return f"""# Series created by `patchctl new`. Format: DESIGN.md "Series file".
+    return f"""# Series created by `patchctl new`. Format: docs/design.md "Series file".
 
 [series]
 name = {_q(name)}

@@ -61,7 +61,9 @@ Global options (--inventory, --patches, --json, -v) may be given before or after
 ENVIRONMENT = """environment:
   PATCHCTL_CONNECT_TIMEOUT  seconds to connect, complete the SSH handshake and log in (default 10)
   PATCHCTL_SILENCE_S        seconds without a byte from a host's agent (it reports every second)
-                            before the host is declared lost, state unknown (default 30)
+                            before the host is declared lost, state unknown (default 30); until
+                            the agent's first word, its sshd answering keepalives counts (for up
+                            to 10 times as long: a busy host's login shell may be slow to start it)
   PATCHCTL_TRACE_JOBS       worker processes for an every-architecture trace (default: by cores)
   XDG_CACHE_HOME            SGLang wheels, unpacked trees, trace verdicts (default ~/.cache/patchctl)
   XDG_STATE_HOME            run logs, private to you (default ~/.local/state/patchctl/runs)

@@ -120,7 +120,7 @@ class UnitDeploy:
             if isinstance(e, (AgentLost,)) or outcome == "unknown":
                 applied.append(s)  # we cannot know: treat as touched
             if applied:  # the server was not touched yet: putting the files back is the whole rollback
-                if not self.rollback(applied, f"{s.host.name}: {msg}", restart_server=False):
+                if not self.rollback(applied, failure_reason(e, msg, s.host.name), restart_server=False):
                     return UnitResult(self.names, "rollback failed", f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
                 if outcome in ("failed", "unknown"):
                     outcome = "failed, rolled back (verified)"
@@ -151,9 +151,10 @@ class UnitDeploy:
         except Exception as e:  # noqa: BLE001
             outcome, msg = host_error(e)
             if self.opts.on_fail == "halt":
-                self.release_all()
+                self.release_all(record={"outcome": "failed, left patched for inspection (--on-fail halt)",
+                                         "reason": failure_reason(e, msg)})
                 return UnitResult(self.names, "halted (left as is)", f"{msg} — left patched for inspection (--on-fail halt)", touched=True)
-            ok = self.rollback(self.sessions, msg, restart_server=True)
+            ok = self.rollback(self.sessions, failure_reason(e, msg), restart_server=True)
             return UnitResult(self.names, "failed, rolled back (verified)" if ok else "rollback failed",
                               msg if ok else f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
 
@@ -222,16 +223,25 @@ class UnitDeploy:
             s.reconnect()
             return s.call("rollback", "rollback (retry)", reason=reason, restart=restart, keep_lock=keep_lock, **extra)
 
-    def release_all(self):
+    def release_all(self, record: dict | None = None):
+        """Give the locks back; `record`: the outcome of a failed deploy, for the hosts' history."""
         for s in self.sessions:
             try:
-                s.call("release")
+                s.call("release", **({"record": record} if record else {}))
             except Exception:
                 pass
 
     def rollback_verified(self, reason: str) -> bool:
         """rollback-all: return a deployed unit to its previous state, verified."""
         return self.rollback(self.sessions, reason, restart_server=not self.opts.no_restart)
+
+
+def failure_reason(e: Exception, msg: str, host: str | None = None) -> str:
+    """Why a deploy is rolled back, as its history records it: the failed step and its message
+    ("smoke failed: no dump file for 3 of 3 prompts ...")."""
+    step = getattr(e, "step", None) or "deploy"
+    said = msg if msg.startswith(f"{step} failed") else f"{step} failed: {msg}"
+    return (f"{host}: " if host else "") + said
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Exceptions that carry the exit code DESIGN.md assigns to each kind of outcome."""
+"""Exceptions that carry the exit code docs/design.md ("Exit codes") assigns to each kind of outcome."""
 
 from __future__ import annotations
 

@@ -129,14 +129,16 @@ def _short(text: str, n: int = 100) -> str:
 
 def run_history(app: App, args) -> int:
     def render(data):
-        t = table("history", "host", "id", "time", "op", "series", "outcome", "run")
+        t = table("history", "host", "id", "time", "op", "series", "outcome", "why", "run")
         for d in data:
             if not d["ok"]:
-                t.add_row(d["host"], "", "", "", "", d["error"], "")
+                t.add_row(d["host"], "", "", "", "", d["error"], "", "")
                 continue
             for h in d["history"]:
+                what = h if h.get("series") else (h.get("from") or {})  # a rollback: the series it took away
                 t.add_row(d["host"], h.get("id", ""), h.get("time", ""), h.get("op", ""),
-                          f"{h.get('series') or ''} {h.get('version') or ''}".strip(), _short(str(h.get("outcome", ""))), h.get("run_id", ""))
+                          f"{what.get('series') or ''} {what.get('version') or ''}".strip(), _short(str(h.get("outcome", ""))),
+                          _short(str(h.get("reason") or ""), 240), h.get("run_id", ""))
         return t
 
     return _simple(app, args, "history", lambda s: s.call("history"), render)

@@ -29,7 +29,7 @@ from patchctl.transport import open_transport
 
 DEFAULT_FORKS = 64  # units wait on remote restarts (minutes): threads are cheap, waves are not
 
-# Outcome → exit code (DESIGN.md). The run's code is the most severe of its units'.
+# Outcome → exit code (docs/design.md "Exit codes"). The run's code is the most severe of its units'.
 OUTCOME_EXIT = {
     "deployed": 0, "unchanged": 0, "applied": 0, "rolled back": 0, "ok": 0, "not reached": 0,
     "failed, rolled back (verified)": 1, "failed": 1, "rolled back (unit member failed)": 1,
@@ -131,6 +131,8 @@ class HostSession:
         except PatchctlError as e:
             if rec:
                 self.run.reporter.step_end(rec, False, str(e), dict(getattr(e, "details", None) or {}))
+            if getattr(e, "step", None) is None:
+                e.step = step or op  # the step that failed: the reason a rollback records in the history
             raise
         if rec:
             self.run.reporter.step_end(rec, True, _step_summary(op, res), res)

@@ -93,7 +93,8 @@ class Transport:
                    on_stderr_line: Callable[[str], None] | None = None) -> RunResult:
         """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive.
         `timeout` bounds the whole command; `silence` the time without a byte from it (for a script that
-        reports regularly: a hung link or host that TCP itself does not notice raises ConnectionLost)."""
+        reports regularly: a hung link or host that TCP itself does not notice raises ConnectionLost; over SSH,
+        until the command's first byte, the host's sshd answering keepalives counts too, see _pump)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -111,21 +112,50 @@ class Transport:
 
 _DONE = object()  # a reader finished (EOF)
 _STDOUT = object()  # stdout data arrived (kept whole elsewhere; only resets the silence clock)
+_ALIVE = object()  # the host's SSH server answered a keepalive (counts as word only until the command's first)
 
-FINISHED, DEADLINE, SILENT = "finished", "deadline", "silent"
+FINISHED, DEADLINE, SILENT, NOT_STARTED = "finished", "deadline", "silent", "not started"
+START_FACTOR = 10  # a command whose host answers keepalives may take this many silence limits to say a first word
+PROBE_EVERY_S = 1.0
 
 
 def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: float | None, on_stderr_line,
-          err_lines: list[str]) -> str:
+          err_lines: list[str], started: threading.Event | None = None) -> str:
     """Deliver stderr lines in the caller's thread until every reader saw EOF (FINISHED), the deadline
-    passed (DEADLINE), or nothing at all arrived for `silence` seconds (SILENT)."""
+    passed (DEADLINE), or nothing arrived for `silence` seconds (SILENT). Until the command's first byte,
+    a keepalive answer (_ALIVE) also counts: a login shell and its start-up files on a CPU-starved host
+    can take longer than the limit before the agent runs at all, while its SSH server answers at once; a
+    start that takes START_FACTOR limits even so is NOT_STARTED. `started` is set at the first byte."""
     finished = 0
+    t0 = last = time.monotonic()
+    begun = False
     while finished < readers:
-        waits = [t for t in (None if deadline is None else deadline - time.monotonic(), silence) if t is not None]
+        now = time.monotonic()
+        waits = [] if deadline is None else [deadline - now]
+        if silence is not None:
+            waits.append(last + silence - now)
+            if not begun:
+                waits.append(t0 + START_FACTOR * silence - now)
         try:
             item = events.get(timeout=max(0.0, min(waits))) if waits else events.get()
         except queue.Empty:
-            return DEADLINE if deadline is not None and time.monotonic() >= deadline else SILENT
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return DEADLINE
+            if not begun and now >= t0 + START_FACTOR * silence:
+                return NOT_STARTED
+            if now >= last + silence:
+                return SILENT
+            continue
+        if item is _ALIVE:
+            if not begun:
+                last = time.monotonic()
+            continue
+        if not begun:
+            begun = True
+            if started is not None:
+                started.set()
+        last = time.monotonic()
         if item is _DONE:
             finished += 1
             continue
@@ -137,9 +167,30 @@ def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: fl
     return FINISHED
 
 
+def _probe_link(transport, events: queue.Queue, stop: threading.Event, every: float) -> None:
+    """Until `stop` (the command's first byte, or its end): a keepalive that wants an answer every
+    `every` seconds; each answer goes to `events` as _ALIVE. A frozen link or host answers nothing, so the
+    silence limit still catches it; paramiko returns once the transport closes."""
+    while not stop.is_set():
+        try:
+            transport.global_request("keepalive@openssh.com", wait=True)  # any answer (even "failure") is one
+        except (OSError, EOFError, paramiko.SSHException):
+            return
+        if stop.is_set() or not transport.is_active():
+            return
+        events.put(_ALIVE)
+        stop.wait(every)
+
+
 def _silent_message(who: str, silence: float, what_was_done: str) -> str:
     return (f"{who}: no word from the command for {silence:g}s (its agent reports every second): the link or "
             f"the host is hung; {what_was_done} and the host's state is unknown")
+
+
+def _not_started_message(who: str, silence: float) -> str:
+    return (f"{who}: the command did not start within {START_FACTOR * silence:g}s although the host's SSH server "
+            f"answers (its login shell's start-up files, or Python, hang?); the session was closed and the host's "
+            f"state is unknown")
 
 
 class _LineSplitter:
@@ -439,25 +490,36 @@ class SSHTransport(Transport):
                     pass  # the command ended (or the session died) before reading it all; seen below
 
             threads = _start_pumps(feed_stdin, chan.recv, chan.recv_stderr, events, out_chunks)
+            started = threading.Event()  # the command's first byte: from then on only its own words count
+            probe = threading.Thread(target=_probe_link, args=(transport, events, started, min(PROBE_EVERY_S, (silence or 3) / 3)),
+                                     daemon=True)
+            if silence is not None:
+                probe.start()
             err_lines: list[str] = []
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                outcome = _pump(events, 2, deadline, silence, on_stderr_line, err_lines)
+                outcome = _pump(events, 2, deadline, silence, on_stderr_line, err_lines, started)
                 if outcome == FINISHED:  # both streams at EOF: the exit status follows at once, or the session is gone
                     wait = self.connect_timeout if deadline is None else max(0.0, deadline - time.monotonic())
                     chan.status_event.wait(wait)  # none within that: the session is gone (seen below)
             except BaseException:  # a callback raised, or ^C: do not leave the command attached
                 chan.close()
                 raise
+            finally:
+                started.set()  # the probe stops
             if outcome != FINISHED:
                 chan.close()
                 self._drop()
                 if outcome == SILENT:
                     raise ConnectionLost(_silent_message(self.describe(), silence, "the session was closed"))
+                if outcome == NOT_STARTED:
+                    raise ConnectionLost(_not_started_message(self.describe(), silence))
                 raise CommandTimeout(f"{self.describe()}: command did not finish within {timeout:g}s; the session was "
                                      "closed and the host's state is unknown")
             for t in threads:
                 t.join(1)
+            if probe.is_alive():  # its answer is on its way: let it not count for the next command
+                probe.join(self.connect_timeout)
             got_status = chan.exit_status != -1
             alive = transport.is_active()
             if not alive or (not got_status and not chan.closed):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -90,6 +91,15 @@ def test_dead_hook_rolls_back(fleet1):
     p = f.patchctl("apply", "hidden-dump-dead-hook", "--skip-trace")  # past the trace: the smoke must catch it
     _assert_rolled_back(f, h, p, digest)
     assert "no dump file" in p.stdout + p.stderr
+    # the history says why it was rolled back: the failed step and its message
+    _, hist = f.json("history")
+    rb = [e for e in hist[0]["history"] if e["op"] == "rollback"]
+    assert len(rb) == 1 and re.match(r"smoke failed: no dump file for (\d+) of \1 prompts", rb[0]["reason"]), rb
+    assert rb[0]["from"]["series"] == "hidden-dump-dead-hook"
+    p = f.patchctl("history")
+    assert p.returncode == 0, p.stderr
+    row = next(line for line in p.stdout.splitlines() if " rollback " in line)
+    assert "hidden-dump-dead-hook" in row and re.search(r"smoke failed: no dump file for (\d+) of \1 prompts", row), p.stdout
 
 
 def test_import_error_rolls_back(fleet1, sglang_tree, tmp_path):
@@ -105,6 +115,9 @@ def test_import_error_rolls_back(fleet1, sglang_tree, tmp_path):
     _assert_rolled_back(f, h, p, digest)
     assert "exited during start-up" in p.stdout + p.stderr
     assert "patchctl_no_such_module" in json.dumps([json.loads(l) for l in open(_log(f, "host0.jsonl"))])
+    _, hist = f.json("history")
+    rb = [e for e in hist[0]["history"] if e["op"] == "rollback"]
+    assert len(rb) == 1 and rb[0]["reason"].startswith("restart failed: ") and "exited during start-up" in rb[0]["reason"], rb
 
 
 def _log(f, name):
@@ -236,6 +249,10 @@ def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(f
     assert (h.root / "sglang/srt/hidden_dump.py").exists()
     p, st = f.json("status", expect=None)
     assert st[0]["series"] == "crashes" and st[0]["state"] == "pending" and st[0]["lock"] is None
+    _, hist = f.json("history")
+    last = hist[0]["history"][-1]  # the failed deploy's outcome, with why
+    assert last["op"] == "deploy" and last["series"] == "crashes" and "left patched for inspection" in last["outcome"]
+    assert last["reason"].startswith("restart failed: "), last
     p = f.patchctl("rollback")
     assert p.returncode == 0, p.stdout + p.stderr
     assert f.digest(h) == digest and f.healthy(h)

@@ -1,6 +1,6 @@
 """Smoke validation for bench/ansible/deploy.yml (shipped to the host with `script`; stdlib only).
 
-The same checks as patchctl's agent (DESIGN.md "Smoke validation"): for every prompt exactly one
+The same checks as patchctl's agent (docs/design.md "Smoke validation"): for every prompt exactly one
 `<prefix><i>.safetensors` (waiting up to --wait s for the asynchronous writer), input_ids equal to
 what was sent, prefix_len 0, layers and hidden size as expected, bf16 [T, K*H] / [T, H], all values
 finite, no all-zero or identical layer slices, no .tmp leftovers, no new error-log lines. Removes the

@@ -404,7 +404,14 @@ class Agent(object):
         return {"smoke": res}
 
     def op_release(self):
+        """Give this run's lock back; with `record` (a failed deploy left as is), say why in the history."""
         self.lock_agent()
+        rec = self.req.get("record")
+        m = self.tree.manifest()
+        if rec and m and m.get("run_id") == self.run_id:
+            self.tree.append_history({"op": "deploy", "series": m["series"], "version": m["version"], "run_id": self.run_id,
+                                      "who": m.get("who"), "outcome": rec.get("outcome"), "reason": rec.get("reason"),
+                                      "state": self._snapshot(m)})
         self.tree.release(self.run_id)
         return {}
 

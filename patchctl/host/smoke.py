@@ -1,4 +1,4 @@
-"""The smoke extraction and dump validation (DESIGN.md "Smoke validation").
+"""The smoke extraction and dump validation (docs/design.md "Smoke validation").
 
 Owns sending the profile's prompts to the running server, waiting (bounded)
 for the asynchronous writer's files, checking each dump (a stdlib
@@ -102,7 +102,7 @@ def check_layers(meta, expect):
 
 
 def validate_dump(path, sent_ids, expect, hidden):
-    """Every check of DESIGN.md's smoke validation for one file; returns a list of problems.
+    """Every check of docs/design.md's smoke validation for one file; returns a list of problems.
     `expect` is expected_layers(...)."""
     problems = []
     try:
