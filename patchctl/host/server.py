@@ -265,6 +265,10 @@ class ProcessManager(object):
         self._proc = proc
         return rec
 
+    def server_user(self):
+        """None: a process server runs as the agent's own user."""
+        return None
+
     def alive(self):
         proc = getattr(self, "_proc", None)
         if proc is not None:
@@ -367,7 +371,7 @@ def prepare_dump_dir(cfg, mgr):
     if not d:
         return None
     d = expand(d)
-    user = getattr(mgr, "server_user", lambda: None)()
+    user = mgr.server_user()
     if not os.path.isdir(d):
         os.makedirs(d, 0o750)
         if user and os.geteuid() == 0:
