@@ -116,6 +116,29 @@ def run_events(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
+def run_dirs(f: Fleet) -> set[Path]:
+    root = f.base / "xdg-state" / "patchctl" / "runs"
+    return set(root.iterdir()) if root.is_dir() else set()
+
+
+def controller_saw(f: Fleet, earlier: set[Path], host: str, step: str) -> bool:
+    """True once the event log of a run newer than `earlier` says `step` started on `host`
+    (the log is appended per event, so a half-written last line is possible and ignored)."""
+    for run_dir in run_dirs(f) - earlier:
+        try:
+            lines = (run_dir / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("event") == "step_start" and e.get("host") == host and e.get("step") == step:
+                return True
+    return False
+
+
 def snapshot(f):
     return {h.name: (f.digest(h), f.server_pid(h)) for h in f.hosts}
 
@@ -181,10 +204,13 @@ def test_second_ctrl_c_aborts_and_prints_how_to_recover_each_host(fleet):
     f = fleet
     h0, h1 = f.hosts
     write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_DELAY": "60"})
-    before = snapshot(f)
+    before, earlier = snapshot(f), run_dirs(f)
     term = Terminal(f.cmd("apply", "slow", "--batch", "1"), fleet_env(f))
-    wait_for(lambda: (manifest(h0) or {}).get("status") == "pending" or term._eof.is_set(), 60,
-             what="host0's deploy under way")
+    # wait until the *controller* knows host0's files are applied (its restart step began): the manifest
+    # on the host says "pending" a moment before the agent's answer reaches the controller, and what the
+    # abort report may claim is what the controller saw
+    wait_for(lambda: controller_saw(f, earlier, "host0", "restart") or term._eof.is_set(), 60,
+             what="host0's restart under way, as the controller saw it")
     t0 = time.monotonic()
     term.ctrl_c()
     wait_for(lambda: "stopping: no new units" in term.text or term._eof.is_set(), 10, what="the stop message")
