@@ -32,6 +32,9 @@ COMMANDS = {
     "smoke": ("patchctl.deploy", "run_smoke"),
     "history": ("patchctl.queries", "run_history"),
     "unlock": ("patchctl.queries", "run_unlock"),
+    "capture run": ("patchctl.capture.runner", "run_capture"),
+    "capture status": ("patchctl.capture.collect", "run_capture_status"),
+    "capture collect": ("patchctl.capture.collect", "run_capture_collect"),
 }
 
 
@@ -89,6 +92,12 @@ the static reachability trace (as `plan` and `trace --arch` do): a hook the mode
 refused with exit 2, nothing touched. --skip-trace deploys anyway and lets the smoke decide."""
 
 
+CAPTURE_EPILOG = """exit codes of capture run: 0 every sample done and verified; 1 samples failed (reasons in
+`capture status`) or the run stopped with samples pending (--max-fail); 2 bad dataset or no host
+takes part, nothing sent; 3 a host's state is unknown; 130 Ctrl-C (in-flight samples finished,
+the journal flushed: run the same command again to go on)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # exit 2 with one line, like every other bad input
         self.print_usage(sys.stderr)
@@ -131,6 +140,19 @@ def batch_spec(text: str) -> str:
         else:
             raise argparse.ArgumentTypeError(f"{text!r}: {e!r} is neither a count (4) nor a percentage (25%)")
     return text
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def size_spec(text: str) -> int:
+    """A number of bytes: 512MB, 1.5GiB, 0 (plain numbers are bytes)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 0, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
 
 
 def max_fail_spec(text: str) -> str:
@@ -289,6 +311,58 @@ def build_parser() -> argparse.ArgumentParser:
     limit(sp)
     hostkeys(sp)
     sp.add_argument("--force", action="store_true", help="release even if the holder may still be alive")
+
+    sp = cmd("capture", "extraction runs: a tokenized dataset through the fleet's verified capture servers",
+             "Extraction runs: push a tokenized JSONL dataset through every host whose capture series is deployed\n"
+             "and verified, each sample exactly once, every dump verified on its host; resume after any crash;\n"
+             "collect the verified files as safetensors or SpecForge's offline training format.",
+             epilog=CAPTURE_EPILOG)
+    csub = sp.add_subparsers(dest="capture_command", required=True, parser_class=_Parser, metavar="ACTION",
+                             title="actions", help="run `patchctl capture ACTION --help` for its options")
+
+    def ccmd(name, help, description=None, epilog=None):
+        return csub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                               epilog=epilog, parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def run_name(sp, required):
+        if required:
+            sp.add_argument("name", metavar="RUN", help="the run's name (as given to `capture run --name`)")
+        else:
+            sp.add_argument("--name", default=None, metavar="RUN",
+                            help="the run's name: letters, digits, '.', '_', '-' (default: the dataset file's stem); "
+                                 "running the same command again resumes the run")
+
+    cp = ccmd("run", "send every sample of a dataset to the fleet's capture servers, verified; resumable")
+    cp.add_argument("dataset", type=Path, metavar="DATASET",
+                    help='JSONL, one sample a line: {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
+    run_name(cp, required=False)
+    limit(cp)
+    hostkeys(cp)
+    cp.add_argument("--in-flight", type=positive_int, default=8, metavar="N",
+                    help="requests in flight per server (default 8); a faster server finishes more and so gets more")
+    cp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
+                    help="hosts that may stop (server dead, host lost, disk reserve) before the run stops; "
+                         "P%% of the taking-part hosts, rounded down (default 0: the run stops sending at the first)")
+    cp.add_argument("--keep-free", type=size_spec, default=2**30, metavar="SIZE",
+                    help="free space each host keeps on its dump file system, on top of what the samples in flight "
+                         "will write ((K+1)*H*2 + 8 bytes per token); a host that would go under stops taking work "
+                         "(default 1GiB; units: B, KB, MB, GB, KiB, MiB, GiB)")
+    cp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                    help="where run logs go (default: the run's directory under ~/.local/state/patchctl/captures)")
+
+    cp = ccmd("status", "a run's samples: done, failed (with reasons), pending, per host and in total")
+    run_name(cp, required=True)
+
+    cp = ccmd("collect", "pull a run's verified files over the hosts' SSH connections and index them")
+    run_name(cp, required=True)
+    limit(cp)
+    hostkeys(cp)
+    cp.add_argument("--to", type=Path, required=True, metavar="DIR", help="where the dataset goes (created if missing)")
+    cp.add_argument("--format", choices=["safetensors", "specforge"], default="safetensors",
+                    help="safetensors (default): the dump files as written, verified by sha256; specforge: one "
+                         "torch.save dict per sample (*.ckpt) in SpecForge's offline training format (needs torch)")
+    cp.add_argument("--in-place", action="store_true",
+                    help="pull nothing: write only the index, with each file's host and path (TB-scale runs)")
     return p
 
 
@@ -311,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         verbose=args.verbose,
         command_prefix=_command_prefix(args),
     )
-    module, func = COMMANDS[args.command]
+    key = args.command if args.command != "capture" else f"capture {args.capture_command}"
+    module, func = COMMANDS[key]
     try:
         return int(getattr(importlib.import_module(module), func)(app, args) or 0)
     except PatchctlError as e:

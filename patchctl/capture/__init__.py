@@ -1,0 +1,12 @@
+"""Extraction runs (`patchctl capture run|status|collect`): a tokenized dataset pushed through every
+verified capture server of the fleet exactly once, every dump verified on its host, the run journalled
+on the controller so that it resumes after any crash, and the verified files collected into a dataset a
+drafter trainer reads.
+
+    dataset   the JSONL dataset: validated line by line before anything is sent
+    journal   the run directory on the controller: run.json and the append-only, fsynced journal
+    runner    `capture run`: probe, route samples over the hosts' SSH connections, journal results
+    collect   `capture status` and `capture collect`: the journal read back, files pulled and indexed
+
+The host side is `patchctl/host/capture.py` (one long-running agent op per host and run).
+"""
