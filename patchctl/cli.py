@@ -347,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="free space each host keeps on its dump file system, on top of what the samples in flight "
                          "will write ((K+1)*H*2 + 8 bytes per token); a host that would go under stops taking work "
                          "(default 1GiB; units: B, KB, MB, GB, KiB, MiB, GiB)")
+    cp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
+                    help="seconds a server may take to answer one sample before it is taken for hung: the host stops "
+                         "taking work and its samples go to the others (default 600)")
     cp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                     help="where run logs go (default: the run's directory under ~/.local/state/patchctl/captures)")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from patchctl import become
 from patchctl.errors import NeedsAttention, PatchctlError
@@ -74,9 +74,10 @@ def build_script(request: dict) -> str:
 
 
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
-         timeout: float | None = None, silence: float | None = None) -> dict:
+         timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None) -> dict:
     """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
-    every second, so `silence` seconds without a byte means a hung link or host (ConnectionLost)."""
+    every second, so `silence` seconds without a byte means a hung link or host (ConnectionLost).
+    `stream`: more input for a long-running op, after the script (Transport.run_python)."""
     other: list[str] = []
     saw_agent: list[bool] = []
 
@@ -93,7 +94,8 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
         elif line.strip():
             other.append(line)
 
-    res = transport.run_python(build_script(request), timeout=timeout, silence=silence, on_stderr_line=on_line)
+    res = transport.run_python(build_script(request), timeout=timeout, silence=silence, on_stderr_line=on_line,
+                               stream=stream)
     answer = None
     for line in reversed(res.stdout.strip().splitlines()):
         try:

@@ -107,7 +107,7 @@ class HostSession:
                "server": {"manager": h.server.manager, "command": h.server.command, "host": h.server.host,
                           "port": h.server.port, "env": dict(h.server.env), "log": h.server.log,
                           "start_timeout": h.server.start_timeout, "stop_timeout": h.server.stop_timeout,
-                          "unit": h.server.unit}}
+                          "unit": h.server.unit, "layer_outputs": h.server.layer_outputs}}
         req.update(fields)
         return req
 

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import paramiko
 
@@ -77,6 +77,42 @@ def _remote_python_argv0(python: str) -> str:
     return shlex.quote(python)
 
 
+# The whole bootstrap of a streaming command: read the script (its length on the first line), run it; the
+# rest of stdin is the op's to read. A constant: nothing from the inventory or the request is in it.
+STREAM_BOOT = ("import sys;_b=sys.stdin.buffer;_n=int(_b.readline());"
+               "exec(compile(_b.read(_n),'<patchctl-agent>','exec'))")
+
+
+def python_args(stream: bool) -> list[str]:
+    """The words after the host's python: `-` (script on stdin to EOF) or `-c STREAM_BOOT`."""
+    return ["-c", STREAM_BOOT] if stream else ["-"]
+
+
+def stdin_payload(script: str, stream: bool) -> bytes:
+    data = script.encode()
+    return (b"%d\n" % len(data)) + data if stream else data
+
+
+def _feed(write: Callable[[bytes], None], close: Callable[[], None], payload: bytes, stream: Iterable[bytes] | None):
+    """stdin of a command: the payload, then the stream's chunks as they come, then EOF. A command that
+    ended (or a session that died) before reading it all is seen by the caller, not here."""
+
+    def feed():
+        try:
+            write(payload)
+            for chunk in stream or ():
+                write(chunk)
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+        finally:
+            try:
+                close()
+            except (OSError, EOFError, paramiko.SSHException):
+                pass
+
+    return feed
+
+
 def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
 
@@ -90,11 +126,15 @@ class Transport:
         self.commands_run = 0
 
     def run_python(self, script: str, *, timeout: float | None = None, silence: float | None = None,
-                   on_stderr_line: Callable[[str], None] | None = None) -> RunResult:
+                   on_stderr_line: Callable[[str], None] | None = None,
+                   stream: Iterable[bytes] | None = None) -> RunResult:
         """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive.
         `timeout` bounds the whole command; `silence` the time without a byte from it (for a script that
         reports regularly: a hung link or host that TCP itself does not notice raises ConnectionLost; over SSH,
-        until the command's first byte, the host's sshd answering keepalives counts too, see _pump)."""
+        until the command's first byte, the host's sshd answering keepalives counts too, see _pump).
+        `stream`: stdin stays open after the script and carries these chunks as they come (a long-running
+        op fed with work); the command is then `<python> -c STREAM_BOOT` and the script goes first, framed by
+        its length, because `python -` would wait for the end of stdin before running anything."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -239,27 +279,23 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
 class LocalTransport(Transport):
     """`connection = "local"`: the same one-command semantics with a subprocess (argv, no shell)."""
 
-    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None) -> RunResult:
         python = os.path.expanduser(self.host.python) if self.host.python.startswith("~") else self.host.python
         self.commands_run += 1
         try:
-            proc = subprocess.Popen(argv_prefix(self.host) + [python, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(argv_prefix(self.host) + [python] + python_args(stream is not None),
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=os.path.expanduser("~"), start_new_session=True)
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             return RunResult(127, "", f"patchctl: cannot run python {self.host.python!r}: {e.strerror}\n")
         events: queue.Queue = queue.Queue()
         out_chunks: list[bytes] = []
 
-        def feed_stdin():
-            try:
-                proc.stdin.write(script.encode())
-            except (BrokenPipeError, OSError):
-                pass
-            finally:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
+        def write(chunk: bytes) -> None:
+            proc.stdin.write(chunk)
+            proc.stdin.flush()
+
+        feed_stdin = _feed(write, proc.stdin.close, stdin_payload(script, stream is not None), stream)
 
         threads = _start_pumps(feed_stdin, proc.stdout.read1, proc.stderr.read1, events, out_chunks)
         err_lines: list[str] = []
@@ -456,9 +492,10 @@ class SSHTransport(Transport):
         return conn
 
     # running ------------------------------------------------------------------------------------
-    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None) -> RunResult:
         with self._lock:
-            command = shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " -"
+            command = (shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " "
+                       + " ".join(shlex.quote(w) for w in python_args(stream is not None)))
             for attempt in (1, 2):
                 conn = self._open()
                 transport = conn.transport
@@ -478,16 +515,9 @@ class SSHTransport(Transport):
                 raise ConnectionLost(f"{self.describe()}: the session broke while starting the command: "
                                      f"{e or type(e).__name__}; it may or may not have started") from None
             self.commands_run += 1
-            data = script.encode()
             events: queue.Queue = queue.Queue()
             out_chunks: list[bytes] = []
-
-            def feed_stdin():
-                try:
-                    chan.sendall(data)
-                    chan.shutdown_write()
-                except (OSError, EOFError, paramiko.SSHException):
-                    pass  # the command ended (or the session died) before reading it all; seen below
+            feed_stdin = _feed(chan.sendall, chan.shutdown_write, stdin_payload(script, stream is not None), stream)
 
             threads = _start_pumps(feed_stdin, chan.recv, chan.recv_stderr, events, out_chunks)
             started = threading.Event()  # the command's first byte: from then on only its own words count

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from . import applier
+from . import applier, capture
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
 from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
@@ -402,6 +402,26 @@ class Agent(object):
         if self.req.get("finalize"):
             self._finalize(res)
         return {"smoke": res}
+
+    def _capture_server(self):
+        mgr, _ = self.base_manager()
+        return mgr.current_config()
+
+    def op_capture_probe(self):
+        """Does this host take part in an extraction run (`capture.probe`); reads only."""
+        m = self.tree.manifest()
+        return dict(capture.probe(m, self._capture_server(), self.req), hostname=socket.gethostname())
+
+    def op_capture(self):
+        """One host's share of an extraction run: samples on stdin until it closes (`capture.Capture`).
+        Holds the agent lock throughout: no deploy restarts this server under a running capture."""
+        capture.check_request(self.req)
+        self.lock_agent(wait=0)
+        cfg = self._capture_server()
+        info = capture.probe(self.tree.manifest(), cfg, self.req)
+        if not info["ready"]:
+            raise AgentError("bad_input", "cannot capture here: %s" % info["why"])
+        return capture.Capture(cfg, info, self.req, sys.stdin.buffer).run_all()
 
     def op_release(self):
         """Give this run's lock back; with `record` (a failed deploy left as is), say why in the history."""

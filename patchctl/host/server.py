@@ -392,7 +392,7 @@ def manager_for(state_dir, cfg):
     return ProcessManager(state_dir, cfg)
 
 
-def _http_once(host, port, method, path, body, timeout):
+def http_once(host, port, method, path, body, timeout):
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         data = json.dumps(body).encode() if body is not None else None
@@ -416,7 +416,7 @@ def http_request(host, port, method, path, body=None, timeout=30.0):
 
     def run():
         try:
-            box["result"] = _http_once(host, port, method, path, body, timeout)
+            box["result"] = http_once(host, port, method, path, body, timeout)
         except BaseException as e:  # handed to the caller below
             box["error"] = e
 

@@ -9,7 +9,9 @@ produced: EXTEND (prefill) and DECODE only; temperature is ignored.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -71,7 +73,7 @@ class Engine:
         if not self.light:
             nan = knobs.nan_layer()
             self.model = TinyModel(self.layers, self.hidden, self.vocab, self.capture_ids,
-                                   int(nan) if nan not in (None, "") else None)
+                                   int(nan) if nan not in (None, "") else None, knobs.nan_tokens())
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     def submit(self, work: Work):
@@ -134,6 +136,8 @@ class Engine:
             self.hook.run_pre(ns)
         aux, last, logits = self.model.forward(input_ids, last_index)
         nexts = logits.argmax(-1).tolist()
+        if mode == "EXTEND" and aux is not None and knobs.record_dir():
+            self._record(batch, lens, aux, last)
         if fb is not None:
             logits_output = NS(next_token_logits=logits, hidden_states=aux, last_hidden_states=last,
                                next_token_logprobs=None)
@@ -141,6 +145,19 @@ class Engine:
                         expert_distribution_metrics=None, routed_experts_output=None)
             self.hook.run(ns, output)
         return nexts
+
+    def _record(self, batch, lens, aux, last):
+        """PATCHCTL_SIM_RECORD_DIR: each prompt's rows exactly as the model computed them in its batch, kept
+        apart from the hook's path (tests compare every dump with these, bit for bit)."""
+        from safetensors.torch import save_file
+
+        start = 0
+        for w, n in zip(batch, lens):
+            name = hashlib.sha256(str(w.rid).encode()).hexdigest()[:32] + ".safetensors"
+            save_file({"aux_hidden_states": aux[start:start + n].contiguous(),
+                       "hidden_states": last[start:start + n].contiguous()},
+                      os.path.join(knobs.record_dir(), name), metadata={"rid": str(w.rid)})
+            start += n
 
     def _forward_batch(self, mode, batch, seqs, input_ids):
         """A duck-typed ForwardBatch with the fields SGLang's has for this batch."""

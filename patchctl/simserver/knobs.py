@@ -7,6 +7,10 @@
   PATCHCTL_SIM_STALL_AFTER=N   the N-th and later client POST /generate never answer (a hung
                                scheduler: the connection stays open until shutdown)
   PATCHCTL_SIM_NAN_LAYER=L     NaN in column 0 of the captured input of layer L
+  PATCHCTL_SIM_NAN_TOKEN=T,..  NaN in column 0 of the first captured layer, in the rows of these token
+                               ids only (a corrupt dump for exactly the prompts holding one)
+  PATCHCTL_SIM_RECORD_DIR=D    each prompt's captured rows as the model computed them, saved in D as
+                               <sha256(rid)[:32]>.safetensors (what a dump must hold, bit for bit)
   PATCHCTL_SIM_LIGHT=1         no torch, no hidden_dump import, no hook: the tree is
                                only compile-checked and tokens come from a pure-Python
                                function (fast start for tests that need no dumps)
@@ -23,6 +27,8 @@ HELP = """\
   PATCHCTL_SIM_DIE_AFTER=N       os._exit(1) when the N-th client POST /generate arrives
   PATCHCTL_SIM_STALL_AFTER=N     the N-th and later client POST /generate never answer
   PATCHCTL_SIM_NAN_LAYER=L       write NaN into the captured input of layer L
+  PATCHCTL_SIM_NAN_TOKEN=T,...   write NaN into the first captured layer's rows of these token ids
+  PATCHCTL_SIM_RECORD_DIR=D      save each prompt's computed capture rows in D (tests compare dumps)
   PATCHCTL_SIM_LIGHT=1           no torch, no hidden_dump import, no hook (compile check only)
 """
 
@@ -58,3 +64,12 @@ def stall_after() -> int:
 def nan_layer() -> str | None:
     """The raw value: callers tell unset/empty from a layer id."""
     return os.environ.get("PATCHCTL_SIM_NAN_LAYER")
+
+
+def nan_tokens() -> list[int]:
+    """PATCHCTL_SIM_NAN_TOKEN: one token id or several, comma-separated."""
+    return [int(t) for t in (os.environ.get("PATCHCTL_SIM_NAN_TOKEN") or "").split(",") if t.strip()]
+
+
+def record_dir() -> str | None:
+    return os.environ.get("PATCHCTL_SIM_RECORD_DIR") or None

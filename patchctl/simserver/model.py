@@ -39,7 +39,7 @@ def write_model_config(path, layers: int = 8, hidden: int = 64, vocab: int = 512
 class TinyModel:
     """embedding -> N x (h + tanh(h @ W)) -> RMSNorm -> tied lm head; float32, seed 0."""
 
-    def __init__(self, layers, hidden, vocab, capture_ids, nan_layer=None):
+    def __init__(self, layers, hidden, vocab, capture_ids, nan_layer=None, nan_tokens=()):
         import torch  # noqa: PLC0415
 
         self.torch = torch
@@ -50,6 +50,7 @@ class TinyModel:
         self.norm = 1.0 + 0.1 * torch.randn(hidden, generator=g)
         self.capture_ids = capture_ids
         self.nan_layer = nan_layer
+        self.nan_tokens = list(nan_tokens)
 
     def forward(self, input_ids, last_index):
         torch = self.torch
@@ -70,6 +71,9 @@ class TinyModel:
                     if self.nan_layer is not None and L == self.nan_layer:
                         c = c.clone()
                         c[:, 0] = float("nan")
+                    if self.nan_tokens and not parts:
+                        c = c.clone()
+                        c[torch.isin(input_ids, torch.tensor(self.nan_tokens)), 0] = float("nan")
                     parts.append(c)
                 aux = torch.cat(parts, dim=-1).to(torch.bfloat16)
             last = normed.to(torch.bfloat16) if self.capture_ids else None

@@ -1,0 +1,281 @@
+"""Extraction runs on the host (`patchctl capture run`): the probe, and one long-running op per host and run.
+
+Owns what decides whether this host takes part (a capture series deployed *and verified*, its server
+running, the model's facts and the bytes a token's dump costs) and the capture loop: samples arrive
+on stdin, one JSON line each (`{"id", "rid", "input_ids"}`), while the op runs; up to `in_flight` of
+them at a time go to the local server (`max_new_tokens = 1`, the sample's rid); each dump is awaited
+(bounded), validated by the smoke's rules (`smoke.validate_dump`), moved into
+`<dump_dir>/captures/<RUN>/` and reported with its sha256 (`sample_done`), or reported failed with
+the reason (`sample_failed`; the file kept aside in `rejected/`). The server not answering or the
+disk reserve reached stops this host taking work: everything not yet finished is handed back
+(`sample_returned`), so the controller routes it elsewhere and nothing is lost. Standard library only.
+"""
+
+import hashlib
+import http.client
+import json
+import os
+import re
+import shutil
+import threading
+import time
+
+from .events import AgentError, ControllerGone, event
+from .osutil import expand
+from .server import http_once
+from .smoke import FORMAT_VERSION, expected_layers, model_facts, validate_dump
+
+DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
+MAX_NAME_LEN = 150  # the hidden-dump module's own limit (safe_name below must be its exact twin)
+_SAFE_RID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def safe_name(rid):
+    """The file stem the hidden-dump module writes a rid's dump under (the module's `safe_name`)."""
+    import base64
+
+    rid = str(rid)
+    if _SAFE_RID.fullmatch(rid) and not rid.startswith(".") and not rid.startswith("rid-") and len(rid) <= MAX_NAME_LEN:
+        return rid
+    raw = rid.encode("utf-8", "surrogatepass")
+    enc = "rid-" + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+    if len(enc) > MAX_NAME_LEN:
+        enc = enc[: MAX_NAME_LEN - 25] + "-" + hashlib.sha256(raw).hexdigest()[:24]
+    return enc
+
+
+def bytes_per_token(layers, hidden):
+    """A dump's size per token: K aux layers and the final state in bf16, plus the int64 id."""
+    return (layers + 1) * hidden * 2 + 8
+
+
+def dump_dir_of(cfg):
+    profile = cfg.get("profile") or {}
+    d = (cfg.get("env") or {}).get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
+    return expand(d) if d else None
+
+
+def rid_prefix_of(cfg):
+    profile = cfg.get("profile") or {}
+    return (cfg.get("env") or {}).get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or ""
+
+
+def run_prefix(env_prefix, run):
+    """Every sample's rid is `<run prefix>-<sample id>`: inside the series' dump prefix, unique to the run."""
+    return "%scap-%s" % (env_prefix, run)
+
+
+def probe(manifest, cfg, req):
+    """Does this host take part, and with what: {"ready", "why", ...facts}. Reads only."""
+    out = {"series": (manifest or {}).get("series"), "version": (manifest or {}).get("version"),
+           "state": (manifest or {}).get("status") if manifest else "clean", "ready": False}
+    if not manifest:
+        out["why"] = "no series deployed"
+        return out
+    if manifest.get("status") != "verified":
+        out["why"] = "series %s %s is %s, not verified (a deploy whose smoke passed)" % (
+            manifest.get("series"), manifest.get("version"), manifest.get("status"))
+        return out
+    if not cfg.get("running"):
+        out["why"] = "no server is running on port %s" % cfg.get("port")
+        return out
+    dump_dir = dump_dir_of(cfg)
+    if not (cfg.get("profile") or {}).get("dump_dir_env") or not dump_dir:
+        out["why"] = "the running server was not started with a capture profile (no dump directory)"
+        return out
+    facts = model_facts(cfg)
+    layers = cfg.get("capture_layers") or req.get("capture_layers") or (cfg.get("profile") or {}).get("layers")
+    expect = expected_layers(layers, (req.get("server") or {}).get("layer_outputs"), facts.get("num_hidden_layers"))
+    hidden = req.get("hidden_size") or (cfg.get("profile") or {}).get("hidden_size") or facts.get("hidden_size")
+    k = len(list(expect.values())[0][0]) if expect else None
+    if not hidden or not k:
+        out["why"] = ("the model's hidden size and capture layers are unknown (no config.json from /get_model_info; "
+                      "set hidden_size and capture_layers in the inventory)")
+        return out
+    probe_dir = dump_dir
+    while not os.path.isdir(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
+        probe_dir = os.path.dirname(probe_dir)
+    out.update(ready=True, dump_dir=dump_dir, rid_prefix=rid_prefix_of(cfg), hidden_size=int(hidden), layers=k,
+               expect=dict((key, {"ids": ids, "from": src}) for key, (ids, src) in expect.items()),
+               bytes_per_token=bytes_per_token(k, int(hidden)), free_bytes=shutil.disk_usage(probe_dir).free,
+               model_path=facts.get("model_path"), num_hidden_layers=facts.get("num_hidden_layers"),
+               vocab_size=facts.get("vocab_size"), max_position_embeddings=facts.get("max_position_embeddings"),
+               architectures=facts.get("architectures"), format_version=FORMAT_VERSION)
+    return out
+
+
+class Capture(object):
+    """One host's share of a run: a reader of stdin, `in_flight` workers, one disk guard."""
+
+    def __init__(self, cfg, info, req, stdin):
+        self.cfg = cfg
+        self.info = info
+        self.run = req["capture_run"]
+        self.in_flight = int(req.get("in_flight") or 8)
+        self.keep_free = int(req.get("keep_free") or 0)
+        self.request_timeout = float(req.get("request_timeout") or 600)
+        self.stdin = stdin
+        self.expect = dict((k, (v["ids"], v["from"])) for k, v in info["expect"].items())
+        self.hidden = info["hidden_size"]
+        self.bpt = info["bytes_per_token"]
+        self.dump_dir = info["dump_dir"]
+        self.run_dir = os.path.join(self.dump_dir, "captures", self.run)
+        self.lock = threading.Lock()
+        self.work = []
+        self.work_ready = threading.Condition(self.lock)
+        self.eof = False
+        self.inflight_tokens = 0
+        self.stopped = None  # why this host takes no more work
+        self.gone = False
+        self.counts = {"done": 0, "failed": 0, "returned": 0, "bytes": 0, "tokens": 0}
+
+    # the loop ---------------------------------------------------------------------------
+    def run_all(self):
+        for d in (self.run_dir, os.path.join(self.run_dir, "rejected")):
+            if not os.path.isdir(d):
+                os.makedirs(d, 0o750)
+        t0 = time.time()
+        reader = threading.Thread(target=self._read, name="capture-stdin")
+        reader.daemon = True  # blocked on stdin when the op ends: the process exit ends it
+        reader.start()
+        workers = [threading.Thread(target=self._work, name="capture-%d" % i) for i in range(self.in_flight)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if self.gone:
+            raise ControllerGone()
+        return dict(self.counts, stopped=self.stopped, seconds=round(time.time() - t0, 3), run_dir=self.run_dir)
+
+    def _read(self):
+        """Samples from the controller until it closes stdin (no more work, or stop)."""
+        try:
+            for line in self.stdin:
+                if not line.strip():
+                    continue
+                sample = json.loads(line.decode("utf-8"))
+                with self.lock:
+                    self.work.append(sample)
+                    self.work_ready.notify()
+        except (OSError, ValueError):
+            pass  # a broken stream is the controller gone: in-flight samples finish, nothing new starts
+        finally:
+            with self.lock:
+                self.eof = True
+                self.work_ready.notify_all()
+
+    def _next(self):
+        with self.lock:
+            while not self.work and not self.eof:
+                self.work_ready.wait()
+            return self.work.pop(0) if self.work else None
+
+    def _work(self):
+        try:
+            while not self.gone:
+                s = self._next()
+                if s is None:
+                    return
+                if self.stopped:
+                    self._emit("sample_returned", id=s["id"], reason=self.stopped)
+                    continue
+                if not self._reserve(s):
+                    continue
+                try:
+                    self._one(s)
+                finally:
+                    with self.lock:
+                        self.inflight_tokens -= len(s["input_ids"])
+        except ControllerGone:
+            self.gone = True
+
+    def _emit(self, kind, **data):
+        key = {"sample_done": "done", "sample_failed": "failed", "sample_returned": "returned"}.get(kind)
+        if key:
+            with self.lock:
+                self.counts[key] += 1
+        try:
+            event(kind, **data)
+        except ControllerGone:
+            self.gone = True
+            raise
+
+    def _stop(self, reason):
+        with self.lock:
+            first = self.stopped is None
+            if first:
+                self.stopped = reason
+        if first:
+            self._emit("host_stopped", reason=reason)
+
+    def _reserve(self, s):
+        """The disk guard: this sample starts only if the dumps of everything in flight, this one included,
+        leave at least keep_free bytes on the dump file system."""
+        n = len(s["input_ids"])
+        with self.lock:
+            free = shutil.disk_usage(self.run_dir).free
+            need = (self.inflight_tokens + n) * self.bpt
+            if free - need >= self.keep_free:
+                self.inflight_tokens += n
+                return True
+        self._stop("disk reserve reached on %s: %d bytes free, the samples in flight need %d and %d must stay "
+                   "free (--keep-free)" % (self.run_dir, free, need, self.keep_free))
+        self._emit("sample_returned", id=s["id"], reason=self.stopped)
+        return False
+
+    def _one(self, s):
+        ids = s["input_ids"]
+        t0 = time.time()
+        body = {"rid": s["rid"], "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        try:
+            status, resp = http_once(self.cfg["host"], self.cfg["port"], "POST", "/generate", body, self.request_timeout)
+        except (OSError, http.client.HTTPException) as e:
+            self._stop("the server on port %s does not answer: %s" % (self.cfg["port"], e or e.__class__.__name__))
+            self._emit("sample_returned", id=s["id"], reason=self.stopped)
+            return
+        if status != 200:
+            return self._emit("sample_failed", id=s["id"], reason="HTTP %d from the server: %s" % (status, str(resp)[:300]))
+        pt = (resp.get("meta_info") or {}).get("prompt_tokens") if isinstance(resp, dict) else None
+        if pt is not None and pt != len(ids):
+            return self._emit("sample_failed", id=s["id"], reason="the server counted %s prompt tokens, %d were sent" % (pt, len(ids)))
+        fname = safe_name(s["rid"]) + ".safetensors"
+        path = os.path.join(self.dump_dir, fname)
+        deadline = time.time() + DUMP_WAIT_S
+        while not os.path.exists(path):
+            if time.time() > deadline:
+                return self._emit("sample_failed", id=s["id"], reason="no dump file %s within %gs of the response%s" % (
+                    fname, DUMP_WAIT_S, self._errors_for(s["rid"])))
+            time.sleep(0.005)
+        problems = validate_dump(path, ids, self.expect, self.hidden)
+        if problems:
+            os.replace(path, os.path.join(self.run_dir, "rejected", fname))
+            return self._emit("sample_failed", id=s["id"], reason="; ".join(problems[:4]))
+        dest = os.path.join(self.run_dir, fname)
+        os.replace(path, dest)
+        h = hashlib.sha256()
+        with open(dest, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        size = os.path.getsize(dest)
+        with self.lock:
+            self.counts["bytes"] += size
+            self.counts["tokens"] += len(ids)
+        self._emit("sample_done", id=s["id"], path=dest, sha256=h.hexdigest(), bytes=size, tokens=len(ids),
+                   seconds=round(time.time() - t0, 3))
+
+    def _errors_for(self, rid):
+        """The module's error-log lines about this rid (why it wrote nothing), if any."""
+        try:
+            with open(os.path.join(self.dump_dir, "_hidden_dump_errors.log"), "rb") as f:
+                f.seek(max(0, os.path.getsize(f.name) - 65536))
+                lines = [l for l in f.read().decode("utf-8", "replace").splitlines() if repr(rid) in l or rid in l]
+        except OSError:
+            return ""
+        return ("; the module logged: " + lines[-1][-300:]) if lines else ""
+
+
+def check_request(req):
+    run = req.get("capture_run") or ""
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", run):
+        raise AgentError("bad_input", "capture run name %r is not a plain name" % run)
+

@@ -1,0 +1,266 @@
+"""Extraction runs (`patchctl capture run`) over 3 real sshd hosts, each serving the stand-in with the
+hidden-dump series deployed and verified by patchctl itself.
+
+What the stand-in replaces: SGLang's model and scheduler (no GPU here). Everything else is real: the
+hosts' SSH servers, the agent shipped over them, the patched tree's own hidden_dump module writing
+the files, the HTTP servers in their own processes. Each stand-in also saves, apart from the hook's
+path, the rows its model computed for every prompt (PATCHCTL_SIM_RECORD_DIR), so each dump is
+compared bit for bit with what the server computed. PATCHCTL_SIM_NAN_TOKEN makes a server write a
+corrupt dump for exactly the prompts holding a token: 5 on every host (those samples fail twice and
+are recorded failed), 6 on host2 only (those samples are retried elsewhere and end done).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fleet import started_fleet, wait_for
+
+POISON, HOST2_ONLY = 5, 6
+
+
+def knobs(h) -> dict:
+    env = {"PATCHCTL_SIM_RECORD_DIR": str(h.dir / "record"),
+           "PATCHCTL_SIM_NAN_TOKEN": f"{POISON}" if h.name != "host2" else f"{POISON},{HOST2_ONLY}"}
+    return {"server": {"env": env}}
+
+
+@pytest.fixture(scope="module")
+def fleet3(tmp_path_factory, sglang_tree):
+    f = started_fleet(tmp_path_factory.mktemp("capture"), 3, sglang_tree)
+    for h in f.hosts:
+        (h.dir / "record").mkdir()
+    f.write_inventory(host_overrides={h.name: knobs(h) for h in f.hosts})
+    yield f
+    f.close()
+
+
+def deploy(f, *hosts):
+    """hidden-dump deployed, restarted and verified by patchctl (afresh on hosts whose server died)."""
+    limit = ",".join(h.name for h in hosts) if hosts else None
+    args = ["--limit", limit] if limit else []
+    if hosts:
+        p = f.patchctl("rollback", "--to", "clean", *args)
+        assert p.returncode == 0, p.stdout + p.stderr
+    p = f.patchctl("apply", "hidden-dump", *args)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.fixture
+def fleet(fleet3):
+    f = fleet3
+    for h in f.hosts:
+        if not f.healthy(h):
+            deploy(f, h)
+    if any(not (h.state / "trees").exists() for h in f.hosts):
+        deploy(f)
+    return f
+
+
+def dataset(path: Path, n: int, *, seed: int, lengths=(4, 40), poison: int = 0, host2_only: int = 0) -> dict:
+    """n samples (ids < the stand-in's vocab of 512, no token below 10 unless planted); {id: input_ids}."""
+    r = random.Random(seed)
+    out = {}
+    for i in range(n):
+        ids = [r.randrange(10, 500) for _ in range(r.randrange(*lengths))]
+        if i < poison:
+            ids[len(ids) // 2] = POISON
+        elif i < poison + host2_only:
+            ids[0] = HOST2_ONLY
+        out[f"s-{seed}-{i:05d}"] = ids
+    with open(path, "w") as fh:
+        for sid, ids in out.items():
+            fh.write(json.dumps({"id": sid, "input_ids": ids}) + "\n")
+    return out
+
+
+def journal(f, name: str) -> list[dict]:
+    p = f.base / "xdg-state" / "patchctl" / "captures" / name / "journal.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+
+
+def done_records(recs) -> dict[str, dict]:
+    out = {}
+    for r in recs:
+        if r["rec"] == "done":
+            assert r["id"] not in out, f"sample {r['id']} recorded done twice"
+            out[r["id"]] = r
+    return out
+
+
+def host_named(f, name):
+    return next(h for h in f.hosts if h.name == name)
+
+
+def assert_bit_exact(f, rec: dict, ids: list[int]) -> None:
+    """The file on its host: the journal's sha256, the sample's ids, and the rows the model computed."""
+    h = host_named(f, rec["host"])
+    path = Path(rec["path"])
+    assert path.is_relative_to(h.dumps / "captures"), rec
+    data = path.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == rec["sha256"] and len(data) == rec["bytes"]
+    with safe_open(path, "pt") as got:
+        rid = got.metadata()["rid"]
+        assert got.get_tensor("input_ids").tolist() == ids
+        record = h.dir / "record" / (hashlib.sha256(rid.encode()).hexdigest()[:32] + ".safetensors")
+        with safe_open(record, "pt") as want:
+            for name in ("aux_hidden_states", "hidden_states"):
+                a, b = got.get_tensor(name), want.get_tensor(name)
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert a.view(torch.int16).equal(b.view(torch.int16)), f"{name} of {rec['id']} differs from the model's"
+
+
+def test_a_dataset_through_three_hosts_every_file_bit_exact_failures_retried_elsewhere(fleet, tmp_path):
+    f = fleet
+    samples = dataset(tmp_path / "ds.jsonl", 300, seed=1, poison=2, host2_only=12)
+    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "main", "--in-flight", "4", "--keep-free", "0")
+    # the two poisoned samples fail on every host: recorded failed, so the run is not complete
+    assert p.returncode == 1, p.stdout + p.stderr
+    recs = journal(f, "main")
+    done = done_records(recs)
+    assert len(done) == 298 and set(done) == set(list(samples)[2:])
+    for sid, rec in done.items():
+        assert_bit_exact(f, rec, samples[sid])
+    # faster servers take more work, but every host takes part
+    assert {r["host"] for r in done.values()} == {"host0", "host1", "host2"}
+    fails = [r for r in recs if r["rec"] == "failed"]
+    poisoned = set(list(samples)[:2])
+    finals = {r["id"]: r for r in fails if r["final"]}
+    assert set(finals) == poisoned and all("NaN" in r["reason"] for r in finals.values())
+    for sid in poisoned:  # retried once, on another host
+        tries = [r for r in fails if r["id"] == sid]
+        assert len(tries) == 2 and tries[0]["host"] != tries[1]["host"], tries
+    # samples holding the token only host2 corrupts failed there (if they went there) and ended done elsewhere
+    for sid in list(samples)[2:14]:
+        assert all(r["host"] == "host2" for r in fails if r["id"] == sid)
+        assert done[sid]["host"] != "host2"
+    assert "298/300 samples done and verified; 2 failed; 0 pending" in p.stderr
+    # status agrees, from the journal alone
+    st = f.patchctl("capture", "status", "main")
+    assert "298" in st.stdout + st.stderr
+    # the same command again: the 298 verified samples are not sent again, the 2 failed ones are
+    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "main", "--keep-free", "0")
+    assert p.returncode == 1
+    again = journal(f, "main")[len(recs):]
+    assert {r["id"] for r in again if r["rec"] == "sent"} == poisoned
+    assert "resuming run main: 298 of 300 samples already done" in p.stderr
+
+
+def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(fleet, tmp_path):
+    f = fleet
+    samples = dataset(tmp_path / "ds.jsonl", 400, seed=2)
+    proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "killed", "--in-flight", "2",
+                   "--max-fail", "1", "--keep-free", "0")
+    wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 10
+             or proc.poll() is not None, 120, what="host1 at work")
+    os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
+    recs = journal(f, "killed")
+    done = done_records(recs)
+    assert set(done) == set(samples)
+    for sid, rec in done.items():
+        assert_bit_exact(f, rec, samples[sid])
+    stopped = [r for r in recs if r["rec"] == "host"]
+    assert [r["host"] for r in stopped] == ["host1"] and "does not answer" in stopped[0]["reason"], stopped
+    returned = [r for r in recs if r["rec"] == "returned"]
+    assert returned and all(r["host"] == "host1" for r in returned)
+    assert all(done[r["id"]]["host"] != "host1" for r in returned)
+    assert "host1: takes no more work" in err
+    # a host whose server is gone does not take part; when no host does, nothing is sent (exit 2)
+    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "lonely", "--limit", "host1")
+    assert p.returncode == 2, p.stderr
+    assert "host1: does not take part: no server is running" in p.stderr and "nothing sent" in p.stderr
+    assert journal(f, "lonely") == []
+
+
+def test_the_controller_killed_then_resumed_resends_no_verified_sample(fleet, tmp_path):
+    f = fleet
+    samples = dataset(tmp_path / "ds.jsonl", 600, seed=3)
+    args = ("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "crash", "--in-flight", "2", "--keep-free", "0")
+    proc = f.popen(*args)
+    wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 60 or proc.poll() is not None,
+             120, what="60 samples done")
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    first = journal(f, "crash")
+    done_before = done_records(first)
+    assert 60 <= len(done_before) < 600, "the kill must land mid-run"
+    in_flight = {r["id"] for r in first if r["rec"] == "sent"} - set(done_before)
+    # the hosts' agents notice their controller is gone and end (the agent lock is free again)
+    for h in f.hosts:
+        wait_for(lambda: agent_lock_free(h), 30, what=f"{h.name}'s agent gone")
+    p = f.patchctl(*args)
+    assert p.returncode == 0, p.stdout + p.stderr
+    second = journal(f, "crash")[len(first):]
+    sent_again = [r["id"] for r in second if r["rec"] == "sent"]
+    assert not set(sent_again) & set(done_before), "a verified sample was sent again"
+    assert len(sent_again) == len(set(sent_again)) and in_flight <= set(sent_again)
+    done = done_records(first + second)
+    assert set(done) == set(samples)
+    for sid, rec in done.items():
+        assert_bit_exact(f, rec, samples[sid])
+
+
+def agent_lock_free(h) -> bool:
+    import fcntl
+
+    with open(h.state / "agent.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        return True
+
+
+def test_the_disk_reserve_stops_hosts_before_the_disk_fills_and_the_run_resumes(fleet, tmp_path):
+    f = fleet
+    samples = dataset(tmp_path / "ds.jsonl", 300, seed=4, lengths=(150, 200))
+    # the reserve sits 12 MB under the free space now: each sample writes ~90 KB of dump (and the stand-in's
+    # record of the same size), so the hosts stop after some tens of samples, long before 300
+    margin = 12_000_000
+    free = shutil.disk_usage(f.hosts[0].dumps).free
+    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--in-flight", "2",
+                   "--max-fail", "100%", "--keep-free", str(free - margin))
+    assert p.returncode == 1, p.stdout + p.stderr
+    recs = journal(f, "full")
+    stopped = {r["host"]: r["reason"] for r in recs if r["rec"] == "host"}
+    assert set(stopped) == {"host0", "host1", "host2"} and all("disk reserve reached" in r for r in stopped.values())
+    done = done_records(recs)
+    assert 0 < len(done) < 200, len(done)
+    assert sum(r["bytes"] for r in done.values()) <= margin, "more was written than the reserve allowed"
+    assert "disk reserve reached" in p.stderr and "pending" in p.stderr
+    # with room again, the same command finishes the run
+    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--keep-free", "0")
+    assert p.returncode == 0, p.stderr
+    assert set(done_records(journal(f, "full"))) == set(samples)
+
+
+def test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent(fleet, tmp_path):
+    f = fleet
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "input_ids": [11, 12]}\n{"id": "b", "input_ids": [11, "x"]}\n')
+    commands = {h.name: h.ssh.count_commands() for h in f.hosts}
+    p = f.patchctl("capture", "run", str(bad), "--name", "bad")
+    assert p.returncode == 2, p.stderr
+    assert f"{bad}:2" in p.stderr, p.stderr
+    assert {h.name: h.ssh.count_commands() for h in f.hosts} == commands
+    assert not (f.base / "xdg-state" / "patchctl" / "captures" / "bad").exists()
+    # ids the served model cannot take: refused after the probe, before anything is sent
+    bad.write_text('{"id": "a", "input_ids": [11, 12]}\n{"id": "b", "input_ids": [11, 100000]}\n')
+    p = f.patchctl("capture", "run", str(bad), "--name", "bad2")
+    assert p.returncode == 2, p.stderr
+    assert f"{bad}:2" in p.stderr and "vocab" in p.stderr
+    assert [r for r in journal(f, "bad2") if r["rec"] == "sent"] == []
