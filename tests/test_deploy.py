@@ -256,3 +256,18 @@ def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(f
     p = f.patchctl("rollback")
     assert p.returncode == 0, p.stdout + p.stderr
     assert f.digest(h) == digest and f.healthy(h)
+
+
+def test_the_inventorys_layer_outputs_reach_the_smoke(fleet1):
+    """layer_outputs (the decoder layers a drafter is trained on) is checked against every dump: a wrong
+    value rolls the deploy back naming both conventions; the right one passes."""
+    f, h = fleet1, fleet1.hosts[0]
+    digest = f.digest(h)
+    f.write_inventory(host_overrides={"host0": {"server": {"layer_outputs": [2, 30, 58]}}})
+    p = f.patchctl("apply", "hidden-dump")
+    _assert_rolled_back(f, h, p, digest)
+    assert "layer_outputs [1, 3, 4], expected [2, 30, 58] from layer_outputs" in p.stdout + p.stderr
+    # the stand-in's 8 layers capture SGLang's default [2, 4, 5]: the outputs of layers 1, 3 and 4
+    f.write_inventory(host_overrides={"host0": {"server": {"layer_outputs": [1, 3, 4]}}})
+    p = f.patchctl("apply", "hidden-dump")
+    assert p.returncode == 0, p.stdout + p.stderr
