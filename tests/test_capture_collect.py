@@ -294,3 +294,53 @@ def test_pull_serves_only_files_inside_the_runs_captures_directory(fleet, tmp_pa
         with pytest.raises(AgentFailure, match="bad capture run name"):
             _pull(f, h, bad, [good])
     shutil.rmtree(captures / "other")
+
+
+@pytest.mark.parametrize("become", ["", "sudo"])
+def test_collect_from_a_local_host_and_through_sudo(tmp_path, become):
+    """`connection = "local"` runs the same agent op (through `sudo -n` with become): same files, same checks."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    state = tmp_path / "state"
+    run_host = state / "dumps" / "captures" / "loc"
+    run_host.mkdir(parents=True)
+    state.chmod(0o700)
+    (tmp_path / "inventory.toml").write_text(
+        f'[hosts.here]\nconnection = "local"\npython = {json.dumps(sys.executable)}\nstate_dir = {json.dumps(str(state))}\n'
+        f'become = {json.dumps(become)}\n[hosts.here.server]\ncommand = ""\n')
+    xdg = tmp_path / "xdg"
+    rundir = xdg / "patchctl" / "captures" / "loc"
+    rundir.mkdir(parents=True)
+    ds = tmp_path / "d.jsonl"
+    ds.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": list(range(4 + i))}) + "\n" for i in range(3)))
+    write_run_info(rundir, {"name": "loc", "prefix": "patchctl-cap-loc-", "dataset": {
+        "path": str(ds), "sha256": hashlib.sha256(ds.read_bytes()).hexdigest(), "samples": 3, "tokens": 15,
+        "loss_mask": False}, "hosts": {"here": {"model_path": "/m", "hidden_size": 8}}})
+    j = Journal(rundir)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        T = 4 + i
+        path = run_host / file_name(f"patchctl-cap-loc-s{i}")
+        save_file({"input_ids": torch.arange(T, dtype=torch.int64), "hidden_states": torch.randn(T, 8, generator=g).bfloat16(),
+                   "aux_hidden_states": torch.randn(T, 24, generator=g).bfloat16()}, str(path), metadata={"format_version": "2"})
+        data = path.read_bytes()
+        j.append({"rec": "done", "id": f"s{i}", "host": "here", "path": str(path), "sha256": hashlib.sha256(data).hexdigest(),
+                  "bytes": len(data), "tokens": T})
+    j.close()
+    dest = tmp_path / "out"
+    for fmt in ("safetensors", "specforge"):
+        p = subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(tmp_path / "inventory.toml"), "capture",
+                            "collect", "loc", "--to", str(dest / fmt), "--format", fmt],
+                           capture_output=True, text=True, env=dict(os.environ, XDG_STATE_HOME=str(xdg)), timeout=120)
+        assert p.returncode == 0, p.stderr
+        idx = index_of(dest / fmt)
+        assert len(idx) == 3
+    for e in index_of(dest / "safetensors"):
+        assert (dest / "safetensors" / e["file"]).read_bytes() == Path(e["host_path"]).read_bytes()
+    for e in index_of(dest / "specforge"):
+        d = torch.load(dest / "specforge" / e["file"], weights_only=False)
+        assert d["loss_mask"].tolist() == [1] * e["tokens"] and e["loss_mask"] == "all ones (no loss_mask in the dataset)"
