@@ -31,6 +31,7 @@ import base64
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,7 @@ class Collector:
         self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
         self.dataset = None
         self._index = open(out / INDEX, "ab")
+        self._lock = threading.Lock()  # hosts are pulled in parallel threads
 
     def close(self):
         self._index.close()
@@ -248,9 +250,11 @@ class Collector:
 
     def record(self, it: Item) -> None:
         """Appended (and flushed) before the file is linked into place: a resumed collect knows its own file."""
-        self._index.write((json.dumps(self.entry(it), sort_keys=True) + "\n").encode())
-        self._index.flush()
-        os.fsync(self._index.fileno())
+        line = (json.dumps(self.entry(it), sort_keys=True) + "\n").encode()
+        with self._lock:
+            self._index.write(line)
+            self._index.flush()
+            os.fsync(self._index.fileno())
 
     def pull_host(self, host, items: list[Item]) -> tuple[int, str]:
         """Pull every item of one host; (exit code, message) for the host."""
@@ -350,8 +354,10 @@ class Collector:
                 mask, it.mask_source = self.loss_mask(it.id)
                 try:
                     convert(tmp, ckpt, mask)
-                except ValueError as e:
-                    it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: {e}"
+                except Exception as e:  # noqa: BLE001 - a file that does not convert is this sample's failure only
+                    it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: cannot convert: {e}"
+                    if ckpt.exists():
+                        os.unlink(ckpt)
                     return
                 os.unlink(tmp)
                 tmp = ckpt
