@@ -1,46 +1,299 @@
-"""PLACEHOLDER (replaced by the full validator): the JSONL dataset of a capture run."""
+"""The tokenized JSONL dataset of an extraction run, validated before anything is sent.
+
+One sample a line: `{"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}`.
+
+`load_dataset(path)` reads the file once (sha256 on the way) and refuses it (BadInput, exit 2)
+with every problem up to MAX_PROBLEMS, each as `FILE:LINE: what was expected`:
+bad JSON, a line that is not an object, an id that is missing, not a string or empty, the same
+id twice (both lines named), two ids whose dump files would get the same name (`safe_name`),
+input_ids empty or not integers (true/false are not integers) or negative, a loss_mask of
+another length or with values other than 0 and 1, and unknown keys.
+
+Decisions:
+- Unknown keys are refused: a misspelled `loss_mask` ("loss_masks", "lossmask") would otherwise
+  train on every token without a word. The message names the allowed keys.
+- Blank (whitespace-only) lines are skipped: they carry no sample, and a trailing empty line is
+  what many writers leave. Line numbers stay physical (1-based), so editors agree with them.
+
+The dataset is not kept in memory (a million samples of thousands of tokens would be tens of
+GB of Python ints): each Sample records its line's byte offset and length, its token count and
+largest token id; `Dataset.read()` / `Dataset.records()` read input_ids and loss_mask back when
+the runner sends a sample (checked against the id recorded, so a file changed since is noticed).
+
+`check_against_model(dataset, facts_by_host)` then refuses token ids >= a served model's
+vocab_size and prompts the server would refuse as too long for its context (SGLang 0.5.23's
+TokenizerManager refuses `T >= context_len` and `T + max_new_tokens > context_len`).
+"""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.errors import BadInput
 
+MAX_PROBLEMS = 20  # problems listed in one error; the total is always counted
+KEYS = ("id", "input_ids", "loss_mask")
 
-@dataclass
+# --- the capture module's file names (patches/hidden-dump/0001-hidden-dump-module.patch) ---------
+# Reproduced exactly, and tested against the module's own function loaded from the patch text.
+# It is injective (plain names never start with "rid-"; encoded ones do; a truncated long one ends
+# in "-" + 24 hex digits of a sha256, which no untruncated 150-character encoding can end with),
+# so the collision check below guards against a future change of the rule, not a known case.
+MAX_NAME_LEN = 150
+_SAFE_RID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def safe_name(rid: str) -> str:
+    """The file-name stem the capture module gives a rid (`<dump dir>/<safe_name(rid)>.safetensors`)."""
+    rid = str(rid)
+    if _SAFE_RID.fullmatch(rid) and not rid.startswith(".") and not rid.startswith("rid-") and len(rid) <= MAX_NAME_LEN:
+        return rid
+    raw = rid.encode("utf-8", "surrogatepass")
+    enc = "rid-" + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+    if len(enc) > MAX_NAME_LEN:
+        enc = enc[: MAX_NAME_LEN - 25] + "-" + hashlib.sha256(raw).hexdigest()[:24]
+    return enc
+
+
+def file_name(rid: str) -> str:
+    return safe_name(rid) + ".safetensors"
+
+
+@dataclass(slots=True)
 class Sample:
     id: str
-    input_ids: list
-    loss_mask: list | None
-    line: int
+    line: int  # 1-based physical line
+    offset: int  # byte offset of the line in the file
+    length: int  # bytes of the line (without its newline)
+    tokens: int
+    max_id: int  # largest token id (checked against the model's vocab_size)
+    has_loss_mask: bool
 
 
 @dataclass
 class Dataset:
-    path: Path
-    samples: list
-    sha256: str
+    path: Path  # absolute
+    samples: list[Sample]
     tokens: int
-    has_loss_mask: bool
+    sha256: str
+    bytes: int
+    has_loss_mask: bool  # any line had a loss_mask
+    by_id: dict[str, int] = field(repr=False, default_factory=dict)  # id -> index in samples
 
+    def read(self, sample: Sample) -> dict:
+        """{"id", "input_ids", "loss_mask" (None when the line has none)} of one sample, from the file."""
+        with open(self.path, "rb") as f:
+            f.seek(sample.offset)
+            return self._decode(sample, f.read(sample.length))
 
-def load_dataset(path) -> Dataset:
-    raw = Path(path).read_bytes()
-    samples = []
-    for n, line in enumerate(raw.decode().splitlines(), 1):
-        if not line.strip():
-            continue
+    def records(self, samples: list[Sample] | None = None):
+        """(sample, record) for the given samples (default all), in file order, reading the file once."""
+        wanted = sorted(samples if samples is not None else self.samples, key=lambda s: s.offset)
+        with open(self.path, "rb") as f:
+            for s in wanted:
+                f.seek(s.offset)
+                yield s, self._decode(s, f.read(s.length))
+
+    def _decode(self, sample: Sample, raw: bytes) -> dict:
         try:
-            d = json.loads(line)
-        except ValueError as e:
-            raise BadInput(f"{path}:{n}: not JSON: {e}")
-        samples.append(Sample(d["id"], d["input_ids"], d.get("loss_mask"), n))
-    return Dataset(Path(path), samples, hashlib.sha256(raw).hexdigest(), sum(len(s.input_ids) for s in samples),
-                   any(s.loss_mask is not None for s in samples))
+            obj = json.loads(raw)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or obj.get("id") != sample.id:
+            raise BadInput(f"sample {sample.id!r} is no longer on this line: the file changed since it was "
+                           f"validated (sha256 was {self.sha256})", file=str(self.path), line=sample.line)
+        return {"id": sample.id, "input_ids": obj["input_ids"], "loss_mask": obj.get("loss_mask")}
 
 
-def check_against_model(ds: Dataset, facts_by_host: dict) -> None:
+class _Problems:
+    """Problems of a file, the first MAX_PROBLEMS kept; raised as one BadInput."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.kept: list[tuple[int, str]] = []
+        self.count = 0
+
+    def add(self, line: int, msg: str) -> None:
+        self.count += 1
+        if len(self.kept) < MAX_PROBLEMS:
+            self.kept.append((line, msg))
+
+    def raise_if_any(self, what: str) -> None:
+        if not self.count:
+            return
+        lines = [f"{self.path}:{ln}: {msg}" for ln, msg in self.kept]
+        more = f" (the first {len(self.kept)} shown)" if self.count > len(self.kept) else ""
+        if self.count > 1:
+            lines.append(f"{self.path}: {self.count} problems{more}; {what}")
+        else:
+            lines[0] += f"; {what}"
+        err = BadInput("\n".join(lines))
+        err.file, err.line = str(self.path), self.kept[0][0]
+        err.problems = list(self.kept)
+        err.problem_count = self.count
+        raise err
+
+
+def _short(v, n: int = 60) -> str:
+    text = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _bad_ints(values: list, maybe_negative: bool) -> str | None:
+    """Why a list is not a list of non-negative integers (bools are not integers), or None. C loops only;
+    `maybe_negative`: the line holds a '-' at all (else the min() pass is skipped)."""
+    types = set(map(type, values))
+    if types != {int}:
+        other = next(t for t in types if t is not int)
+        first = next(v for v in values if type(v) is other)
+        return f"a {other.__name__} ({_short(first)})"
+    if maybe_negative and min(values) < 0:
+        return f"a negative id ({min(values)})"
     return None
+
+
+def load_dataset(path, rid_prefix: str = "") -> Dataset:
+    """Read and validate a JSONL dataset (see the module docstring); BadInput (exit 2) lists every problem
+    up to MAX_PROBLEMS. `rid_prefix`: the run's rid prefix, so that file-name collisions are judged on the
+    rids the capture module will see."""
+    path = Path(path).expanduser().absolute()
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise BadInput(f"cannot read the dataset: {e.strerror}", file=str(path)) from None
+    problems = _Problems(path)
+    samples: list[Sample] = []
+    by_id: dict[str, int] = {}
+    names: dict[str, str] = {}  # file name -> id
+    h = hashlib.sha256()
+    offset = tokens = 0
+    any_mask = False
+    allowed = set(KEYS)
+    with f:
+        for ln, raw in enumerate(f, 1):
+            h.update(raw)
+            start, offset = offset, offset + len(raw)
+            line = raw.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                problems.add(ln, f"not valid JSON ({e}); expected one JSON object a line")
+                continue
+            if not isinstance(obj, dict):
+                problems.add(ln, f"a JSON {type(obj).__name__}, expected an object "
+                                 '{"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
+                continue
+            if not allowed.issuperset(obj):
+                extra = sorted(set(obj) - allowed)
+                problems.add(ln, f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}; "
+                                 f"allowed: id, input_ids, loss_mask (a misspelled loss_mask would train on every token)")
+            sid = obj.get("id")
+            if not isinstance(sid, str) or not sid:
+                problems.add(ln, "missing id" if "id" not in obj else f"id {_short(sid)}: expected a non-empty string")
+                sid = None
+            ids = obj.get("input_ids")
+            n = max_id = 0
+            if not isinstance(ids, list) or not ids:
+                problems.add(ln, "missing input_ids" if "input_ids" not in obj else
+                             f"input_ids {_short(ids)}: expected a non-empty list of token ids")
+                ids = None
+            else:
+                why = _bad_ints(ids, b"-" in line)
+                if why:
+                    problems.add(ln, f"input_ids holds {why}: expected non-negative integers (token ids)")
+                    ids = None
+                else:
+                    n, max_id = len(ids), max(ids)
+            mask = obj.get("loss_mask")
+            if mask is not None or "loss_mask" in obj:
+                any_mask = True
+                if not isinstance(mask, list):
+                    problems.add(ln, f"loss_mask {_short(mask)}: expected a list of 0 and 1")
+                elif ids is not None and len(mask) != n:
+                    problems.add(ln, f"loss_mask has {len(mask)} values for {n} input_ids; expected one per token")
+                elif mask and (set(map(type, mask)) != {int} or not set(mask) <= {0, 1}):
+                    bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
+                    problems.add(ln, f"loss_mask holds {_short(bad)}: expected only 0 and 1")
+            if sid is None:
+                continue
+            if sid in by_id:
+                problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
+                continue
+            name = safe_name(rid_prefix + sid)
+            if name in names:
+                other = samples[by_id[names[name]]]
+                problems.add(ln, f"id {_short(sid)} and id {_short(other.id)} (line {other.line}) would be dumped to the "
+                                 f"same file {name}.safetensors; rename one")
+                continue
+            names[name] = sid
+            by_id[sid] = len(samples)
+            samples.append(Sample(sid, ln, start, len(line), n, max_id, "loss_mask" in obj))
+            tokens += n
+    if not samples and not problems.count:
+        problems.add(1, "no samples; expected one JSON object a line")
+    problems.raise_if_any("nothing was sent")
+    return Dataset(path=path, samples=samples, tokens=tokens, sha256=h.hexdigest(), bytes=offset,
+                   has_loss_mask=any_mask, by_id=by_id)
+
+
+def context_limit(facts: dict) -> int | None:
+    """The context length the server enforces: `context_length` (the server's --context-length) when
+    known, else config.json's `max_position_embeddings`."""
+    for key in ("context_length", "max_position_embeddings"):
+        v = facts.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def check_against_model(dataset: Dataset, facts_by_host: dict[str, dict], max_new_tokens: int = 1) -> None:
+    """Refuse (BadInput, exit 2) samples a host's model cannot take: a token id >= its vocab_size, or a
+    prompt too long for its context (T + max_new_tokens > context, as SGLang refuses). Every sample may go
+    to any host, so every host's limits apply; each problem names the line, the host and its model.
+    facts_by_host: {host: {"vocab_size", "max_position_embeddings"?, "context_length"?, "model_path"?}}."""
+    limits = []
+    for host, facts in sorted(facts_by_host.items()):
+        vocab = facts.get("vocab_size")
+        ctx = context_limit(facts)
+        model = f" ({facts['model_path']})" if facts.get("model_path") else ""
+        limits.append((host + model, vocab if isinstance(vocab, int) and vocab > 0 else None, ctx))
+    if not limits:
+        return
+    vocab_min = min((v, h) for h, v, _ in limits if v) if any(v for _, v, _ in limits) else None
+    ctx_min = min((c, h) for h, _, c in limits if c) if any(c for _, _, c in limits) else None
+    problems = _Problems(dataset.path)
+    for s in dataset.samples:
+        if vocab_min and s.max_id >= vocab_min[0]:
+            problems.add(s.line, f"id {_short(s.id)}: token id {s.max_id} >= vocab_size {vocab_min[0]} of the model "
+                                 f"served on {vocab_min[1]}; expected ids below {vocab_min[0]}")
+        if ctx_min and s.tokens + max_new_tokens > ctx_min[0]:
+            problems.add(s.line, f"id {_short(s.id)}: {s.tokens} tokens; the model served on {ctx_min[1]} takes at "
+                                 f"most {ctx_min[0] - max_new_tokens} (context length {ctx_min[0]}, "
+                                 f"{max_new_tokens} new token{'s' if max_new_tokens != 1 else ''})")
+    problems.raise_if_any("nothing was sent")
+
+
+def dataset_info(ds: Dataset) -> dict:
+    """run.json's "dataset" entry."""
+    return {"path": str(ds.path), "sha256": ds.sha256, "samples": len(ds.samples), "tokens": ds.tokens,
+            "loss_mask": ds.has_loss_mask}
+
+
+def open_run_dataset(info: dict, rid_prefix: str = "") -> Dataset:
+    """The dataset a run was started with (run.json's "dataset"), refused if it changed since."""
+    ds = load_dataset(info["path"], rid_prefix)
+    if ds.sha256 != info.get("sha256"):
+        raise BadInput(f"the dataset changed since the run started (sha256 {ds.sha256}, the run recorded "
+                       f"{info.get('sha256')}); put the original file back", file=str(ds.path))
+    return ds
+
+
+__all__ = ["Dataset", "Sample", "load_dataset", "check_against_model", "safe_name", "file_name", "dataset_info",
+           "open_run_dataset", "context_limit", "MAX_PROBLEMS"]

@@ -34,6 +34,7 @@ from . import applier, capture
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
 from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
+from .pull import pull
 from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
 from .smoke import model_arch_of, smoke
 from .state import TreeState, file_meta, new_file_meta
@@ -172,6 +173,10 @@ class Agent(object):
         f["server"] = self._server_status(mgr, cfg)
         f["history_tail"] = self.tree.history()[-3:]
         return f
+
+    def op_pull(self):
+        """Bytes of a capture run's verified dumps (`capture collect`); read-only, no lock (pull)."""
+        return pull(self.state_dir, self.req.get("run"), self.req.get("files"), self.req.get("max_bytes"))
 
     def op_history(self):
         return {"root": self.tree.root, "history": self.tree.history()}

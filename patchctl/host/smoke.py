@@ -24,11 +24,16 @@ DUMP_WAIT_S = 10  # how long the smoke waits for the asynchronous writer's files
 
 def read_safetensors(path):
     with open(path, "rb") as f:
-        data = f.read()
+        return parse_safetensors(f.read())
+
+
+def parse_safetensors(data):
+    """(metadata, {name: (dtype, shape, bytes)}) of a safetensors file's contents; `data` may be any
+    buffer (a memoryview of a bytearray gives zero-copy, writable tensor bytes)."""
     if len(data) < 8:
         raise ValueError("truncated file")
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n].decode())
+    header = json.loads(bytes(data[8:8 + n]).decode())
     meta = header.pop("__metadata__", {}) or {}
     body = data[8 + n:]
     tensors = {}

@@ -1,0 +1,494 @@
+"""`capture status` and `capture collect`: a run's journal read back, its verified files pulled and indexed.
+
+status   from the controller's journal only (no host is contacted): per host and in total, samples
+         done, failed (with reasons), in flight, pending; tokens and bytes done; duplicates.
+         Exit 0 when every sample of the dataset is done, 1 otherwise (failed or pending samples).
+collect  pulls each "done" file over its host's one SSH connection (agent op `pull`, host/pull.py:
+         only files under <state_dir>/dumps/captures/<RUN>/, at most PULL_BYTES of data per round
+         trip, long files in pieces), checks its sha256 against the journal, and writes it into DIR
+         under a partial name, then links it into place (never replacing a file: a file already
+         there with other contents is refused and reported). Resumable: a file already in DIR with
+         the right sha256 is not pulled again. --format specforge converts each verified dump into
+         SpecForge's offline `.ckpt` (capture/specforge.py); --in-place pulls nothing and indexes the
+         files where they lie. Only the selected hosts (--limit) are contacted.
+
+Layout of DIR (documented in docs/design.md "Collecting a capture run"):
+
+    index.json      the collection: run, format, dataset (path, sha256), each host's model facts,
+                    counts, what was not collected and why; "state": "collecting" until the end
+    index.jsonl     one line per sample in DIR (or indexed in place), in journal order
+    files/<xx>/<safe id>.safetensors | .ckpt     xx: first two hex digits of sha256(id)
+
+Exit codes of collect: 0 every sample done on the selected hosts is in DIR (or indexed), verified;
+1 some were not (sha256 mismatch, missing on the host, a different file in the way, a host of the
+journal not in the inventory); 2 bad input (no such run, DIR not patchctl's collection of this run
+in this format, torch missing for specforge); 3 a host could not be reached or was lost.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from patchctl import __version__
+from patchctl.capture.dataset import open_run_dataset, safe_name
+from patchctl.capture.journal import Journal, RunState, check_run_name, read_run_info, run_dir
+from patchctl.console import App, table
+from patchctl.errors import BadInput
+from patchctl.session import OUTCOME_EXIT, Run, host_error, worst
+
+INDEX, SUMMARY = "index.jsonl", "index.json"
+PARTIAL = ".patchctl-partial"  # our own temporary names: a crashed collect's leftovers are overwritten
+PULL_BYTES = 32 << 20  # file data per agent round trip (base64 makes the answer 4/3 of that)
+PULL_FILES = 2048
+SHOWN = 20  # failures listed in human output (--json lists all)
+ALL_ONES = "all ones (no loss_mask in the dataset)"
+OK_STATES = ("collected", "present", "indexed")
+
+
+def _load(name: str) -> tuple[dict, RunState]:
+    check_run_name(name)
+    info = read_run_info(name)
+    return info, Journal(run_dir(name)).state()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+# --- status -------------------------------------------------------------------------------------
+
+def status_data(name: str, info: dict, st: RunState) -> dict:
+    hosts: dict[str, dict] = {}
+
+    def h(host: str) -> dict:
+        return hosts.setdefault(host, {"done": 0, "failed": 0, "in_flight": 0, "tokens": 0, "bytes": 0,
+                                       "state": None, "reason": None})
+
+    for host in info.get("hosts") or {}:
+        h(host)
+    for r in st.done.values():
+        x = h(r.get("host"))
+        x["done"] += 1
+        x["tokens"] += int(r.get("tokens") or 0)
+        x["bytes"] += int(r.get("bytes") or 0)
+    for r in st.failed.values():
+        h(r.get("host"))["failed"] += 1
+    in_flight = st.in_flight()
+    for sid in in_flight:
+        h(st.last_sent[sid].get("host"))["in_flight"] += 1
+    for host, r in st.hosts.items():
+        h(host).update(state=r.get("state"), reason=r.get("reason"))
+    ds = info.get("dataset") or {}
+    samples = int(ds.get("samples") or 0)
+    pending = max(0, samples - len(st.done) - len(st.failed))
+    return {"run": name, "dataset": ds, "samples": samples, "done": len(st.done), "failed": len(st.failed),
+            "pending": pending, "in_flight": len(in_flight),
+            "tokens_done": sum(x["tokens"] for x in hosts.values()),
+            "bytes_done": sum(x["bytes"] for x in hosts.values()),
+            "complete": pending == 0 and not st.failed, "invocations": st.invocations, "hosts": hosts,
+            "failures": [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()],
+            "duplicates": [{"id": r.get("id"), "host": r.get("host"), "path": r.get("path"),
+                            "first_host": st.done[r["id"]].get("host"), "first_path": st.done[r["id"]].get("path")}
+                           for r in st.duplicates]}
+
+
+def render_status(d: dict):
+    from rich.console import Group
+    from rich.text import Text
+
+    ds = d["dataset"]
+    head = Text(f"capture run {d['run']}: dataset {ds.get('path')} ({d['samples']} samples, {ds.get('tokens')} tokens, "
+                f"sha256 {str(ds.get('sha256'))[:12]}…) — "
+                + ("complete" if d["complete"] else f"{d['pending']} pending, {d['failed']} failed"), style="bold")
+    t = table("samples per host", "host", "done", "failed", "in flight", "tokens done", "bytes done", "host state")
+    for host, x in sorted(d["hosts"].items(), key=lambda kv: str(kv[0])):
+        state = (x["state"] or "") + (f": {x['reason']}" if x["reason"] else "")
+        t.add_row(str(host), str(x["done"]), str(x["failed"]), str(x["in_flight"]), str(x["tokens"]), _mb(x["bytes"]), state)
+    t.add_row("total", f"{d['done']} of {d['samples']}", str(d["failed"]), str(d["in_flight"]), str(d["tokens_done"]),
+              _mb(d["bytes_done"]), f"{d['pending']} pending")
+    out = [head, t]
+    if d["failures"]:
+        out.append(Text(f"failed samples ({len(d['failures'])}" + (f", first {SHOWN} shown" if len(d["failures"]) > SHOWN else "") + "):"))
+        out += [Text(f"  {f['id']} on {f['host']}: {f['reason']}") for f in d["failures"][:SHOWN]]
+    if d["duplicates"]:
+        out.append(Text(f"duplicates ({len(d['duplicates'])}): a sample verified twice; the first file counts:"))
+        out += [Text(f"  {x['id']}: {x['host']}:{x['path']} (first: {x['first_host']}:{x['first_path']})")
+                for x in d["duplicates"][:SHOWN]]
+    return Group(*out)
+
+
+def run_capture_status(app: App, args) -> int:
+    info, st = _load(args.name)
+    d = status_data(args.name, info, st)
+    app.result(d, render_status(d))
+    return 0 if d["complete"] else 1
+
+
+# --- collect: what to do with each done sample --------------------------------------------------
+
+@dataclass
+class Item:
+    id: str
+    rec: dict  # the journal's "done" record
+    rel: str  # path in DIR
+    status: str = "pending"  # collected | present | indexed | mismatch | missing | refused | conflict | ...
+    reason: str = ""
+    sha256: str | None = None  # of the file in DIR
+    bytes: int = 0
+    mask_source: str | None = None  # specforge: where the ckpt's loss_mask came from
+
+    @property
+    def host(self) -> str:
+        return self.rec.get("host")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def target_rel(sid: str, fmt: str) -> str:
+    shard = hashlib.sha256(sid.encode("utf-8", "surrogatepass")).hexdigest()[:2]
+    return f"files/{shard}/{safe_name(sid)}" + (".ckpt" if fmt == "specforge" else ".safetensors")
+
+
+def open_collection(out: Path, name: str, fmt: str) -> dict[str, dict]:
+    """Check DIR is empty, new, or patchctl's collection of this run in this format; the index entries of
+    an earlier collect (id -> last entry), which a resumed specforge collect trusts for its own files."""
+    if out.exists() and not out.is_dir():
+        raise BadInput("--to: not a directory", file=str(out))
+    summary, index = out / SUMMARY, out / INDEX
+    if summary.exists():
+        try:
+            s = json.loads(summary.read_text())
+        except (OSError, ValueError) as e:
+            raise BadInput(f"cannot read it ({e}); it is not a patchctl collection: choose another --to", file=str(summary)) from None
+        if not isinstance(s, dict) or s.get("tool") != "patchctl":
+            raise BadInput("not written by patchctl; choose another --to", file=str(summary))
+        if s.get("run") != name or s.get("format") != fmt:
+            raise BadInput(f"{out} holds the {s.get('format')} collection of run {s.get('run')!r}; collect run {name!r} "
+                           f"as {fmt} into another --to", file=str(summary))
+    elif index.exists():
+        raise BadInput(f"{INDEX} exists without {SUMMARY}: not a patchctl collection; choose another --to", file=str(index))
+    prev: dict[str, dict] = {}
+    if index.exists():
+        for line in index.read_bytes().split(b"\n"):
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a crashed collect
+            if isinstance(e, dict) and isinstance(e.get("id"), str):
+                prev[e["id"]] = e
+    return prev
+
+
+def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selected: set[str], known: set[str]) -> list[Item]:
+    """One Item per done sample, in journal order: already in DIR (present), in the way (conflict), on a host
+    not selected or not in the inventory, indexed where it lies (--in-place), or still to pull (pending)."""
+    items = []
+    for sid, rec in st.done.items():
+        it = Item(sid, rec, target_rel(sid, fmt) if fmt != "in-place" else None)
+        items.append(it)
+        path = out / it.rel if it.rel else None
+        if path is not None and (path.exists() or path.is_symlink()):
+            have = sha256_file(path) if path.is_file() and not path.is_symlink() else None
+            want = rec.get("sha256") if fmt == "safetensors" else None
+            p = prev.get(sid) or {}
+            if fmt == "specforge" and p.get("file") == it.rel and p.get("source_sha256") == rec.get("sha256"):
+                want, it.mask_source = p.get("sha256"), p.get("loss_mask")
+            if have is not None and have == want:
+                it.status, it.sha256, it.bytes = "present", have, path.stat().st_size
+            else:
+                it.status = "conflict"
+                it.reason = (f"{path} exists with other contents (sha256 {have}); not overwritten: move it away "
+                             "and collect again" if have else f"{path} exists and is not a regular file; not replaced")
+        elif it.host not in known:
+            it.status, it.reason = "unknown host", f"host {it.host} is not in the inventory"
+        elif it.host not in selected:
+            it.status, it.reason = "not selected", f"host {it.host} not selected by --limit"
+        elif fmt == "in-place":
+            it.status, it.sha256, it.bytes = "indexed", rec.get("sha256"), int(rec.get("bytes") or 0)
+    return items
+
+
+# --- collect: pulling -----------------------------------------------------------------------------
+
+class Collector:
+    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter):
+        self.app, self.run, self.name, self.info, self.out, self.fmt = app, run, name, info, out, fmt
+        self.reporter = reporter
+        self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
+        self.dataset = None
+        self._index = open(out / INDEX, "ab")
+        self._lock = threading.Lock()  # hosts are pulled in parallel threads
+
+    def close(self):
+        self._index.close()
+
+    def entry(self, it: Item) -> dict:
+        facts = (self.info.get("hosts") or {}).get(it.host) or {}
+        if self.fmt != "specforge":
+            mask = "dataset" if (self.info.get("dataset") or {}).get("loss_mask") else ALL_ONES
+        else:
+            mask = it.mask_source or ALL_ONES
+        return {"id": it.id, "tokens": it.rec.get("tokens"), "file": it.rel, "host": it.host,
+                "host_path": it.rec.get("path"), "sha256": it.sha256, "bytes": it.bytes,
+                "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
+                "hidden_size": facts.get("hidden_size"),
+                "layers": {k: facts.get(k) for k in ("layers_to_capture", "layer_outputs", "eagle_aux_hidden_state_layer_ids")},
+                "loss_mask": mask}
+
+    def record(self, it: Item) -> None:
+        """Appended (and flushed) before the file is linked into place: a resumed collect knows its own file."""
+        line = (json.dumps(self.entry(it), sort_keys=True) + "\n").encode()
+        with self._lock:
+            self._index.write(line)
+            self._index.flush()
+            os.fsync(self._index.fileno())
+
+    def pull_host(self, host, items: list[Item]) -> tuple[int, str]:
+        """Pull every item of one host; (exit code, message) for the host."""
+        s = self.run.session(host)
+        t0, done, nbytes, pos = time.time(), 0, 0, 0
+        state: dict[str, list] = {}  # host path -> [file object, hasher, offset]
+        try:
+            while pos < len(items):
+                batch = items[pos:pos + PULL_FILES]
+                req = [{"path": it.rec["path"], "offset": state[it.rec["path"]][2] if it.rec["path"] in state else 0}
+                       for it in batch]
+                res = s.call("pull", run=self.name, files=req, max_bytes=PULL_BYTES)
+                answers = res.get("files") or []
+                if not answers:
+                    raise RuntimeError("the agent answered no file (no progress)")
+                for it, ans in zip(batch, answers):
+                    if ans.get("path") != it.rec["path"]:
+                        raise RuntimeError(f"answer for {ans.get('path')!r}, expected {it.rec['path']!r}")
+                    finished, n = self._piece(it, ans, state)
+                    nbytes += n
+                    if not finished:
+                        break
+                    pos += 1
+                    done += it.status in OK_STATES
+                secs = max(time.time() - t0, 1e-6)
+                self.reporter.emit({"event": "pulled", "run_id": self.run.run_id, "host": host.name, "files": pos,
+                                    "of": len(items), "bytes": nbytes, "seconds": round(secs, 3)})
+                self.app.info(f"{host.name}: {pos}/{len(items)} files, {_mb(nbytes)} ({nbytes / secs / 1e6:.1f} MB/s)")
+        except Exception as e:  # noqa: BLE001 - the host's remaining items are reported, the others go on
+            for f, _h, _o in state.values():
+                self._drop(f)
+            outcome, msg = host_error(e) if not isinstance(e, RuntimeError) else ("failed", str(e))
+            for it in items[pos:]:
+                it.status, it.reason = "host error", f"{outcome}: {msg}"
+            return OUTCOME_EXIT.get(outcome, 3), f"{outcome}: {msg}"
+        finally:
+            s.close()
+        secs = max(time.time() - t0, 1e-6)
+        bad = len(items) - done
+        return (1 if bad else 0), (f"{done} of {len(items)} files, {_mb(nbytes)} in {secs:.1f}s "
+                                   f"({nbytes / secs / 1e6:.1f} MB/s)" + (f"; {bad} not collected" if bad else ""))
+
+    def _drop(self, f) -> None:
+        f.close()
+        try:
+            os.unlink(f.name)
+        except OSError:
+            pass
+
+    def _piece(self, it: Item, ans: dict, state: dict) -> tuple[bool, int]:
+        """One answer for one file; (finished with this file, bytes received)."""
+        path, rec = it.rec["path"], it.rec
+        if ans.get("error"):
+            it.status = {"missing": "missing", "refused": "refused"}.get(ans["error"], "unreadable")
+            it.reason = f"{it.host}:{path}: {ans['error']} ({ans.get('reason')})"
+            return True, 0
+        data = base64.b64decode(ans["data"])
+        if hashlib.sha256(data).hexdigest() != ans.get("sha256"):
+            raise RuntimeError(f"{path}: a piece arrived damaged (its sha256 differs from the agent's)")
+        if path not in state:
+            if ans.get("size") != rec.get("bytes"):
+                it.status = "mismatch"
+                it.reason = (f"{it.host}:{path} has {ans.get('size')} bytes, the journal recorded {rec.get('bytes')} "
+                             "(changed on the host since it was verified); not collected")
+                return True, len(data)
+            dest = self.out / it.rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + (".safetensors" if self.fmt == "specforge" else "") + PARTIAL)
+            state[path] = [open(tmp, "wb"), hashlib.sha256(), 0]
+        f, h, off = state[path]
+        if ans.get("offset") != off:
+            raise RuntimeError(f"{path}: piece at offset {ans.get('offset')}, expected {off}")
+        f.write(data)
+        h.update(data)
+        state[path][2] = off + len(data)
+        if not ans.get("eof"):
+            return False, len(data)
+        del state[path]
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self._finish(it, Path(f.name), h.hexdigest())
+        return True, len(data)
+
+    def _finish(self, it: Item, tmp: Path, digest: str) -> None:
+        dest = self.out / it.rel
+        try:
+            if digest != it.rec.get("sha256"):
+                it.status = "mismatch"
+                it.reason = (f"{it.host}:{it.rec['path']}: sha256 {digest}, the journal recorded {it.rec.get('sha256')} "
+                             "(changed on the host since it was verified); not collected")
+                return
+            if self.fmt == "specforge":
+                from patchctl.capture.specforge import convert
+
+                ckpt = dest.with_name(dest.name + PARTIAL)
+                mask, it.mask_source = self.loss_mask(it.id)
+                try:
+                    convert(tmp, ckpt, mask)
+                except Exception as e:  # noqa: BLE001 - a file that does not convert is this sample's failure only
+                    it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: cannot convert: {e}"
+                    if ckpt.exists():
+                        os.unlink(ckpt)
+                    return
+                os.unlink(tmp)
+                tmp = ckpt
+                digest = sha256_file(ckpt)
+            it.sha256, it.bytes = digest, tmp.stat().st_size
+            self.record(it)
+            try:
+                os.link(tmp, dest)  # never replaces a file: one that appeared meanwhile is refused
+            except FileExistsError:
+                it.status, it.reason = "conflict", f"{dest} appeared meanwhile; not overwritten"
+                return
+            it.status = "collected"
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def loss_mask(self, sid: str) -> tuple[list | None, str]:
+        if self.dataset is None:
+            return None, ALL_ONES
+        s = self.dataset.samples[self.dataset.by_id[sid]]
+        if not s.has_loss_mask:
+            return None, "all ones (no loss_mask on its line of the dataset)"
+        return self.dataset.read(s)["loss_mask"], "dataset"
+
+
+# --- collect: the command -------------------------------------------------------------------------
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + PARTIAL)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item], state: str, created: str) -> dict:
+    ok = [it for it in items if it.status in OK_STATES]
+    missing: dict[str, int] = {}
+    for it in items:
+        if it.status not in OK_STATES:
+            missing[it.status] = missing.get(it.status, 0) + 1
+    ds = info.get("dataset") or {}
+    s = {"tool": "patchctl", "version": __version__, "run": name, "format": fmt, "state": state, "created": created,
+         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dataset": ds, "rid_prefix": info.get("prefix"),
+         "hosts": info.get("hosts") or {}, "samples": len(ok), "tokens": sum(int(it.rec.get("tokens") or 0) for it in ok),
+         "bytes": sum(it.bytes for it in ok), "not_collected": missing,
+         "loss_mask": "dataset" if ds.get("loss_mask") else ALL_ONES, "index": INDEX,
+         "files": None if fmt == "in-place" else "files/<first 2 hex of sha256(id)>/<safe id>"
+                  + (".ckpt" if fmt == "specforge" else ".safetensors")}
+    _write_atomic(out / SUMMARY, (json.dumps(s, indent=2, sort_keys=True) + "\n").encode())
+    return s
+
+
+def run_capture_collect(app: App, args) -> int:
+    from patchctl.report import Reporter
+
+    name = args.name
+    info, st = _load(name)
+    fmt = "in-place" if args.in_place else args.format
+    if args.in_place and args.format != "safetensors":
+        raise BadInput("--in-place pulls nothing, so there is nothing to convert: leave out --format")
+    if fmt == "specforge":
+        from patchctl.capture.specforge import require_torch
+
+        require_torch()
+    out = Path(args.to).expanduser().absolute()
+    prev = open_collection(out, name, fmt)
+    dataset = None
+    if fmt == "specforge" and (info.get("dataset") or {}).get("loss_mask"):
+        dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
+    run = Run(app, args, "capture collect")
+    selected = {h.name for h in run.hosts}
+    items = plan_items(st, out, fmt, prev, selected, set(run.inventory.hosts))
+    out.mkdir(parents=True, exist_ok=True)
+    created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    write_summary(out, name, info, fmt, items, "collecting", created)
+    by_host: dict[str, list[Item]] = {}
+    for it in items:
+        if it.status == "pending":
+            by_host.setdefault(it.host, []).append(it)
+    hosts = [h for h in run.hosts if h.name in by_host]
+    reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
+    col = Collector(app, run, name, info, out, fmt, reporter)
+    col.dataset = dataset
+    codes: list[int] = []
+    with reporter:
+        app.info(f"collect {name} into {out} ({fmt}): {len(st.done)} samples done in the journal; "
+                 f"{sum(it.status == 'present' for it in items)} already there, "
+                 f"{sum(len(v) for v in by_host.values())} to pull from {len(hosts)} host(s)")
+        try:
+            results = run.parallel(lambda h: (h.name, col.pull_host(h, by_host[h.name])), hosts) if hosts else []
+        finally:
+            col.close()
+            run.close()
+        for host, (code, msg) in results:
+            codes.append(code)
+            reporter.host_result(host, "ok" if code == 0 else ("failed" if code == 1 else "unknown" if code == 3 else "refused"),
+                                 code, msg)
+        entries = [col.entry(it) for it in items if it.status in OK_STATES]
+        _write_atomic(out / INDEX, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
+        summary = write_summary(out, name, info, fmt, items, "done", created)
+        failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}
+                    for it in items if it.status not in OK_STATES]
+        for f in failures:
+            if f["status"] != "not selected":
+                codes.append(1)
+                reporter.emit({"event": "not_collected", "run_id": run.run_id, **f})
+        code = worst(codes)
+        reporter.run_end(code, summary=summary)
+    _print_summary(app, out, summary, items, failures)
+    return code
+
+
+def _print_summary(app: App, out: Path, summary: dict, items: list[Item], failures: list[dict]) -> None:
+    counts: dict[str, dict[str, int]] = {}
+    for it in items:
+        c = counts.setdefault(str(it.host), {})
+        c[it.status] = c.get(it.status, 0) + 1
+    t = table(f"capture collect {summary['run']} -> {out} ({summary['format']})", "host", "collected", "already there",
+              "indexed", "not collected")
+    for host, c in sorted(counts.items()):
+        bad = ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k not in OK_STATES)
+        t.add_row(host, str(c.get("collected", 0)), str(c.get("present", 0)), str(c.get("indexed", 0)), bad or "0")
+    if not app.json:
+        app.out.print(t)
+    shown = [f for f in failures if f["status"] != "not selected"]
+    for f in shown[:SHOWN]:
+        app.info(f"not collected: {f['id']} ({f['status']}): {f['reason']}")
+    if len(shown) > SHOWN:
+        app.info(f"... and {len(shown) - SHOWN} more (index.json counts them; --json lists every one)")
+    app.info(f"{summary['samples']} samples, {summary['tokens']} tokens, {_mb(summary['bytes'])} indexed in {out / INDEX}")

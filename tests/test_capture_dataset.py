@@ -1,0 +1,145 @@
+"""The capture run's dataset (patchctl/capture/dataset.py): every bad input refused with exit 2 naming the
+file and line, all problems (up to 20) in one error; file names as the capture module makes them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from hidden_dump_util import MODULE, load_module, patched_tree
+from patchctl.capture import dataset as dsmod
+from patchctl.capture.dataset import MAX_PROBLEMS, check_against_model, load_dataset, safe_name
+from patchctl.errors import BadInput
+
+
+def write(tmp_path: Path, lines: list) -> Path:
+    p = tmp_path / "data.jsonl"
+    p.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return p
+
+
+def refused(path: Path, rid_prefix: str = "") -> BadInput:
+    with pytest.raises(BadInput) as e:
+        load_dataset(path, rid_prefix)
+    assert e.value.exit_code == 2
+    return e.value
+
+
+def test_a_good_dataset(tmp_path):
+    p = write(tmp_path, [{"id": "a", "input_ids": [1, 2, 3]}, "", "   ",
+                         {"id": "b/ü", "input_ids": [0], "loss_mask": [1]},
+                         {"id": "c", "input_ids": [5, 6], "loss_mask": [0, 1]}])
+    ds = load_dataset(p)
+    assert [(s.id, s.line, s.tokens, s.max_id, s.has_loss_mask) for s in ds.samples] == [
+        ("a", 1, 3, 3, False), ("b/ü", 4, 1, 0, True), ("c", 5, 2, 6, True)]
+    assert ds.tokens == 6 and ds.has_loss_mask and ds.path == p.absolute()
+    assert ds.sha256 == hashlib.sha256(p.read_bytes()).hexdigest() and ds.bytes == p.stat().st_size
+    assert ds.read(ds.samples[2]) == {"id": "c", "input_ids": [5, 6], "loss_mask": [0, 1]}
+    assert [r["input_ids"] for _, r in ds.records()] == [[1, 2, 3], [0], [5, 6]]
+    assert ds.read(ds.samples[0])["loss_mask"] is None
+    assert ds.by_id == {"a": 0, "b/ü": 1, "c": 2}
+    # a file changed since it was validated is noticed when a sample is read back
+    p.write_text(json.dumps({"id": "zz", "input_ids": [1]}) + "\n" * 10)
+    with pytest.raises(BadInput, match=r"data.jsonl:1: sample 'a' is no longer on this line: the file changed"):
+        ds.read(ds.samples[0])
+
+
+BAD = [
+    ("bad json", '{"id": "a", "input_ids": [1,', "not valid JSON"),
+    ("not an object", "[1, 2, 3]", "a JSON list, expected an object"),
+    ("missing id", {"input_ids": [1]}, "missing id"),
+    ("id not a string", {"id": 7, "input_ids": [1]}, "id 7: expected a non-empty string"),
+    ("empty id", {"id": "", "input_ids": [1]}, "id '': expected a non-empty string"),
+    ("missing input_ids", {"id": "a"}, "missing input_ids"),
+    ("empty input_ids", {"id": "a", "input_ids": []}, "input_ids []: expected a non-empty list"),
+    ("input_ids not a list", {"id": "a", "input_ids": "1 2 3"}, "expected a non-empty list of token ids"),
+    ("bool id", {"id": "a", "input_ids": [1, True]}, "input_ids holds a bool (true)"),
+    ("float id", {"id": "a", "input_ids": [1, 2.0]}, "input_ids holds a float (2.0)"),
+    ("string id", {"id": "a", "input_ids": [1, "2"]}, "input_ids holds a str ('2')"),
+    ("negative id", {"id": "a-b", "input_ids": [1, -4]}, "input_ids holds a negative id (-4)"),
+    ("nested list", {"id": "a", "input_ids": [[1, 2]]}, "input_ids holds a list"),
+    ("mask length", {"id": "a", "input_ids": [1, 2], "loss_mask": [1]}, "loss_mask has 1 values for 2 input_ids"),
+    ("mask value", {"id": "a", "input_ids": [1, 2], "loss_mask": [1, 2]}, "loss_mask holds 2: expected only 0 and 1"),
+    ("mask bool", {"id": "a", "input_ids": [1, 2], "loss_mask": [1, True]}, "loss_mask holds true"),
+    ("mask float", {"id": "a", "input_ids": [1, 2], "loss_mask": [1.0, 0]}, "loss_mask holds 1.0"),
+    ("mask null", {"id": "a", "input_ids": [1], "loss_mask": None}, "loss_mask null: expected a list of 0 and 1"),
+    ("unknown key", {"id": "a", "input_ids": [1], "loss_masks": [1]}, "unknown key 'loss_masks'; allowed: id, input_ids, loss_mask"),
+    ("nan", '{"id": "a", "input_ids": [1, NaN]}', "input_ids holds a float (NaN)"),
+]
+
+
+@pytest.mark.parametrize("case,line,expect", BAD, ids=[b[0] for b in BAD])
+def test_each_bad_line_is_refused_naming_file_and_line(tmp_path, case, line, expect):
+    p = write(tmp_path, [{"id": "ok", "input_ids": [1]}, "", line, {"id": "ok2", "input_ids": [2]}])
+    e = refused(p)
+    msg = str(e)
+    assert msg.startswith(f"{p.absolute()}:3: ") and expect in msg and msg.endswith("; nothing was sent"), msg
+    assert "\n" not in msg and (e.file, e.line) == (str(p.absolute()), 3)
+
+
+def test_duplicate_ids_name_both_lines(tmp_path):
+    p = write(tmp_path, [{"id": "a", "input_ids": [1]}, {"id": "b", "input_ids": [1]}, {"id": "a", "input_ids": [2]}])
+    assert f"{p.absolute()}:3: id 'a' again (first on line 1); ids must be unique" in str(refused(p))
+
+
+def test_every_problem_up_to_the_bound_in_one_error(tmp_path):
+    lines = [{"id": f"s{i}", "input_ids": [1, -1]} for i in range(MAX_PROBLEMS + 5)] + ["nope"]
+    e = refused(write(tmp_path, lines))
+    rows = str(e).splitlines()
+    assert len(rows) == MAX_PROBLEMS + 1 and e.problem_count == MAX_PROBLEMS + 6
+    assert [r.split(":")[1] for r in rows[:-1]] == [str(i) for i in range(1, MAX_PROBLEMS + 1)]
+    assert rows[-1].endswith(f"{MAX_PROBLEMS + 6} problems (the first {MAX_PROBLEMS} shown); nothing was sent")
+
+
+def test_unreadable_and_empty_files(tmp_path):
+    assert "cannot read the dataset" in str(refused(tmp_path / "missing.jsonl"))
+    assert ":1: no samples" in str(refused(write(tmp_path, ["", " "])))
+
+
+@pytest.fixture(scope="module")
+def module_safe_name(tmp_path_factory, sglang_tree):
+    """The capture module's own safe_name, from the series' patch applied to a copy of the 0.5.23 files."""
+    tree = patched_tree(sglang_tree, tmp_path_factory.mktemp("hd"))
+    return load_module(tree / MODULE, "hidden_dump_for_names").safe_name
+
+
+RIDS = ["a", "A.b_c-9", ".hidden", "rid-x", "rid-", "ri", "with space", "a/b", "../x", "ü", "日本", "\ud800x", "x" * 150,
+        "x" * 151, "y" * 400, "é" * 200, "-", "..", "a\nb", "patchctl-cap-run-s1", "rid-" + "z" * 200, "tab\t", "%2F"]
+
+
+def test_safe_name_is_the_capture_modules_rule(module_safe_name):
+    for rid in RIDS:
+        assert safe_name(rid) == module_safe_name(rid), rid
+    names = [safe_name(r) for r in RIDS]
+    assert len(set(names)) == len(names) and all("/" not in n and n not in (".", "..") for n in names)
+
+
+def test_ids_that_would_share_a_file_name_are_refused(tmp_path, monkeypatch):
+    # The module's rule is injective; a rule that is not (a future change) must be caught, naming both lines.
+    monkeypatch.setattr(dsmod, "safe_name", lambda rid: rid.lower())
+    p = write(tmp_path, [{"id": "Ab", "input_ids": [1]}, {"id": "x", "input_ids": [1]}, {"id": "aB", "input_ids": [1]}])
+    msg = str(refused(p, "p-"))
+    assert f"{p.absolute()}:3: id 'aB' and id 'Ab' (line 1) would be dumped to the same file p-ab.safetensors" in msg
+
+
+def test_check_against_model_names_the_line_and_the_host(tmp_path):
+    p = write(tmp_path, [{"id": "a", "input_ids": [1, 511]}, {"id": "b", "input_ids": [512]},
+                         {"id": "c", "input_ids": list(range(100))}, {"id": "d", "input_ids": list(range(99))}])
+    ds = load_dataset(p)
+    facts = {"gpu-a": {"vocab_size": 512, "max_position_embeddings": 4096, "model_path": "/m/a"},
+             "gpu-b": {"vocab_size": 1000, "max_position_embeddings": 100}}
+    with pytest.raises(BadInput) as e:
+        check_against_model(ds, facts)
+    rows = str(e.value).splitlines()
+    assert rows[0] == (f"{p.absolute()}:2: id 'b': token id 512 >= vocab_size 512 of the model served on gpu-a (/m/a); "
+                       "expected ids below 512")
+    assert rows[1] == (f"{p.absolute()}:3: id 'c': 100 tokens; the model served on gpu-b takes at most 99 "
+                       "(context length 100, 1 new token)")
+    assert rows[2].endswith("2 problems; nothing was sent") and len(rows) == 3 and e.value.exit_code == 2
+    # the server's --context-length, when known, wins over config.json's max_position_embeddings
+    check_against_model(ds, {"gpu-b": {"vocab_size": 1000, "max_position_embeddings": 100, "context_length": 200}})
+    check_against_model(ds, {"gpu-c": {"vocab_size": 513}})  # no context known: only the vocabulary is checked
+    check_against_model(ds, {})
