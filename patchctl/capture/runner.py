@@ -48,7 +48,6 @@ class Lane:
     """One taking-part host (a unit's head): its stream of samples and what it holds."""
     host: Host
     info: dict
-    prefix: str
     stream: "_Stream | None" = None
     outstanding: dict[str, Item] = field(default_factory=dict)
     active: bool = True
@@ -107,8 +106,8 @@ def allowed_failures(spec: str, n: int) -> int:
 
 
 class CaptureRun:
-    def __init__(self, app: App, args, run: Run, name: str, ds, journal: Journal, progress: Progress):
-        self.app, self.args, self.run, self.name = app, args, run, name
+    def __init__(self, app: App, args, run: Run, name: str, prefix: str, ds, journal: Journal, progress: Progress):
+        self.app, self.args, self.run, self.name, self.prefix = app, args, run, name, prefix
         self.ds = ds
         self.journal = journal
         self.progress = progress
@@ -142,7 +141,7 @@ class CaptureRun:
             s = it.sample
             lane.outstanding[s.id] = it
             self.journal.append({"rec": "sent", "id": s.id, "host": lane.host.name, "attempt": it.attempt})
-            line = {"id": s.id, "rid": f"{lane.prefix}-{s.id}", "input_ids": s.input_ids}
+            line = {"id": s.id, "rid": f"{self.prefix}-{s.id}", "input_ids": self.ds.read(s)["input_ids"]}
             lane.stream.put((json.dumps(line, separators=(",", ":")) + "\n").encode())
         self._maybe_end()
 
@@ -294,77 +293,79 @@ def _probe(run: Run, units: list[list[Host]]) -> tuple[list[Lane], dict[str, str
         if err or not r["ready"]:
             skipped[h.name] = err or r["why"]
         else:
-            lanes.append(Lane(h, r, run_prefix(r["rid_prefix"], "")))
+            lanes.append(Lane(h, r))
     return lanes, skipped
 
 
 def run_capture(app: App, args) -> int:
     name = check_run_name(args.name or default_name(args.dataset))
-    ds = datasets.load_dataset(args.dataset)  # bad input: exit 2 naming the line, nothing sent
+    # bad input: exit 2 naming the lines, nothing sent (file names judged with the default series prefix;
+    # the module's naming is injective whatever the prefix)
+    ds = datasets.load_dataset(args.dataset, run_prefix("patchctl-", name) + "-")
     run = Run(app, args, "capture run")
-    directory = run_dir(name, create=True)
-    info_path = directory / "run.json"
+    info_path = run_dir(name) / "run.json"
     before = json.loads(info_path.read_text()) if info_path.exists() else None
     if before and before["dataset"]["sha256"] != ds.sha256:
         raise BadInput(f"run {name!r} was started with dataset {before['dataset']['path']} (sha256 "
                        f"{before['dataset']['sha256'][:12]}…); {args.dataset} differs: resume with that file, or "
                        f"start another run with --name")
     try:
-        units = run.units()
-        lanes, skipped = _probe(run, units)
+        lanes, skipped = _probe(run, run.units())
         for host, why in skipped.items():
             app.info(f"{host}: does not take part: {why}")
         if not lanes:
             raise BadInput("no host takes part in the capture (each needs a capture series deployed and verified, "
                            "its server running): nothing sent")
+        prefixes = {run_prefix(l.info["rid_prefix"], name) for l in lanes}
+        if len(prefixes) > 1 or (before and before["prefix"] not in prefixes):
+            raise BadInput(f"the taking-part hosts' series dump different rid prefixes ({', '.join(sorted(prefixes))}"
+                           + (f"; the run was started with {before['prefix']}" if before else "") +
+                           "): one run needs one prefix (SGLANG_HIDDEN_DUMP_RID_PREFIX): nothing sent")
+        prefix = prefixes.pop()
         datasets.check_against_model(ds, {l.host.name: l.info for l in lanes})
-        for l in lanes:
-            l.prefix = run_prefix(l.info["rid_prefix"], name)
+        directory = run_dir(name, create=True)
         info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                          "dataset": {"path": str(args.dataset.resolve()), "sha256": ds.sha256, "samples": len(ds.samples),
-                                      "tokens": ds.tokens, "loss_mask": ds.has_loss_mask}, "hosts": {}}
-        info["prefix"] = {l.host.name: l.prefix for l in lanes} | (before or {}).get("prefix", {})
+                          "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}
         for l in lanes:
-            info["hosts"][l.host.name] = {k: l.info.get(k) for k in (
+            info["hosts"][l.host.name] = dict({k: l.info.get(k) for k in (
                 "model_path", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
-                "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version")}
-            info["hosts"][l.host.name]["expect"] = l.info.get("expect")
-            info["hosts"][l.host.name]["run_dir"] = f"{l.info['dump_dir']}/captures/{name}"
+                "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect")},
+                run_dir=f"{l.info['dump_dir']}/captures/{name}")
         write_run_info(directory, info)
-        journal = Journal(directory)
-        state = journal.state()
-        todo = [s for s in ds.samples if s.id not in state.done]
-        resumed = len(ds.samples) - len(todo)
-        progress = Progress(app, directory, run.run_id, total=len(ds.samples), already=resumed,
-                            hosts=[l.host.name for l in lanes], log_dir=args.log_dir)
-        journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
-                        "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped})
-        if resumed:
-            app.info(f"resuming run {name}: {resumed} of {len(ds.samples)} samples already done and verified, "
-                     f"{len(todo)} to send")
-        cr = CaptureRun(app, args, run, name, ds, journal, progress)
-        for l in lanes:
-            l.stream = _Stream()
-        interrupted = False
-        with progress:
-            try:
-                if todo:
-                    cr.go(lanes, todo)
-            except KeyboardInterrupt:
-                interrupted = True
-        interrupted = interrupted or cr.stopping == "Ctrl-C"
-        final = journal.state()
-        left = [s.id for s in ds.samples if s.id not in final.done]
-        failed = {i: r for i, r in final.failed.items()}
-        code = 0 if not left else 1
-        if interrupted:
-            code = 130
-        journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
-                        "done": len(final.done), "failed": len(failed), "pending": len(left) - len(failed)})
-        journal.close()
-        progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,
-                         pending=len(left) - len(failed), duplicates=len(final.duplicates), stopping=cr.stopping,
-                         exit_code=code)
-        return code
+        return _capture(app, args, run, name, prefix, ds, directory, lanes, skipped)
     finally:
         run.close()
+
+
+def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
+             skipped: dict[str, str]) -> int:
+    journal = Journal(directory)
+    todo = [s for s in ds.samples if s.id not in journal.state().done]
+    resumed = len(ds.samples) - len(todo)
+    progress = Progress(app, directory, run.run_id, total=len(ds.samples), already=resumed,
+                        hosts=[l.host.name for l in lanes], log_dir=args.log_dir)
+    journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
+                    "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped})
+    if resumed:
+        app.info(f"resuming run {name}: {resumed} of {len(ds.samples)} samples already done and verified, "
+                 f"{len(todo)} to send")
+    cr = CaptureRun(app, args, run, name, prefix, ds, journal, progress)
+    for l in lanes:
+        l.stream = _Stream()
+    interrupted = False
+    with progress:
+        try:
+            if todo:
+                cr.go(lanes, todo)
+        except KeyboardInterrupt:
+            interrupted = True
+    final = journal.state()
+    failed = dict(final.failed)
+    pending = sum(1 for s in ds.samples if s.id not in final.done and s.id not in failed)
+    code = 130 if interrupted or cr.stopping == "Ctrl-C" else (0 if not pending and not failed else 1)
+    journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
+                    "done": len(final.done), "failed": len(failed), "pending": pending})
+    journal.close()
+    progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,
+                     pending=pending, duplicates=len(final.duplicates), stopping=cr.stopping, exit_code=code)
+    return code
