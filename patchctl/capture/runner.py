@@ -83,13 +83,15 @@ class _Stream:
             self._cv.notify()
 
     def __iter__(self):
+        """Whatever has queued up, as one write (one SSH packet, not one per sample); ends once closed and drained."""
         while True:
             with self._cv:
                 while not self._items and not self._closed:
                     self._cv.wait()
                 if not self._items:
                     return
-                chunk = self._items.popleft()
+                chunk = b"".join(self._items)
+                self._items.clear()
             yield chunk
 
 
@@ -340,7 +342,8 @@ def run_capture(app: App, args) -> int:
 def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
              skipped: dict[str, str]) -> int:
     journal = Journal(directory)
-    todo = [s for s in ds.samples if s.id not in journal.state().done]
+    done = journal.state().done
+    todo = [s for s in ds.samples if s.id not in done]
     resumed = len(ds.samples) - len(todo)
     progress = Progress(app, directory, run.run_id, total=len(ds.samples), already=resumed,
                         hosts=[l.host.name for l in lanes], log_dir=args.log_dir)
