@@ -1,4 +1,5 @@
-"""The built-in local demo: a real deploy of `hidden-dump` on this machine, then a known-bad series rolled back.
+"""The built-in local demo: a real deploy of `hidden-dump` on this machine, an extraction run collected as
+SpecForge training data, then a known-bad series rolled back.
 
 Sets up the directories the shipped inventory's `local` host names (~/.cache/patchctl/demo by
 default): an SGLang 0.5.23 tree unpacked from the PyPI wheel (site-packages layout; the wheel
@@ -93,6 +94,30 @@ def patchctl(*args: str) -> int:
                            "--patches", str(REPO / "patches"), *args]).returncode
 
 
+def extraction_run(d: DemoHost, samples: int = 200) -> int:
+    """A tokenized dataset through the verified capture server, collected in SpecForge's offline format."""
+    import json
+    import random
+
+    name = "demo-" + time.strftime("%Y%m%d-%H%M%S")
+    dataset = d.root.parent / "datasets" / f"{name}.jsonl"
+    out = d.root.parent / "datasets" / name
+    dataset.parent.mkdir(parents=True, exist_ok=True)
+    r = random.Random(name)
+    with open(dataset, "w") as f:  # token ids of the demo model's vocabulary (512), prompts of 16-128 tokens
+        for i in range(samples):
+            ids = [r.randrange(10, 500) for _ in range(r.randrange(16, 129))]
+            mask = [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)  # e.g. loss on the answer half only
+            f.write(json.dumps({"id": f"conv-{i:05d}", "input_ids": ids, "loss_mask": mask}) + "\n")
+    say(f"3. an extraction run: {samples} samples of {dataset.name} through the verified capture server, every dump "
+        "verified on the host, then collected as SpecForge training data")
+    rc = patchctl("capture", "run", str(dataset), "--name", name, "--limit", "local")
+    if rc == 0:
+        patchctl("capture", "status", name)
+        rc = patchctl("capture", "collect", name, "--to", str(out), "--format", "specforge", "--limit", "local")
+    return rc
+
+
 def main() -> int:
     d = DemoHost.from_inventory()
     setup(d)
@@ -105,16 +130,17 @@ def main() -> int:
         print(f"apply failed with exit {rc}")
         return rc
     patchctl("status", "--limit", "local")
-    say("3. a known-bad series (hook in LlamaModel.forward, replayed by the prefill CUDA graph): "
+    rc_capture = extraction_run(d)
+    say("4. a known-bad series (hook in LlamaModel.forward, replayed by the prefill CUDA graph): "
         "the reachability trace refuses it before any restart")
     rc_refused = patchctl("apply", "hidden-dump-dead-hook", "--limit", "local")
     print(f"(exit {rc_refused}: 2 = refused, nothing touched)")
-    say("4. the same series with --skip-trace: the smoke extraction catches the dead hook, automatic verified rollback")
+    say("5. the same series with --skip-trace: the smoke extraction catches the dead hook, automatic verified rollback")
     rc_bad = patchctl("apply", "hidden-dump-dead-hook", "--limit", "local", "--skip-trace")
     print(f"(exit {rc_bad}: 1 = failed, every touched host rolled back and verified)")
     patchctl("status", "--limit", "local")
     patchctl("history", "--limit", "local")
-    say("5. roll the demo host back to a clean tree")
+    say("6. roll the demo host back to a clean tree")
     rc = patchctl("rollback", "--limit", "local", "--to", "clean")
     patchctl("status", "--limit", "local")
     pid = pid_on_port(d.port)
@@ -123,7 +149,8 @@ def main() -> int:
     print(f"    its log:       {d.log}")
     print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
     print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
-    return 0 if rc == 0 and rc_bad == 1 and rc_refused == 2 else 1
+    print(f"    training data: {d.root.parent / 'datasets'} (SpecForge offline format, from step 3)")
+    return 0 if rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 else 1
 
 
 if __name__ == "__main__":
