@@ -485,13 +485,16 @@ def test_demo_with_xdg_cache_home_says_what_it_left_running(tmp_path, sglang_tre
     pid = None
     try:
         p = subprocess.run([sys.executable, "-m", "patchctl.demo"], capture_output=True, text=True, env=env,
-                           timeout=400, cwd=tmp_path)
+                           timeout=900, cwd=tmp_path)
         out = p.stdout + p.stderr
         pid = pid_on_port(30000)
         assert p.returncode == 0, out[-4000:]
         # the demo set up the paths the shipped inventory names for `local`, and patchctl found them
         assert (home / ".cache/patchctl/demo/site-packages/sglang").is_dir()
         assert "(exit 2: 2 = refused" in out and "(exit 1: 1 = failed" in out and "no dump file" in out
+        # the extraction run: every sample verified, collected as SpecForge training data
+        assert "200/200 samples done and verified; 0 failed; 0 pending" in out
+        assert len(list((home / ".cache/patchctl/demo/datasets").glob("demo-*/files/*/*.ckpt"))) == 200
         m = re.search(r"still running on 127\.0\.0\.1:30000 \(pid (\d+)\)", out)
         assert m and int(m.group(1)) == pid, out[-2000:]
         stop = re.search(r"stop it:\s+(.*)", out).group(1)
