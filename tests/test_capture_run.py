@@ -274,3 +274,30 @@ def test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent(fleet, tmp
     assert p.returncode == 2, p.stderr
     assert f"{bad}:2" in p.stderr and "vocab" in p.stderr
     assert [r for r in journal(f, "bad2") if r["rec"] == "sent"] == []
+
+
+def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(fleet, tmp_path):
+    from test_operator import Terminal
+
+    f = fleet
+    samples = dataset(tmp_path / "ds.jsonl", 600, seed=5)
+    env = dict(os.environ, XDG_STATE_HOME=str(f.base / "xdg-state"))
+    args = ("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "ctrlc", "--in-flight", "2", "--keep-free", "0")
+    term = Terminal(f.cmd(*args), env)
+    wait_for(lambda: sum(1 for r in journal(f, "ctrlc") if r["rec"] == "done") >= 30 or term._eof.is_set(), 120,
+             what="30 samples done")
+    term.ctrl_c()
+    rc = term.wait(120)
+    out = term.text
+    assert rc == 130, out[-3000:]
+    assert "stopping: Ctrl-C; no new samples are sent, in-flight samples finish" in out
+    assert "samples done and verified" in out and "run the same command again" in out
+    recs = journal(f, "ctrlc")
+    assert recs[-1]["rec"] == "run" and recs[-1]["event"] == "end" and recs[-1]["exit_code"] == 130
+    # every sample sent got its outcome before the controller left: nothing was left in flight
+    outcome = {r["id"] for r in recs if r["rec"] in ("done", "failed", "returned")}
+    assert {r["id"] for r in recs if r["rec"] == "sent"} <= outcome
+    assert len(done_records(recs)) < 600
+    p = f.patchctl(*args)
+    assert p.returncode == 0, p.stderr
+    assert set(done_records(journal(f, "ctrlc"))) == set(samples)
