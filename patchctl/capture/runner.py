@@ -237,9 +237,9 @@ class CaptureRun:
             lane.result = remote.call(s.transport, req, on_event=lambda ev: self.on_event(lane, ev),
                                       silence=self.run.silence, stream=lane.stream)
         except PatchctlError as e:
-            _, msg = host_error(e)
+            outcome, msg = host_error(e)
             with self.lock:
-                self._host_stopped(lane, f"lost: {msg}")
+                self._host_stopped(lane, f"{outcome}: {msg}")
         finally:
             with self.lock:
                 lane.active = False

@@ -140,10 +140,12 @@ class Capture(object):
         reader.start()
         workers = [threading.Thread(target=self._work, name="capture-%d" % i) for i in range(self.in_flight)]
         for w in workers:
+            w.daemon = True  # a worker stuck on a hung server must not keep an orphaned agent alive
             w.start()
         for w in workers:
-            w.join()
-        if self.gone:
+            while w.is_alive() and not self.gone:
+                w.join(0.5)
+        if self.gone:  # the controller is gone: the lock is released at exit, a resume sends these again
             raise ControllerGone()
         return dict(self.counts, stopped=self.stopped, seconds=round(time.time() - t0, 3), run_dir=self.run_dir)
 
