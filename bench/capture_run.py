@@ -180,8 +180,8 @@ def main() -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=2))
     print()
-    print(f"| round | plain samples/s | capture samples/s | capture / plain | controller CPU per 1000 samples |")
-    print(f"|---|---|---|---|---|")
+    print("| round | plain samples/s | capture samples/s | capture / plain | controller CPU per 1000 samples |")
+    print("|---|---|---|---|---|")
     for i, x in enumerate(results["rounds"], 1):
         print(f"| {i} | {x['plain_samples_per_s']} | {x['capture_samples_per_s']} | {x['ratio']:.3f} | "
               f"{x['controller_cpu_ms_per_1000'] / 1000:.2f} s |")

@@ -15,8 +15,8 @@ journal's done samples are skipped, everything else is sent (again).
 from __future__ import annotations
 
 import json
+import os
 import re
-import sys
 import threading
 import time
 from collections import deque
@@ -117,8 +117,6 @@ class CaptureRun:
         self.lanes: dict[str, Lane] = {}
         self.pending: deque[Item] = deque()
         self.retries: list[Item] = []
-        self.failed_final: dict[str, str] = {}
-        self.duplicates = 0
         self.host_failures = 0
         self.max_fail = 0
         self.stopping: str | None = None
@@ -197,7 +195,6 @@ class CaptureRun:
                                      "attempt": it.attempt, "final": final})
                 lane.failed += 1
                 if final:
-                    self.failed_final[sid] = ev["reason"]
                     self.progress.sample_failed(lane.host.name, sid, ev["reason"])
                 else:
                     self.retries.append(Item(it.sample, it.attempt + 1, avoid=lane.host.name))
@@ -232,7 +229,9 @@ class CaptureRun:
         s = self.run.session(lane.host)
         req = s.request("capture", capture_run=self.name, in_flight=self.args.in_flight, keep_free=self.args.keep_free,
                         request_timeout=self.args.request_timeout, capture_layers=lane.host.server.capture_layers,
-                        hidden_size=lane.host.server.hidden_size)
+                        hidden_size=lane.host.server.hidden_size,
+                        # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
+                        pool_from_bytes=int(os.environ.get("PATCHCTL_CAPTURE_POOL_FROM_BYTES") or 0) or None)
         try:
             lane.result = remote.call(s.transport, req, on_event=lambda ev: self.on_event(lane, ev),
                                       silence=self.run.silence, stream=lane.stream)

@@ -21,11 +21,13 @@ import threading
 import time
 
 from .events import AgentError, ControllerGone, event
-from .osutil import expand
+from .osutil import expand, sha256_file
 from .server import http_once
 from .smoke import FORMAT_VERSION, expected_layers, model_facts, validate_dump
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
+POOL_FROM_BYTES = 4 << 20  # dumps this large are checked in worker processes (a 2000-token dump at H = 7168
+#                            is 115 MB and ~0.9 s of CPU to check and hash, mostly under the GIL)
 MAX_NAME_LEN = 150  # the hidden-dump module's own limit (safe_name below must be its exact twin)
 _SAFE_RID = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -63,6 +65,25 @@ def rid_prefix_of(cfg):
 def run_prefix(env_prefix, run):
     """Every sample's rid is `<run prefix>-<sample id>`: inside the series' dump prefix, unique to the run."""
     return "%scap-%s" % (env_prefix, run)
+
+
+def check_file(path, ids, expect, hidden):
+    """(problems, sha256): validate_dump and the file's hash, in one place for the inline and pooled paths."""
+    problems = validate_dump(path, ids, expect, hidden)
+    return problems, (None if problems else sha256_file(path))
+
+
+def _checker_pool(workers):
+    """Worker processes for big dumps (forked now, before this op starts its threads), or None."""
+    try:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        list(pool.map(abs, range(workers)))  # start every worker while this process has one thread of its own
+        return pool
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def probe(manifest, cfg, req):
@@ -128,6 +149,8 @@ class Capture(object):
         self.stopped = None  # why this host takes no more work
         self.gone = False
         self.counts = {"done": 0, "failed": 0, "returned": 0, "bytes": 0, "tokens": 0}
+        self.pool = None  # worker processes that check big dumps off this process's GIL
+        self.pool_from = int(req.get("pool_from_bytes") or POOL_FROM_BYTES)
 
     # the loop ---------------------------------------------------------------------------
     def run_all(self):
@@ -135,6 +158,8 @@ class Capture(object):
             if not os.path.isdir(d):
                 os.makedirs(d, 0o750)
         t0 = time.time()
+        if self.info["bytes_per_token"] * 1024 >= self.pool_from:  # a model whose dumps get big
+            self.pool = _checker_pool(max(1, min(self.in_flight, (os.cpu_count() or 2) - 1)))
         reader = threading.Thread(target=self._read, name="capture-stdin")
         reader.daemon = True  # blocked on stdin when the op ends: the process exit ends it
         reader.start()
@@ -145,6 +170,8 @@ class Capture(object):
         for w in workers:
             while w.is_alive() and not self.gone:
                 w.join(0.5)
+        if self.pool is not None:
+            self.pool.shutdown(wait=not self.gone)
         if self.gone:  # the controller is gone: the lock is released at exit, a resume sends these again
             raise ControllerGone()
         return dict(self.counts, stopped=self.stopped, seconds=round(time.time() - t0, 3), run_dir=self.run_dir)
@@ -248,21 +275,20 @@ class Capture(object):
                 return self._emit("sample_failed", id=s["id"], reason="no dump file %s within %gs of the response%s" % (
                     fname, DUMP_WAIT_S, self._errors_for(s["rid"])))
             time.sleep(0.005)
-        problems = validate_dump(path, ids, self.expect, self.hidden)
+        size = os.path.getsize(path)
+        if self.pool is not None and size >= self.pool_from:
+            problems, digest = self.pool.submit(check_file, path, ids, self.expect, self.hidden).result()
+        else:
+            problems, digest = check_file(path, ids, self.expect, self.hidden)
         if problems:
             os.replace(path, os.path.join(self.run_dir, "rejected", fname))
             return self._emit("sample_failed", id=s["id"], reason="; ".join(problems[:4]))
         dest = os.path.join(self.run_dir, fname)
         os.replace(path, dest)
-        h = hashlib.sha256()
-        with open(dest, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        size = os.path.getsize(dest)
         with self.lock:
             self.counts["bytes"] += size
             self.counts["tokens"] += len(ids)
-        self._emit("sample_done", id=s["id"], path=dest, sha256=h.hexdigest(), bytes=size, tokens=len(ids),
+        self._emit("sample_done", id=s["id"], path=dest, sha256=digest, bytes=size, tokens=len(ids),
                    seconds=round(time.time() - t0, 3))
 
     def _errors_for(self, rid):
