@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import signal
 import statistics
 import subprocess
@@ -53,11 +52,6 @@ def make_dataset(path: Path, n: int, tag: str, seed: int = 7) -> list[tuple[str,
         for sid, ids in rows:
             fh.write(json.dumps({"id": sid, "input_ids": ids}) + "\n")
     return rows
-
-
-def cpu_children() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
 
 
 def plain_client(f: Fleet, rows, in_flight: int) -> float:
@@ -101,19 +95,24 @@ def plain_client(f: Fleet, rows, in_flight: int) -> float:
 def capture(f: Fleet, dataset: Path, name: str, in_flight: int, kill_after: int | None = None) -> dict:
     cmd = f.cmd("capture", "run", str(dataset), "--name", name, "--in-flight", str(in_flight), "--keep-free", "0")
     env = dict(os.environ, XDG_STATE_HOME=str(f.base / "xdg-state"))
-    c0, t0 = cpu_children(), time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
     if kill_after is not None:
         journal = f.base / "xdg-state" / "patchctl" / "captures" / name / "journal.jsonl"
-        wait_for(lambda: journal.exists() and journal.read_text().count('"rec":"done"') >= kill_after
-                 or proc.poll() is not None, 600, what="half the samples done")
+        wait_for(lambda: journal.exists() and journal.read_text().count('"rec":"done"') >= kill_after, 600,
+                 what="half the samples done")
         proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate()
+    # the controller's own CPU, from its own rusage (RUSAGE_CHILDREN would also count servers reaped meanwhile)
+    _, status, ru = os.wait4(proc.pid, 0)
     wall = time.monotonic() - t0
-    cpu = cpu_children() - c0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join(10)
     if kill_after is None and proc.returncode != 0:
-        raise SystemExit(f"capture run failed (exit {proc.returncode}):\n{err[-3000:]}")
-    return {"wall": wall, "cpu": cpu, "exit": proc.returncode}
+        raise SystemExit(f"capture run failed (exit {proc.returncode}):\n{''.join(err)[-3000:]}")
+    return {"wall": wall, "cpu": ru.ru_utime + ru.ru_stime, "exit": proc.returncode}
 
 
 def clear_captures(f: Fleet, name: str) -> None:

@@ -19,6 +19,7 @@ import re
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .events import AgentError, ControllerGone, event
 from .osutil import expand, sha256_file
@@ -149,6 +150,7 @@ class Capture(object):
         self.stopped = None  # why this host takes no more work
         self.gone = False
         self.counts = {"done": 0, "failed": 0, "returned": 0, "bytes": 0, "tokens": 0}
+        self.checkers = None  # threads that await, check and move answered samples' dumps
         self.pool = None  # worker processes that check big dumps off this process's GIL
         self.pool_from = int(req.get("pool_from_bytes") or POOL_FROM_BYTES)
 
@@ -160,6 +162,7 @@ class Capture(object):
         t0 = time.time()
         if self.info["bytes_per_token"] * 1024 >= self.pool_from:  # a model whose dumps get big
             self.pool = _checker_pool(max(1, min(self.in_flight, (os.cpu_count() or 2) - 1)))
+        self.checkers = ThreadPoolExecutor(max_workers=self.in_flight)
         reader = threading.Thread(target=self._read, name="capture-stdin")
         reader.daemon = True  # blocked on stdin when the op ends: the process exit ends it
         reader.start()
@@ -170,6 +173,7 @@ class Capture(object):
         for w in workers:
             while w.is_alive() and not self.gone:
                 w.join(0.5)
+        self.checkers.shutdown(wait=not self.gone)
         if self.pool is not None:
             self.pool.shutdown(wait=not self.gone)
         if self.gone:  # the controller is gone: the lock is released at exit, a resume sends these again
@@ -200,6 +204,8 @@ class Capture(object):
             return self.work.pop(0) if self.work else None
 
     def _work(self):
+        """A sender: keeps one request in flight at the server; the dump of an answered one is left to a
+        checker thread, so the server never waits on this host's checking."""
         try:
             while not self.gone:
                 s = self._next()
@@ -210,13 +216,18 @@ class Capture(object):
                     continue
                 if not self._reserve(s):
                     continue
+                handed = False
                 try:
-                    self._one(s)
+                    handed = self._post(s)
                 finally:
-                    with self.lock:
-                        self.inflight_tokens -= len(s["input_ids"])
+                    if not handed:
+                        self._release(s)
         except ControllerGone:
             self.gone = True
+
+    def _release(self, s):
+        with self.lock:
+            self.inflight_tokens -= len(s["input_ids"])
 
     def _emit(self, kind, **data):
         key = {"sample_done": "done", "sample_failed": "failed", "sample_returned": "returned"}.get(kind)
@@ -252,7 +263,8 @@ class Capture(object):
         self._emit("sample_returned", id=s["id"], reason=self.stopped)
         return False
 
-    def _one(self, s):
+    def _post(self, s):
+        """POST one sample; True once its dump is handed to a checker (which releases its tokens)."""
         ids = s["input_ids"]
         t0 = time.time()
         body = {"rid": s["rid"], "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -261,12 +273,34 @@ class Capture(object):
         except (OSError, http.client.HTTPException) as e:
             self._stop("the server on port %s does not answer: %s" % (self.cfg["port"], e or e.__class__.__name__))
             self._emit("sample_returned", id=s["id"], reason=self.stopped)
-            return
+            return False
         if status != 200:
-            return self._emit("sample_failed", id=s["id"], reason="HTTP %d from the server: %s" % (status, str(resp)[:300]))
+            self._emit("sample_failed", id=s["id"], reason="HTTP %d from the server: %s" % (status, str(resp)[:300]))
+            return False
         pt = (resp.get("meta_info") or {}).get("prompt_tokens") if isinstance(resp, dict) else None
         if pt is not None and pt != len(ids):
-            return self._emit("sample_failed", id=s["id"], reason="the server counted %s prompt tokens, %d were sent" % (pt, len(ids)))
+            self._emit("sample_failed", id=s["id"], reason="the server counted %s prompt tokens, %d were sent" % (pt, len(ids)))
+            return False
+        self.checkers.submit(self._check, s, t0)
+        return True
+
+    def _check(self, s, t0):
+        """Await the asynchronous writer's file, validate it, move it into the run's directory, report it."""
+        try:
+            self._check_one(s, t0)
+        except ControllerGone:
+            self.gone = True
+        except Exception as e:  # an agent bug fails this sample loudly, never silently
+            try:
+                self._emit("sample_failed", id=s["id"], reason="agent error checking the dump: %s: %s" % (
+                    e.__class__.__name__, e))
+            except ControllerGone:
+                self.gone = True
+        finally:
+            self._release(s)
+
+    def _check_one(self, s, t0):
+        ids = s["input_ids"]
         fname = safe_name(s["rid"]) + ".safetensors"
         path = os.path.join(self.dump_dir, fname)
         deadline = time.time() + DUMP_WAIT_S
