@@ -100,7 +100,7 @@ class Sampler(threading.Thread):
             self.done.wait(self.every)
 
 
-def run_measured(argv: list[str], env: dict, timeout: float, *, tty: bool, tree: bool = False) -> dict:
+def run_measured(argv: list[str], env: dict, timeout: float, *, tty: bool, tree: bool = False, cwd: Path | None = None) -> dict:
     """Run one tool; wall, its own CPU and peak RSS (wait4), peak threads, the machine's busy CPU."""
     out = tempfile.TemporaryFile()
     master = slave = None
@@ -109,7 +109,7 @@ def run_measured(argv: list[str], env: dict, timeout: float, *, tty: bool, tree:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     err = slave if tty else tempfile.TemporaryFile()
     load0, busy0, t0 = os.getloadavg()[0], machine_busy(), time.monotonic()
-    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True, cwd=cwd)
     fb._current = p
     sampler = Sampler(p.pid, tree, every=0.5 if tree else 0.05)
     sampler.start()
@@ -186,9 +186,9 @@ class ScaleFleet(fb.BenchFleet):
             time.sleep(0.05)
         return sum(fb._reaped_cpu(pid) for pid in listeners)
 
-    def measure(self, argv: list[str], env: dict, timeout: float, tree: bool = False) -> dict:
+    def measure(self, argv: list[str], env: dict, timeout: float, tree: bool = False, cwd: Path | None = None) -> dict:
         before, hcpu0 = self.counts(), self.host_cpu()
-        r = run_measured(argv, env, timeout, tty=True, tree=tree)
+        r = run_measured(argv, env, timeout, tty=True, tree=tree, cwd=cwd)
         r.update(self.per_host(before, self.counts()))
         r["host_cpu"] = round(self.host_cpu() - hcpu0, 3)
         r["other_cpu"] = round(r["machine_cpu"] - r["ctrl_cpu"] - r["host_cpu"], 2)
@@ -202,7 +202,7 @@ class ScaleFleet(fb.BenchFleet):
                 *args, "--forks", str(forks or self.n)]
         runs_dir = state / "patchctl" / "runs"
         seen = set(os.listdir(runs_dir)) if runs_dir.exists() else set()
-        r = self.measure(argv, env, timeout)
+        r = self.measure(argv, env, timeout, cwd=controller)  # `python -m` puts the cwd first on sys.path
         new = sorted(set(os.listdir(runs_dir)) - seen) if runs_dir.exists() else []
         events = []
         for d in new:  # apply / rollback keep a run log (events.jsonl); status and plan print a table
@@ -289,8 +289,11 @@ def main(argv=None) -> int:
     ap.add_argument("--controller", type=Path, default=REPO,
                     help="directory holding the `patchctl` package to measure (default: this checkout; a snapshot "
                          "keeps a long run independent of edits: git archive HEAD patchctl | tar -x -C DIR)")
+    ap.add_argument("--controller-commit", default=None, help="recorded in the JSON: the commit the --controller snapshot is of")
     ap.add_argument("--compare", type=Path, default=None, help="directory holding another `patchctl` package to compare")
-    ap.add_argument("--compare-ops", default="plan,apply (restart),status,rollback (restart)")
+    ap.add_argument("--compare-ops", default="plan,apply (restart),status,rollback (restart)",
+                    help="the other controller runs each group of ops (plan | apply, status, rollback | apply "
+                         "--no-restart, rollback --no-restart) that has one of these")
     ap.add_argument("--forks-compare", default="256", help="N at which apply/rollback also run with --forks 64")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
@@ -310,7 +313,9 @@ def main(argv=None) -> int:
         ap.error("ansible-playbook not found: pip install -e '.[bench]'")
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     for ctl in [args.controller] + ([args.compare] if args.compare else []):  # byte-compile, untimed
-        subprocess.run([sys.executable, "-m", "patchctl", "--help"], capture_output=True, env=dict(os.environ, PYTHONPATH=str(ctl)))
+        subprocess.run([sys.executable, "-m", "patchctl", "--help"], capture_output=True, cwd=ctl, env=dict(os.environ, PYTHONPATH=str(ctl)))
+        fb.log(f"controller {ctl}: " + subprocess.run([sys.executable, "-c", "import patchctl; print(patchctl.__file__)"], cwd=ctl,
+                                                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ctl))).stdout.strip())
     pristine = fetch_release(fb.SGLANG_VERSION)
     base = args.workdir or Path(tempfile.mkdtemp(prefix="patchctl-scale-bench-"))
     t0, rows = time.monotonic(), []
@@ -318,19 +323,11 @@ def main(argv=None) -> int:
     try:
         for n in ns:
             rows += per_n(base, n, pristine, args)
+            write_out(args, ns, rows, t0, busy0, partial=n != ns[-1])  # what is measured survives an interrupt
     finally:
         if args.workdir is None:
             shutil.rmtree(base, ignore_errors=True)
-    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
-    mem = {l.split(":")[0]: l.split()[1] for l in Path("/proc/meminfo").read_text().splitlines()[:3]}
-    doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": CORES, "meminfo_kb": mem,
-           "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "patchctl")),
-           "compare": str(args.compare) if args.compare else None, "start_delay": args.start_delay, "hosts": ns,
-           "total_seconds": round(time.monotonic() - t0, 1), "machine_cpu_total": round(machine_busy() - busy0, 1),
-           "loadavg_at_end": os.getloadavg(), "rows": rows}
-    doc["table_md"] = table_md(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    doc = write_out(args, ns, rows, t0, busy0, partial=False)
     try:
         plot(rows, args.plot)
         fb.log(f"plot: {args.plot}")
@@ -339,6 +336,21 @@ def main(argv=None) -> int:
     print(doc["table_md"])
     fb.log(f"done in {doc['total_seconds']}s; JSON: {args.out}")
     return 0 if all(r.get("clean", True) for r in rows) else 1
+
+
+def write_out(args, ns, rows, t0, busy0, partial: bool) -> dict:
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    mem = {l.split(":")[0]: l.split()[1] for l in Path("/proc/meminfo").read_text().splitlines()[:3]}
+    doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": CORES, "meminfo_kb": mem,
+           "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "patchctl")),
+           "compare": str(args.compare) if args.compare else None, "start_delay": args.start_delay, "hosts": ns,
+           "total_seconds": round(time.monotonic() - t0, 1), "machine_cpu_total": round(machine_busy() - busy0, 1),
+           "loadavg_at_end": os.getloadavg(), "partial": partial, "controller": str(args.controller),
+           "controller_commit": args.controller_commit, "rows": rows}
+    doc["table_md"] = table_md(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return doc
 
 
 if __name__ == "__main__":
