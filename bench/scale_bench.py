@@ -300,7 +300,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-warm", dest="warm", action="store_false",
                     help="do not run an untimed plan first (which caches the trace verdict for each controller)")
+    ap.add_argument("--render", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: merge the rows of these result files (runs of different N) into "
+                         "--out's tables and --plot")
     args = ap.parse_args(argv)
+    if args.render:
+        docs = [json.loads(f.read_text()) for f in args.render]
+        rows = sorted((r for d in docs for r in d["rows"]), key=lambda r: r["n"])
+        merged = {"merged_from": [str(f) for f in args.render], "runs": [{k: v for k, v in d.items() if k not in ("rows", "table_md")}
+                                                                       for d in docs], "rows": rows, "table_md": table_md(rows)}
+        args.out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+        plot(rows, args.plot)
+        print(merged["table_md"])
+        return 0
     ns = [int(x) for x in args.hosts.split(",") if x.strip()]
     args.compare_ops = {x.strip() for x in args.compare_ops.split(",")}
     args.forks_compare = {int(x) for x in args.forks_compare.split(",") if x.strip()}
