@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--accept-new-host-keys", action="store_true",
                         help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
         sp.add_argument("--forks", type=positive_int, default=None, metavar="N",
-                        help="hosts worked on at once, 1 or more (default 64)")
+                        help="hosts worked on at once, 1 or more (default 256: one wave of restarts for 256 hosts)")
 
     def junit(sp, what):
         sp.add_argument("--junit", type=Path, metavar="FILE", help=f"also write a JUnit XML report ({what}) to FILE")

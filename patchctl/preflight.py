@@ -7,25 +7,12 @@ when a host is blocked (`--skip-trace` deploys anyway and lets the smoke decide)
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import threading
-from pathlib import Path
 
 from patchctl.errors import PatchctlError
 from patchctl.inventory import Host
 from patchctl.series import Series
 from patchctl.session import Run, host_error
-
-
-def _source_digest() -> str:
-    """Of patchctl's own code: a cached trace verdict is only reused by the code that computed it."""
-    h = hashlib.sha256()
-    pkg = Path(__file__).resolve().parent
-    for f in sorted(pkg.rglob("*.py")):
-        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
 
 
 class Reachability:
@@ -45,27 +32,17 @@ class Reachability:
                 self._mem[arch] = self._compute(arch)
             return self._mem[arch]
 
-    def _key(self, version: str, arch: str) -> str:
-        s = self.series
-        hook = s.smoke.hook
-        material = {"patches": [p.sha256 for p in s.patches], "server_args": list(s.smoke.server_args),
-                    "hook": [hook.file, hook.function, hook.call] if hook else None,
-                    "sglang": version, "arch": arch, "code": _source_digest()}
-        return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
-
     def _compute(self, arch: str) -> dict | None:
-        from patchctl.release import cache_root, fetch_release
+        from patchctl.release import fetch_release
+        from patchctl.trace import cache
 
         version = self.series.pinned_version()
         if not version:
             return None
-        path = cache_root() / "trace" / f"{self._key(version, arch)}.json"
-        try:
-            v = json.loads(path.read_text())
-            if isinstance(v, dict) and isinstance(v.get("ok"), bool):
-                return {"ok": v["ok"], "detail": str(v.get("detail", ""))}
-        except (OSError, ValueError):
-            pass
+        key = cache.series_key(self.series, version, arch)
+        v = cache.load(key)
+        if v is not None:
+            return {"ok": v["ok"], "detail": str(v.get("detail", ""))}
         from patchctl.trace import check_series
 
         try:
@@ -73,13 +50,7 @@ class Reachability:
         except PatchctlError as e:  # not cached: a download or an unknown architecture may be fixed
             return {"ok": False, "detail": str(e)}
         v = {"ok": bool(report["ok"]), "detail": str(report["detail"])}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(v))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        cache.store(key, v)
         return v
 
 

@@ -27,7 +27,8 @@ from patchctl.remote import AgentFailure, AgentLost
 from patchctl.report import Reporter
 from patchctl.transport import open_transport
 
-DEFAULT_FORKS = 64  # units wait on remote restarts (minutes): threads are cheap, waves are not
+DEFAULT_FORKS = 256  # units wait on remote restarts (minutes): a wave costs a restart, a unit in flight ~5 threads,
+# one socket and under 1 MB (docs/bench-scale.md); 256 keeps a run under the usual 1024 open files
 
 # Outcome → exit code (docs/design.md "Exit codes"). The run's code is the most severe of its units'.
 OUTCOME_EXIT = {

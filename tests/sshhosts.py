@@ -242,8 +242,16 @@ def authorize_login_user(user: str, identity_file: Path) -> Path:
     return keys
 
 
+def host_address(k: int) -> str:
+    """The k-th test host address (k >= 1): 127.0.1.1 .. 127.0.1.254, then 127.0.2.1 .. and so on
+    (never a .0 or .255 last octet), so a fleet of hundreds stays inside 127.0.0.0/8."""
+    block, last = divmod(k - 1, 254)
+    return f"127.0.{1 + block}.{last + 1}"
+
+
 def start_hosts(n: int, base_dir: Path, *, first: int = 2) -> list[SSHHost]:
-    """Start n sshd hosts on 127.0.1.<first+i>, each with base_dir/host<i>/ as its disk."""
+    """Start n sshd hosts on host_address(first+i) (127.0.1.<first+i> below 255), each with
+    base_dir/host<i>/ as its disk."""
     if not os.path.exists(SSHD):
         raise RuntimeError(f"{SSHD} not found: install openssh-server (apt-get install openssh-server); "
                            "the SSH integration tests need a real sshd")
@@ -257,7 +265,7 @@ def start_hosts(n: int, base_dir: Path, *, first: int = 2) -> list[SSHHost]:
     hosts: list[SSHHost] = []
     try:
         for i in range(n):
-            address = f"127.0.1.{first + i}"
+            address = host_address(first + i)
             hdir = base_dir / f"host{i}"
             etc = hdir / "etc"
             etc.mkdir(parents=True, exist_ok=True)

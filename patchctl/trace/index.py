@@ -318,15 +318,30 @@ def _methods(node: ast.ClassDef):
     return [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+def _child_nodes(node: ast.AST) -> list[ast.AST]:
+    """ast.iter_child_nodes without its generators and without the expression contexts (Load/Store/Del,
+    which nothing here looks at): the same nodes in the same order, a third of the cost of a sweep's walks."""
+    out: list[ast.AST] = []
+    for name in node._fields:
+        if name == "ctx":
+            continue
+        v = getattr(node, name, None)
+        if v.__class__ is list:
+            out += [x for x in v if isinstance(x, ast.AST)]
+        elif isinstance(v, ast.AST):
+            out.append(v)
+    return out
+
+
 def _walk_own(fn: ast.AST):
     """ast.walk over a function body, including nested lambdas/closures (they usually run)."""
-    stack = list(ast.iter_child_nodes(fn))
+    stack = _child_nodes(fn)
     while stack:
         node = stack.pop()
         yield node
         if isinstance(node, ast.ClassDef):
             continue
-        stack.extend(ast.iter_child_nodes(node))
+        stack += _child_nodes(node)
 
 
 class _Facts:

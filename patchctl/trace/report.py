@@ -228,19 +228,43 @@ def check_reachability(tree: Path, series, archs: list[str], app) -> bool:
     return bool(report["ok"])
 
 
-def _resolve_tree(args, series, app) -> Path:
+def _resolve_tree(args, series, app) -> tuple[Path, str | None]:
+    """(tree, the release version when it is a pinned release's immutable tree; None for --tree)."""
     if getattr(args, "tree", None):
         p = Path(args.tree).expanduser()
         for cand in (p, p / "python"):
             if (cand / "sglang" / "srt").is_dir():
-                return cand
+                return cand, None
         raise BadInput(f"--tree {p}: no sglang/ package there (expected the directory that contains sglang/)")
     from patchctl.release import fetch_release
 
     version = getattr(args, "sglang", None) or series.pinned_version()
     if not version:
         raise BadInput(f"series {series.name} does not pin one SGLang release ({series.sglang}); pass --sglang VER or --tree PATH")
-    return fetch_release(version, log=app.info)
+    return fetch_release(version, log=app.info), version
+
+
+def _result_from_json(r: dict) -> TraceResult:
+    return TraceResult(r["arch"], ChangedFunction(**r["target"]), r["reached"], r["via"], list(r["chain"]),
+                       [GraphWarning(**w) for w in r["warnings"]])
+
+
+def cached_check(tree: Path, series, archs: list[str], version: str | None) -> dict:
+    """check_series, kept in the trace cache when `tree` is release `version`'s tree (see trace.cache):
+    a repeated sweep reads the report back (`cached` true, `elapsed_s` the time to read it)."""
+    from patchctl.trace import cache
+
+    if version is None:
+        return check_series(tree, series, archs)
+    t0 = time.perf_counter()
+    key = cache.series_key(series, version, archs)
+    hit = cache.load(key)
+    if hit is not None and isinstance(hit.get("results"), list):
+        return dict(hit, _results=[_result_from_json(r) for r in hit["results"]], cached=True,
+                    elapsed_s=round(time.perf_counter() - t0, 3))
+    report = check_series(tree, series, archs)
+    cache.store(key, {k: v for k, v in report.items() if not k.startswith("_")})
+    return report
 
 
 def run_trace(app, args) -> int:
@@ -248,11 +272,11 @@ def run_trace(app, args) -> int:
     from patchctl.series import load_series
 
     series = load_series(app.patches_dir, args.series)
-    tree = _resolve_tree(args, series, app)
+    tree, version = _resolve_tree(args, series, app)
     archs = list(getattr(args, "arch", None) or [])
     app.info(f"tracing series {series.name} {series.version} on {tree} "
              f"({', '.join(archs) if archs else 'every architecture in the registry'})")
-    report = check_series(tree, series, archs)
+    report = cached_check(tree, series, archs, version)
     for t in report["targets"]:
         app.debug(f"changed function: {t['qualname']} ({t['file']}:{t['lineno']})")
     details = bool(archs) or app.verbose
@@ -266,5 +290,6 @@ def run_trace(app, args) -> int:
     s = report["summary"]
     app.info(f"{'ok' if report['ok'] else 'FAILED'}: {report['detail']}; "
              f"{s['reached']}/{s['checks']} reached, {s['warnings_unmitigated']} unmitigated warning(s) "
-             f"({s['warnings_blocking']} blocking) in {report['elapsed_s']:.2f}s")
+             f"({s['warnings_blocking']} blocking) in {report['elapsed_s']:.2f}s"
+             + (" (read back from the trace cache)" if report.get("cached") else ""))
     return 0 if report["ok"] else 1
