@@ -54,6 +54,13 @@ def make_dataset(path: Path, n: int, tag: str, seed: int = 7) -> list[tuple[str,
     return rows
 
 
+def machine_busy_s() -> float:
+    """CPU seconds spent by the whole machine so far (every process, /proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as fh:
+        v = [int(x) for x in fh.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def plain_client(f: Fleet, rows, in_flight: int) -> float:
     """Saturate every server directly; return the wall time until every dump file exists."""
     work = list(rows)
@@ -145,15 +152,21 @@ def main() -> int:
         for r in range(a.rounds):
             rows = make_dataset(base / f"plain{r}.jsonl", a.samples, f"p{r}")
             tokens = sum(len(ids) for _, ids in rows)
+            b0 = machine_busy_s()
             plain = plain_client(f, rows, a.in_flight)
+            b1 = machine_busy_s()
             make_dataset(base / f"cap{r}.jsonl", a.samples, f"c{r}")
+            b2 = machine_busy_s()
             cap = capture(f, base / f"cap{r}.jsonl", f"bench{r}", a.in_flight)
+            b3 = machine_busy_s()
             clear_captures(f, f"bench{r}")
             row = {"plain_s": round(plain, 2), "capture_s": round(cap["wall"], 2),
                    "plain_samples_per_s": round(a.samples / plain, 1), "capture_samples_per_s": round(a.samples / cap["wall"], 1),
                    "plain_tokens_per_s": round(tokens / plain), "capture_tokens_per_s": round(tokens / cap["wall"]),
                    "ratio": round(plain / cap["wall"], 3), "controller_cpu_s": round(cap["cpu"], 2),
-                   "controller_cpu_ms_per_1000": round(cap["cpu"] / a.samples * 1e6, 0)}
+                   "controller_cpu_ms_per_1000": round(cap["cpu"] / a.samples * 1e6, 0),
+                   "machine_cpu_ms_per_sample_plain": round((b1 - b0) / a.samples * 1e3, 1),
+                   "machine_cpu_ms_per_sample_capture": round((b3 - b2) / a.samples * 1e3, 1)}
             results["rounds"].append(row)
             print(f"round {r + 1}: plain {row['plain_samples_per_s']}/s, capture {row['capture_samples_per_s']}/s, "
                   f"ratio {row['ratio']}, controller CPU {row['controller_cpu_s']} s", flush=True)
@@ -179,11 +192,13 @@ def main() -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=2))
     print()
-    print("| round | plain samples/s | capture samples/s | capture / plain | controller CPU per 1000 samples |")
-    print("|---|---|---|---|---|")
+    print("| round | plain samples/s | capture samples/s | capture / plain | controller CPU per 1000 samples "
+          "| machine CPU per sample: plain / capture |")
+    print("|---|---|---|---|---|---|")
     for i, x in enumerate(results["rounds"], 1):
         print(f"| {i} | {x['plain_samples_per_s']} | {x['capture_samples_per_s']} | {x['ratio']:.3f} | "
-              f"{x['controller_cpu_ms_per_1000'] / 1000:.2f} s |")
+              f"{x['controller_cpu_ms_per_1000'] / 1000:.2f} s | {x['machine_cpu_ms_per_sample_plain']} / "
+              f"{x['machine_cpu_ms_per_sample_capture']} ms |")
     rs = results["resume"]
     print(f"\nmedian capture / plain: {results['ratio_median']:.3f} (goal >= 0.95) over {len(ratios)} rounds; "
           f"{a.hosts} hosts, {a.samples} samples of 64-256 tokens, {a.in_flight} in flight per server, "
