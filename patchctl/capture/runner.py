@@ -27,6 +27,7 @@ from patchctl.capture import dataset as datasets
 from patchctl.capture.journal import Journal, check_run_name, run_dir, write_run_info
 from patchctl.capture.progress import Progress
 from patchctl.console import App
+from patchctl.deploy import parse_max_fail
 from patchctl.errors import BadInput, PatchctlError
 from patchctl.host.capture import run_prefix
 from patchctl.inventory import Host
@@ -98,13 +99,6 @@ class _Stream:
 def default_name(path) -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).lstrip("._-")[:64]
     return stem or "capture"
-
-
-def allowed_failures(spec: str, n: int) -> int:
-    spec = spec.strip()
-    if spec.endswith("%"):
-        return int(n * float(spec[:-1]) / 100)
-    return int(spec)
 
 
 class CaptureRun:
@@ -253,7 +247,7 @@ class CaptureRun:
 
     def go(self, lanes: list[Lane], todo: list) -> None:
         self.lanes = {l.host.name: l for l in lanes}
-        self.max_fail = allowed_failures(self.args.max_fail, len(lanes))
+        self.max_fail = parse_max_fail(self.args.max_fail, len(lanes))  # of the taking-part hosts
         self.pending.extend(Item(s) for s in todo)
         self.running = len(lanes)
         threads = [threading.Thread(target=self.drive, args=(l,), name=f"capture {l.host.name}", daemon=True) for l in lanes]
