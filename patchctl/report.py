@@ -72,6 +72,19 @@ def append_private(path: Path, text: str) -> None:
         os.close(fd)
 
 
+def record_event(app, log_dir: Path, ev: dict, lock) -> dict:
+    """One event of a command: env values masked, appended to log_dir/events.jsonl (0600) and, with
+    --json, written to stdout as one line, under `lock`; returns the masked event."""
+    ev = app.masker.data(ev)
+    text = json.dumps(ev, default=str) + "\n"
+    with lock:
+        append_private(Path(log_dir) / "events.jsonl", text)
+        if app.json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    return ev
+
+
 class Reporter:
     def __init__(self, app: App, run_id: str, command: str, hosts: list[str], log_dir: Path | None = None,
                  live: bool | None = None):
@@ -113,13 +126,7 @@ class Reporter:
 
     def emit(self, ev: dict) -> None:
         ev.setdefault("t", round(time.time(), 3))
-        ev = self.app.masker.data(ev)
-        text = json.dumps(ev, default=str) + "\n"
-        with self.lock:
-            append_private(self.log_dir / "events.jsonl", text)
-            if self.app.json:
-                sys.stdout.write(text)
-                sys.stdout.flush()
+        ev = record_event(self.app, self.log_dir, ev, self.lock)
         if self._live:
             pass  # the next refresh shows it
         elif not self.quiet:  # human progress always goes to stderr, with --json too (stdout stays JSON)

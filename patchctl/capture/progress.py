@@ -5,8 +5,6 @@ stdout with --json, the same events in the invocation's log directory, and the c
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +13,7 @@ from rich.live import Live
 from rich.table import Table
 
 from patchctl.console import App, table
-from patchctl.report import append_private, private_dir
+from patchctl.report import private_dir, record_event
 
 PLAIN_EVERY_S = 10.0
 
@@ -48,13 +46,7 @@ class Progress:
 
     # events --------------------------------------------------------------------------------
     def emit(self, ev: dict) -> None:
-        ev = self.app.masker.data(dict(ev, run_id=self.run_id, t=round(time.time(), 3)))
-        text = json.dumps(ev, default=str) + "\n"
-        with self.lock:
-            append_private(self.log_dir / "events.jsonl", text)
-            if self.app.json:
-                sys.stdout.write(text)
-                sys.stdout.flush()
+        record_event(self.app, self.log_dir, dict(ev, run_id=self.run_id, t=round(time.time(), 3)), self.lock)
 
     def announce(self, msg: str) -> None:
         self.emit({"event": "note", "message": msg})
