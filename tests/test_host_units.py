@@ -345,3 +345,44 @@ def test_an_agent_that_is_not_root_refuses_to_take_a_file_from_its_owner():
         assert kind == "bad_input" and "belongs to uid 0, not to uid 65534" in msg, msg
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_dump_that_never_lands_fails_the_sample_unless_the_server_died_then_it_goes_elsewhere(
+        tmp_path, monkeypatch, capsys):
+    """A sample answered but never dumped is the sample's failure while its server still answers; if the
+    server died after answering (its writer with it), the sample is handed back and the host stops."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from patchctl.host import capture
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    monkeypatch.setattr(capture, "DUMP_WAIT_S", 0.2)
+    info = {"expect": {}, "hidden_size": 64, "bytes_per_token": 520, "dump_dir": str(tmp_path)}
+    cap = capture.Capture({"host": "127.0.0.1", "port": port}, info, {"capture_run": "r"}, None)
+
+    def events_of(err):
+        return [json.loads(l.split(" ", 1)[1]) for l in err.splitlines() if l.startswith("PATCHCTL-EVENT ")]
+
+    capsys.readouterr()
+    cap._check_one({"id": "a", "rid": "patchctl-cap-r-a", "input_ids": [1, 2]}, 0)
+    evs = events_of(capsys.readouterr().err)
+    assert [e["event"] for e in evs] == ["sample_failed"] and "no dump file" in evs[0]["reason"]
+    assert cap.stopped is None
+    httpd.shutdown()
+    httpd.server_close()
+    cap._check_one({"id": "b", "rid": "patchctl-cap-r-b", "input_ids": [1, 2]}, 0)
+    evs = events_of(capsys.readouterr().err)
+    assert [e["event"] for e in evs] == ["host_stopped", "sample_returned"], evs
+    assert evs[1]["id"] == "b" and "died before its dump was written" in evs[1]["reason"]

@@ -119,7 +119,7 @@ class CaptureRun:
 
     # routing -------------------------------------------------------------------------------
     def _pick(self, lane: Lane) -> Item | None:
-        others = any(l.active and l is not lane for l in self.lanes.values())
+        others = any(l is not lane and l.active and not l.closed for l in self.lanes.values())
         for i, it in enumerate(self.retries):
             if it.avoid != lane.host.name or not others:
                 return self.retries.pop(i)
@@ -144,15 +144,14 @@ class CaptureRun:
             self._fill(lane)
 
     def _maybe_end(self) -> None:
-        """No work left anywhere (or the run stops): end every stream; the agents finish and answer."""
-        nothing_left = not self.pending and not self.retries
-        if self.stopping or nothing_left or not any(l.active for l in self.lanes.values()):
+        """End every stream (the agents finish what they hold and answer) once the run stops, or once nothing
+        is queued and nothing is out on any host. A sample still out may come back (failed: retried on
+        another host; handed back: its host lost), so until then every working host stays open for it."""
+        settled = not self.pending and not self.retries and not any(l.outstanding for l in self.lanes.values())
+        if self.stopping or settled or not any(l.active for l in self.lanes.values()):
             for lane in self.lanes.values():
-                if not lane.outstanding and not lane.closed:
+                if not lane.closed:
                     lane.closed = True
-                    lane.stream.close()
-                elif self.stopping and not lane.closed:
-                    lane.closed = True  # in-flight samples finish; nothing new is sent
                     lane.stream.close()
 
     def stop(self, why: str) -> None:

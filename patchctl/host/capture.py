@@ -306,6 +306,11 @@ class Capture(object):
         deadline = time.time() + DUMP_WAIT_S
         while not os.path.exists(path):
             if time.time() > deadline:
+                if not self._server_answers():  # it died after answering, before its writer landed the file:
+                    #                             the sample is not at fault, another host takes it
+                    self._stop("the server on port %s does not answer" % self.cfg["port"])
+                    return self._emit("sample_returned", id=s["id"], reason="the server on port %s died before its "
+                                      "dump was written" % self.cfg["port"])
                 return self._emit("sample_failed", id=s["id"], reason="no dump file %s within %gs of the response%s" % (
                     fname, DUMP_WAIT_S, self._errors_for(s["rid"])))
             time.sleep(0.005)
@@ -324,6 +329,13 @@ class Capture(object):
             self.counts["tokens"] += len(ids)
         self._emit("sample_done", id=s["id"], path=dest, sha256=digest, bytes=size, tokens=len(ids),
                    seconds=round(time.time() - t0, 3))
+
+    def _server_answers(self):
+        try:
+            http_once(self.cfg["host"], self.cfg["port"], "GET", "/health", None, 10.0)
+            return True
+        except (OSError, http.client.HTTPException):
+            return False
 
     def _errors_for(self, rid):
         """The module's error-log lines about this rid (why it wrote nothing), if any."""
