@@ -173,12 +173,13 @@ def fleet(fleet2m):
 def test_first_ctrl_c_finishes_in_flight_units_and_starts_no_new_one(fleet):
     f = fleet
     h0, h1 = f.hosts
-    write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_DELAY": "6"})
-    before = snapshot(f)
+    write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_DELAY": "15"})
+    before, earlier = snapshot(f), run_dirs(f)
     term = Terminal(f.cmd("apply", "slow", "--batch", "1"), fleet_env(f))
-    # host0 (batch 1) is in flight: files applied (manifest pending), its server loading for 6 s
-    wait_for(lambda: (manifest(h0) or {}).get("status") == "pending" or term._eof.is_set(), 60,
-             what="host0's deploy under way")
+    # host0 (batch 1) is in flight: files applied (manifest pending), its server loading for 15 s, and
+    # the controller knows it (its restart step began)
+    wait_for(lambda: controller_saw(f, earlier, "host0", "restart") or term._eof.is_set(), 60,
+             what="host0's restart under way, as the controller saw it")
     term.ctrl_c()
     wait_for(lambda: "stopping: no new units; in-flight units finish or roll back" in term.text
              or term._eof.is_set(), 10, what="the stop message")
