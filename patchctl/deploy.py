@@ -135,15 +135,17 @@ class UnitDeploy:
         if not restart:
             return UnitResult(self.names, "applied", "files applied; server not restarted (--no-restart)", touched=True)
         try:
-            self.restart()
-            if self.opts.no_smoke:
-                for s in self.sessions:
+            smoke = dict(profile=self.profile, finalize=True, capture_layers=self.layers(self.head.host),
+                         hidden_size=self.hidden(self.head.host))
+            if len(self.sessions) == 1:  # restart, then smoke (or finalize) in the same command
+                res = self.head.call("restart", "restart", then="finalize" if self.opts.no_smoke else "smoke", **smoke)
+            else:
+                self.restart()
+                res = None if self.opts.no_smoke else self.head.call("smoke", "smoke", **smoke)
+                for s in (self.sessions if self.opts.no_smoke else self.sessions[1:]):
                     s.call("finalize", "finalize")
+            if self.opts.no_smoke:
                 return UnitResult(self.names, "deployed", "restarted; smoke skipped (--no-smoke)", touched=True)
-            res = self.head.call("smoke", "smoke", profile=self.profile, finalize=True,
-                                 capture_layers=self.layers(self.head.host), hidden_size=self.hidden(self.head.host))
-            for s in self.sessions[1:]:
-                s.call("finalize", "finalize")
             sm = res["smoke"]
             return UnitResult(self.names, "deployed",
                               f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
@@ -159,12 +161,8 @@ class UnitDeploy:
                               msg if ok else f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
 
     def restart(self):
+        """A multi-node unit: stop every node, start the head, then the others, then wait on the head."""
         profile = self.profile
-        if len(self.sessions) == 1:
-            s = self.head
-            s.call("restart", "restart", profile=profile, capture_layers=self.layers(s.host))
-            return
-        # multi-node: stop every node, start the head, then the others, then wait on the head
         self.run.parallel(lambda s: s.call("restart", "stop", profile=profile, stop_only=True), self.sessions)
         for s in self.sessions:
             s.call("restart", "start", profile=profile, capture_layers=self.layers(s.host), no_wait=True)

@@ -113,34 +113,46 @@ class HostSession:
         return req
 
     def call(self, op: str, step: str | None = None, **fields) -> dict:
-        """One agent round trip; with `step`, reported as a host step. Breaks provably stale locks once."""
-        rec = self.run.reporter.step_start(self.host.name, step) if step and self.run.reporter else None
+        """One agent round trip; with `step`, reported as a host step. Breaks provably stale locks once.
+        An agent that goes on to a next step in the same command says so (a `step` event): the step in
+        hand ends and that one starts, so the report and a failure's step are the host's true ones."""
+        rep = self.run.reporter if step else None
+        at = {"op": op, "step": step, "rec": rep.step_start(self.host.name, step) if rep else None}
+
+        def next_step(ev: dict) -> None:
+            if rep:
+                rep.step_end(at["rec"], True, ev.get("ended") or "")
+                at["rec"] = rep.step_start(self.host.name, ev["step"])
+            at.update(op=ev.get("op") or ev["step"], step=ev["step"])
+
         try:
             req = self.request(op, **fields)
             try:
-                res = self._call(req)
+                res = self._call(req, next_step)
             except AgentFailure as e:
                 holder = e.details.get("holder") or {}
                 if e.kind == "locked" and holder.get("run_id") and holder_is_stale(holder):
                     self.note(f"breaking stale lock of {describe_holder(holder)}: its process is gone")
                     req["break_stale"] = holder["run_id"]
-                    res = self._call(req)
+                    res = self._call(req, next_step)
                 else:
                     raise
             for n in res.get("notes") or []:
                 self.note(n)
         except PatchctlError as e:
-            if rec:
-                self.run.reporter.step_end(rec, False, str(e), dict(getattr(e, "details", None) or {}))
+            if at["rec"]:
+                self.run.reporter.step_end(at["rec"], False, str(e), dict(getattr(e, "details", None) or {}))
             if getattr(e, "step", None) is None:
-                e.step = step or op  # the step that failed: the reason a rollback records in the history
+                e.step = at["step"] or op  # the step that failed: the reason a rollback records in the history
             raise
-        if rec:
-            self.run.reporter.step_end(rec, True, _step_summary(op, res), res)
+        if at["rec"]:
+            self.run.reporter.step_end(at["rec"], True, _step_summary(at["op"], res), res)
         return res
 
-    def _call(self, req: dict) -> dict:
+    def _call(self, req: dict, next_step=None) -> dict:
         def on_event(ev):
+            if ev.get("event") == "step" and next_step is not None:
+                next_step(ev)
             if self.run.reporter:
                 self.run.reporter.agent_event(self.host.name, ev)
 

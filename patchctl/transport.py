@@ -208,10 +208,11 @@ def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: fl
     return FINISHED
 
 
-def _probe_link(transport, events: queue.Queue, stop: threading.Event, every: float) -> None:
-    """Until `stop` (the command's first byte, or its end): a keepalive that wants an answer every
-    `every` seconds; each answer goes to `events` as _ALIVE. A frozen link or host answers nothing, so the
-    silence limit still catches it; paramiko returns once the transport closes."""
+def _probe_link(transport, events: queue.Queue, stop: threading.Event, every: float, cap: float) -> None:
+    """Until `stop` (the command's first byte, or its end): a keepalive that wants an answer, after
+    `every` seconds, then twice as long each time up to `cap` (a slow start on a loaded host costs a few
+    probes, not one a second); each answer goes to `events` as _ALIVE. A frozen link or host answers
+    nothing, so the silence limit (4 x cap) still catches it; paramiko returns once the transport closes."""
     while not stop.is_set():
         try:
             transport.global_request("keepalive@openssh.com", wait=True)  # any answer (even "failure") is one
@@ -221,6 +222,7 @@ def _probe_link(transport, events: queue.Queue, stop: threading.Event, every: fl
             return
         events.put(_ALIVE)
         stop.wait(every)
+        every = min(cap, every * 2)
 
 
 def _silent_message(who: str, silence: float, what_was_done: str) -> str:
@@ -545,7 +547,8 @@ class SSHTransport(Transport):
 
             threads = _start_pumps(feed_stdin, chan.recv, chan.recv_stderr, events, out_chunks)
             started = threading.Event()  # the command's first byte: from then on only its own words count
-            probe = threading.Thread(target=_probe_link, args=(transport, events, started, min(PROBE_EVERY_S, (silence or 3) / 3)),
+            cap = (silence or 4) / 4
+            probe = threading.Thread(target=_probe_link, args=(transport, events, started, min(PROBE_EVERY_S, cap), cap),
                                      daemon=True)
             if silence is not None:
                 probe.start()

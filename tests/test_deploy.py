@@ -36,9 +36,17 @@ def test_success_path(fleet1):
     mine = h.dumps / "my-earlier-dump.safetensors"
     mine.write_bytes(b"user data")
     before_pid = f.server_pid(h)
+    conns, cmds = h.ssh.count_connections(), h.ssh.count_commands()
     p = f.patchctl("apply", "hidden-dump")
     assert p.returncode == 0, p.stderr
     assert "smoke passed" in p.stderr
+    # one connection, three commands (preflight probe, apply, restart with its smoke), from the sshd log;
+    # the report still has each step, in order, with its own result
+    assert (h.ssh.count_connections() - conns, h.ssh.count_commands() - cmds) == (1, 3)
+    steps = [(e["event"], e["step"]) + ((e["ok"],) if "ok" in e else ()) for e in map(json.loads, open(_log(f, "events.jsonl")))
+             if e["event"] in ("step_start", "step_end")]
+    assert steps == [("step_start", "apply"), ("step_end", "apply", True), ("step_start", "restart"),
+                     ("step_end", "restart", True), ("step_start", "smoke"), ("step_end", "smoke", True)], steps
     assert f.healthy(h) and f.server_pid(h) != before_pid
     argv = f.server_argv(h)
     assert "--enable-return-aux-hidden-states" in argv and "EAGLE3" in argv

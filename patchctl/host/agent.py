@@ -382,6 +382,13 @@ class Agent(object):
         if self.req.get("no_wait"):
             return out
         out["ready_seconds"] = wait_ready(mgr, cfg)
+        then = self.req.get("then")  # a one-node deploy's next step in the same command (one SSH round trip less)
+        if then == "smoke":
+            event("step", step="smoke", op="smoke", ended="ready after %ss" % out["ready_seconds"])
+            out.update(self._smoke())
+        elif then == "finalize":
+            event("step", step="finalize", op="finalize", ended="ready after %ss" % out["ready_seconds"])
+            self._finalize(None)
         return out
 
     def op_wait_ready(self):
@@ -396,6 +403,9 @@ class Agent(object):
     def op_smoke(self):
         """Smoke against the running server; with `finalize`, mark the deploy verified and release the lock."""
         self.lock_agent()
+        return self._smoke()
+
+    def _smoke(self):
         mgr, base = self.base_manager()
         cur = mgr.current_config()
         if not cur.get("running"):
