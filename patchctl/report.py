@@ -127,9 +127,9 @@ class Reporter:
     def emit(self, ev: dict) -> None:
         ev.setdefault("t", round(time.time(), 3))
         ev = record_event(self.app, self.log_dir, ev, self.lock)
-        if self._live:
-            pass  # the next refresh shows it
-        elif not self.quiet:  # human progress always goes to stderr, with --json too (stdout stays JSON)
+        # a live table shows it at its next refresh; otherwise human progress always goes to stderr, with
+        # --json too (stdout stays JSON)
+        if not self._live and not self.quiet:
             line = self._line(ev)
             if line:
                 self.app.info(line)
