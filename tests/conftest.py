@@ -26,6 +26,17 @@ def copy_tree(src: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _pristine_trees_untouched():
+    """Test trees are hard links to one pristine copy (tests/trees.py): a test that wrote into a tree
+    file in place would have changed every tree of the run; say which files, once the run is over."""
+    yield
+    from trees import pristine_intact
+
+    changed = pristine_intact()
+    assert not changed, f"a test changed the shared pristine SGLang tree in place (write by rename): {changed[:10]}"
+
+
 @pytest.fixture
 def wheel_tree(sglang_tree, tmp_path) -> Path:
     return copy_tree(sglang_tree, tmp_path / "site-packages")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sshhosts import SSHHost, free_ports, inventory_toml, known_hosts_for, start_hosts, stop_hosts
+from trees import git_checkout, link_tree, tree_digest, unshare, write_by_rename  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -39,25 +40,6 @@ def wait_for(cond, timeout: float = 30.0, interval: float = 0.05, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
-
-
-def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
-    """sha256 over every file path, mode and content under root (symlinks by target)."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        if ignore_pycache and "__pycache__" in dirnames:
-            dirnames.remove("__pycache__")
-        for f in sorted(filenames):
-            p = Path(dirpath) / f
-            rel = p.relative_to(root).as_posix()
-            h.update(rel.encode() + b"\0")
-            if p.is_symlink():
-                h.update(b"L" + os.readlink(p).encode())
-            else:
-                h.update(oct(p.stat().st_mode & 0o777).encode())
-                h.update(hashlib.sha256(p.read_bytes()).digest())
-    return h.hexdigest()
 
 
 def pid_on_port(port: int, host: str | None = None) -> int | None:
@@ -196,14 +178,12 @@ class Fleet:
         from patchctl.simserver.model import write_model_config
 
         write_model_config(h.dir / "model", layers=8, hidden=64, vocab=512)
+        # hard links to one pristine copy (tests/trees.py): patchctl writes by rename; a test that
+        # changes a tree file in place first unshare()s it or writes with write_by_rename()
         if layout == "git":
-            co = h.dir / "checkout"
-            shutil.copytree(self.sglang_tree / "sglang", co / "python" / "sglang", symlinks=True)
-            subprocess.run(["git", "init", "-q", str(co)], check=True)
-            subprocess.run(["git", "-C", str(co), "add", "-A"], check=True)
-            subprocess.run(["git", "-C", str(co), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"], check=True)
+            git_checkout(self.sglang_tree, h.dir / "checkout")
         else:
-            shutil.copytree(self.sglang_tree, h.root, symlinks=True)
+            link_tree(self.sglang_tree, h.root)
         h.state.mkdir(parents=True, exist_ok=True)
 
     def root_of(self, h: TestHost) -> Path:

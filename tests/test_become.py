@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet import Fleet, wait_for
+from fleet import Fleet, unshare, wait_for
 from sshhosts import authorize_login_user
 
 BECOME_USER = "patchctl-become"  # NOPASSWD sudo
@@ -82,6 +82,7 @@ def _meta(path: Path) -> tuple[int, int, int]:
 
 def _give_distinct_owners(root: Path) -> None:
     for rel, (uid, gid, mode) in METAS.items():
+        unshare(root / rel)  # the tree is hard-linked to the run's pristine copy: chown this file only
         os.chown(root / rel, uid, gid)
         os.chmod(root / rel, mode)
     os.chown(root / SRT_DIR, *SRT_OWNER)
@@ -125,7 +126,7 @@ def test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode(tmp_pat
         assert (rec["original_meta"]["uid"], rec["original_meta"]["gid"], rec["original_meta"]["mode"]) == METAS[RUNNER]
         assert manifest["files"][CREATED]["original_meta"] is None
 
-        os.chmod(root / BATCH, 0o666)  # a mode changed by hand: the rollback puts the original's back
+        os.chmod(unshare(root / BATCH), 0o666)  # a mode changed by hand: the rollback puts the original's back
         p = f.patchctl("rollback")
         assert p.returncode == 0, p.stdout + p.stderr
         assert not (root / CREATED).exists()

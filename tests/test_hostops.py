@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet import PATCHES, SERVER_COMMAND, Fleet, hidden_dump_patches, tree_digest, wait_for, write_series
+from fleet import PATCHES, SERVER_COMMAND, Fleet, hidden_dump_patches, tree_digest, wait_for, write_by_rename, write_series
 
 HD = hidden_dump_patches()
 SHIPPED = tomllib.loads((PATCHES / "hidden-dump" / "series.toml").read_text())["series"]["version"]
@@ -80,7 +80,7 @@ def test_idempotent_upgrade_and_drift(fleet2):
     assert st[0]["version"] == NEXT
     # a hand edit is drift: status reports it (exit 3), apply and rollback refuse naming the file
     target = h1.root / "sglang/srt/hidden_dump.py"
-    target.write_text(target.read_text() + "\n# hand edit\n")
+    write_by_rename(target, target.read_text() + "\n# hand edit\n")  # as an editor saves (the tree is hard-linked)
     p, st = f.json("status", expect=3)
     assert st[1]["drift"][0]["path"] == "sglang/srt/hidden_dump.py" and st[0]["drift"] == []
     p = f.patchctl("rollback", "--no-restart", "--limit", h1.name)

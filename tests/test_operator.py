@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from fleet import (REPO, Fleet, clean_fleet, hidden_dump_patches, http_status, pid_on_port, started_fleet, wait_for,
-                   write_series)
+                   write_by_rename, write_series)
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
 
@@ -272,7 +272,7 @@ def test_status_exits_3_and_says_what_to_run(fleet):
     # drift: hand edits of a patched file
     assert f.patchctl("apply", "hidden-dump", "--limit", "host0", "--no-restart").returncode == 0
     target = h0.root / "sglang/srt/hidden_dump.py"
-    target.write_text(target.read_text() + "\n# hand edit\n")
+    write_by_rename(target, target.read_text() + "\n# hand edit\n")  # as an editor saves (the tree is hard-linked)
     p, st = f.json("status", expect=3)
     assert "drift" in st[0]["attention"][0]["why"] and "rollback --limit host0 --force" in p.stderr
     assert f.patchctl("rollback", "--limit", "host0", "--force", "--no-restart").returncode == 0
