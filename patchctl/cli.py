@@ -46,13 +46,6 @@ def _default_patches_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "patches"
 
 
-def _default_inventory() -> Path:
-    local = Path("inventory.toml")
-    if local.is_file():
-        return local
-    return Path(__file__).resolve().parent.parent / "inventory.toml"
-
-
 DESCRIPTION = """\
 Apply versioned patch series to the SGLang source trees of GPU hosts over SSH: stage and swap the
 files atomically, restart the server with the series' capture settings, prove with a smoke
@@ -62,6 +55,9 @@ healthy again) when it does not.
 Global options (--inventory, --patches, --json, -v) may be given before or after the command."""
 
 ENVIRONMENT = """environment:
+  PATCHCTL_INVENTORY        the inventory when --inventory is not given; else ./inventory.toml, else
+                            $XDG_CONFIG_HOME/patchctl/inventory.toml (default ~/.config/...); a command
+                            that reads one says on stderr which file it read
   PATCHCTL_CONNECT_TIMEOUT  seconds to connect, complete the SSH handshake and log in (default 10)
   PATCHCTL_SILENCE_S        seconds without a byte from a host's agent (it reports every second)
                             before the host is declared lost, state unknown (default 30); until
@@ -173,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add_globals(p, top: bool):
         d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
         p.add_argument("--inventory", type=Path, default=d(None), metavar="FILE",
-                       help="inventory TOML: hosts, groups, servers (default ./inventory.toml, else the shipped one)")
+                       help="inventory TOML: hosts, groups, servers (default: $PATCHCTL_INVENTORY, else "
+                            "./inventory.toml, else $XDG_CONFIG_HOME/patchctl/inventory.toml)")
         p.add_argument("--patches", type=Path, default=d(None), metavar="DIR",
                        help="patches directory holding <series>/series.toml (default ./patches, else the shipped one)")
         p.add_argument("--json", action="store_true", default=d(False),
@@ -383,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     app = App(
         patches_dir=args.patches or _default_patches_dir(),
-        inventory_path=args.inventory or _default_inventory(),
+        inventory_path=args.inventory,  # None: patchctl.inventory.find_inventory, on first use
         json=args.json,
         verbose=args.verbose,
         command_prefix=_command_prefix(args),

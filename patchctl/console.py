@@ -30,7 +30,7 @@ class App:
     """What every command gets: global options and the two output streams."""
 
     patches_dir: Path
-    inventory_path: Path
+    inventory_path: Path | None = None  # None: found on first use, and said (_get_inventory_path)
     json: bool = False
     verbose: bool = False
     command_prefix: str = "patchctl"  # how to run patchctl again on this inventory (recovery hints)
@@ -64,6 +64,27 @@ class App:
             sys.stdout.flush()
         elif table is not None:
             self.out.print(self.masker.table(table) if isinstance(table, Table) else table)
+
+
+def _get_inventory_path(self) -> Path:
+    """The inventory given (--inventory, or by the caller), else the one found by
+    `patchctl.inventory.find_inventory` on first use, with one line on stderr saying which file and why.
+    Found lazily, so commands that read no inventory (series, check, trace, ...) neither need one nor say so."""
+    if self._inventory_path is None:
+        from patchctl.inventory import find_inventory
+
+        path, why = find_inventory()
+        self._inventory_path = path = path.absolute()
+        self.info(f"inventory: {path} ({why}; --inventory FILE to choose another)")
+    return self._inventory_path
+
+
+def _set_inventory_path(self, value) -> None:
+    self._inventory_path = Path(value) if value is not None else None
+
+
+# A property over the dataclass field: __init__ still takes inventory_path= (its default None is kept).
+App.inventory_path = property(_get_inventory_path, _set_inventory_path)
 
 
 def table(title: str, *columns: str) -> Table:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import json
+import os
 import re
 import sys
 import tomllib
@@ -314,6 +315,46 @@ class _Loader:
 def _tname(v) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "a table"}.get(type(v), type(v).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which inventory a command reads when --inventory is not given
+
+INVENTORY_ENV = "PATCHCTL_INVENTORY"
+
+
+def user_inventory_path(environ=None) -> Path:
+    """$XDG_CONFIG_HOME/patchctl/inventory.toml, default ~/.config/patchctl/inventory.toml (a relative
+    XDG_CONFIG_HOME is ignored, as the XDG spec says)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "patchctl" / "inventory.toml"
+
+
+def find_inventory(environ=None) -> tuple[Path, str]:
+    """(path, where it came from) when --inventory is not given. In order: $PATCHCTL_INVENTORY (it must
+    exist: a variable naming a missing file is a mistake, never skipped), ./inventory.toml, the user
+    config. None of them: BadInput (exit 2) naming every place looked at. The inventory shipped with
+    patchctl is never read silently: from the repository's root it is ./inventory.toml, elsewhere give it."""
+    env = os.environ if environ is None else environ
+    named = env.get(INVENTORY_ENV, "")
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise BadInput(f"no such inventory file (named by {INVENTORY_ENV})", file=named)
+        return path, f"from {INVENTORY_ENV}"
+    local = Path("inventory.toml")
+    if local.is_file():
+        return local, "from the current directory"
+    user = user_inventory_path(env)
+    if user.is_file():
+        return user, "the user config"
+    shipped = Path(__file__).resolve().parent.parent / "inventory.toml"
+    raise BadInput(f"no inventory: --inventory not given, {INVENTORY_ENV} not set, no ./inventory.toml in "
+                   f"{os.getcwd()}, no {user}; give one with --inventory FILE or {INVENTORY_ENV}=FILE, or put it "
+                   f"at {user} (an example with the demo host: {shipped})")
 
 
 def load_inventory(path: Path) -> Inventory:
