@@ -27,6 +27,10 @@ from patchctl.release import fetch_release
 
 REPO = Path(__file__).resolve().parent.parent
 INVENTORY = REPO / "inventory.toml"
+# The demo host's model (the stand-in's tiny torch model). examples/dataset.jsonl is tokenized for it:
+# token ids below its vocabulary, prompts well inside any context (tests/test_docs.py checks both).
+DEMO_MODEL = {"layers": 8, "hidden": 64, "vocab": 512}
+EXAMPLE_DATASET = REPO / "examples" / "dataset.jsonl"
 
 
 def say(msg: str) -> None:
@@ -71,7 +75,7 @@ def setup(d: DemoHost) -> None:
         shutil.copytree(fetch_release("0.5.23", log=print), d.root, symlinks=True)
     from patchctl.simserver.model import write_model_config
 
-    write_model_config(d.model, layers=8, hidden=64, vocab=512)
+    write_model_config(d.model, **DEMO_MODEL)
     d.state.mkdir(parents=True, exist_ok=True)
     if not healthy(d.host, d.port):
         say(f"starting the demo host's unpatched server (SGLang stand-in) on {d.host}:{d.port}")
@@ -94,24 +98,16 @@ def patchctl(*args: str) -> int:
                            "--patches", str(REPO / "patches"), *args]).returncode
 
 
-def extraction_run(d: DemoHost, samples: int = 200) -> int:
-    """A tokenized dataset through the verified capture server, collected in SpecForge's offline format."""
-    import json
-    import random
-
+def extraction_run(d: DemoHost) -> int:
+    """The shipped example dataset through the verified capture server, collected in SpecForge's offline
+    format: the README's capture path, word for word but for the run's name (a fresh one per demo)."""
     name = "demo-" + time.strftime("%Y%m%d-%H%M%S")
-    dataset = d.root.parent / "datasets" / f"{name}.jsonl"
     out = d.root.parent / "datasets" / name
-    dataset.parent.mkdir(parents=True, exist_ok=True)
-    r = random.Random(name)
-    with open(dataset, "w") as f:  # token ids of the demo model's vocabulary (512), prompts of 16-128 tokens
-        for i in range(samples):
-            ids = [r.randrange(10, 500) for _ in range(r.randrange(16, 129))]
-            mask = [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)  # e.g. loss on the answer half only
-            f.write(json.dumps({"id": f"conv-{i:05d}", "input_ids": ids, "loss_mask": mask}) + "\n")
-    say(f"3. an extraction run: {samples} samples of {dataset.name} through the verified capture server, every dump "
-        "verified on the host, then collected as SpecForge training data")
-    rc = patchctl("capture", "run", str(dataset), "--name", name, "--limit", "local")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    samples = sum(1 for line in EXAMPLE_DATASET.read_text().splitlines() if line.strip())
+    say(f"3. an extraction run: the {samples} samples of examples/{EXAMPLE_DATASET.name} through the verified "
+        "capture server, every dump verified on the host, then collected as SpecForge training data")
+    rc = patchctl("capture", "run", str(EXAMPLE_DATASET), "--name", name, "--limit", "local")
     if rc == 0:
         patchctl("capture", "status", name)
         rc = patchctl("capture", "collect", name, "--to", str(out), "--format", "specforge", "--limit", "local")

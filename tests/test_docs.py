@@ -51,3 +51,101 @@ def test_docs_design_covers_what_the_issue_lists():
                    'python = "controller"', "ssh_config", 'gateway = ""', "{sglang_root}", "public_env",
                    "capture_layers", "layer_outputs"):
         assert needle in text, needle
+
+
+# --- the README a new user follows (issue 21, item 3) ----------------------------------------------
+
+README = REPO / "README.md"
+SETUP = re.compile(r"^python3 -m venv \.venv && .*$", re.M)
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """.ci/run runs the README's test command on a fresh machine: the two lines are the same text."""
+    readme = [c for c in SETUP.findall(README.read_text()) if "pytest" in c]
+    ci = [c for c in SETUP.findall((REPO / ".ci" / "run").read_text()) if "pytest" in c]
+    assert len(readme) == 1 and len(ci) == 1, (readme, ci)
+    assert readme[0] == ci[0]
+
+
+def test_readme_set_up_commands_put_patchctl_on_path_and_show_progress():
+    """Both set-up commands activate the venv (`patchctl` on the shell's PATH afterwards) and let pip
+    print what it installs (no -q: no minutes of silence)."""
+    commands = SETUP.findall(README.read_text())
+    assert len(commands) == 2, commands
+    for c in commands:
+        assert "&& . .venv/bin/activate &&" in c, c
+        assert " -q " not in c.replace("pytest -q", ""), c
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than - and _ dropped, spaces -> -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _markdown_files():
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_every_link_of_the_readme_and_docs_resolves():
+    """Links between README.md and docs/*.md point at files that exist and at headings they have."""
+    bad = []
+    for md in _markdown_files():
+        text = md.read_text()
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m.group(1)
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (md.parent / path).resolve() if path else md
+            where = f"{md.relative_to(REPO)}: {target}"
+            if not dest.exists():
+                bad.append(f"{where} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), re.M)}
+                if anchor not in slugs:
+                    bad.append(f"{where} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_repository_path_the_readme_names_exists():
+    names = set(re.findall(r"`((?:examples|docs|tests|bench|patchctl|patches|\.ci)/[^`\s<>*]+)`", README.read_text()))
+    assert "examples/dataset.jsonl" in names
+    missing = sorted(n for n in names if not (REPO / n.split("#")[0].rstrip("/")).exists())
+    assert not missing, missing
+
+
+def test_readme_inventory_examples_load(tmp_path):
+    """Every TOML block of the README is an inventory patchctl accepts (a typo there would cost a new
+    user an exit 2 on their first command)."""
+    from patchctl.inventory import load_inventory
+
+    blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        p = tmp_path / f"readme-{i}.toml"
+        p.write_text(block)
+        assert load_inventory(p).hosts, block
+
+
+def test_example_dataset_validates_against_the_demo_model(tmp_path):
+    """The README's capture path and the demo send examples/dataset.jsonl to the demo host's model: it
+    passes the same checks `capture run` makes before sending anything (format, then vocabulary and
+    context of the model the demo serves), and the vocabulary check does bite on a smaller model."""
+    import json
+
+    import pytest
+
+    from patchctl.capture.dataset import check_against_model, load_dataset
+    from patchctl.demo import DEMO_MODEL, EXAMPLE_DATASET
+    from patchctl.errors import BadInput
+    from patchctl.simserver.model import write_model_config
+
+    assert EXAMPLE_DATASET == REPO / "examples" / "dataset.jsonl"
+    config = json.loads((write_model_config(tmp_path / "model", **DEMO_MODEL) / "config.json").read_text())
+    ds = load_dataset(EXAMPLE_DATASET)
+    assert len(ds.samples) == 200 and ds.has_loss_mask
+    # what the demo host's probe reports from that config.json (host/capture.py)
+    check_against_model(ds, {"local": {k: config.get(k) for k in ("vocab_size", "max_position_embeddings")}})
+    with pytest.raises(BadInput, match="vocab_size 256"):
+        check_against_model(ds, {"local": {"vocab_size": 256}})
+    assert f"capture run {EXAMPLE_DATASET.relative_to(REPO)}" in README.read_text()
