@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
                     help="seconds a server may take to answer one sample before it is taken for hung: the host stops "
                          "taking work and its samples go to the others (default 600)")
+    cp.add_argument("--no-length-check", action="store_true",
+                    help="do not check prompt lengths (by default a sample as long as a server's max_req_input_len "
+                         "is refused before anything is sent, and so is a run where no host's bound can be known); "
+                         "a sample too long then fails on its host")
     cp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                     help="where run logs go (default: the run's directory under ~/.local/state/patchctl/captures)")
 

@@ -125,21 +125,60 @@ def test_ids_that_would_share_a_file_name_are_refused(tmp_path, monkeypatch):
     assert f"{p.absolute()}:3: id 'aB' and id 'Ab' (line 1) would be dumped to the same file p-ab.safetensors" in msg
 
 
-def test_check_against_model_names_the_line_and_the_host(tmp_path):
+def test_check_against_model_names_the_line_the_host_and_the_bound(tmp_path):
     p = write(tmp_path, [{"id": "a", "input_ids": [1, 511]}, {"id": "b", "input_ids": [512]},
                          {"id": "c", "input_ids": list(range(100))}, {"id": "d", "input_ids": list(range(99))}])
     ds = load_dataset(p)
-    facts = {"gpu-a": {"vocab_size": 512, "max_position_embeddings": 4096, "model_path": "/m/a"},
-             "gpu-b": {"vocab_size": 1000, "max_position_embeddings": 100}}
+    facts = {"gpu-a": {"vocab_size": 512, "max_req_input_len": 4090, "model_path": "/m/a"},
+             "gpu-b": {"vocab_size": 1000, "max_req_input_len": 100}}
     with pytest.raises(BadInput) as e:
         check_against_model(ds, facts)
     rows = str(e.value).splitlines()
     assert rows[0] == (f"{p.absolute()}:2: id 'b': token id 512 >= vocab_size 512 of the model served on gpu-a (/m/a); "
                        "expected ids below 512")
-    assert rows[1] == (f"{p.absolute()}:3: id 'c': 100 tokens; the model served on gpu-b takes at most 99 "
-                       "(context length 100, 1 new token)")
+    # SGLang aborts len(ids) >= max_req_input_len: 100 tokens are one too many for gpu-b, 99 go
+    assert rows[1] == (f"{p.absolute()}:3: id 'c': 100 tokens; SGLang on gpu-b aborts prompts of 100 tokens or more "
+                       "(max_req_input_len 100 from its /server_info); expected at most 99")
     assert rows[2].endswith("2 problems; nothing was sent") and len(rows) == 3 and e.value.exit_code == 2
-    # the server's --context-length, when known, wins over config.json's max_position_embeddings
-    check_against_model(ds, {"gpu-b": {"vocab_size": 1000, "max_position_embeddings": 100, "context_length": 200}})
-    check_against_model(ds, {"gpu-c": {"vocab_size": 513}})  # no context known: only the vocabulary is checked
-    check_against_model(ds, {})
+    fine = load_dataset(write(tmp_path, [{"id": "d", "input_ids": list(range(99))}]))
+    said = check_against_model(fine, facts)
+    assert said == ("prompt length: at most 99 tokens (gpu-b: max_req_input_len 100 from its /server_info; "
+                    "the smallest of 2 hosts)")
+
+
+def test_without_the_servers_bound_the_config_rule_applies_and_says_so(tmp_path):
+    ds = load_dataset(write(tmp_path, [{"id": "a", "input_ids": [1] * 93}, {"id": "b", "input_ids": [1] * 94}]))
+    # min(context - 1, KV - 1) - 5 with the KV pool unknown: 94 is aborted at context 100, 93 is not
+    facts = {"h": {"vocab_size": 10, "config_context_len": 100, "config_context_from": "max_position_embeddings=100",
+                   "server_info_error": "/server_info answered HTTP 404"}}
+    with pytest.raises(BadInput) as e:
+        check_against_model(ds, facts)
+    msg = str(e.value)
+    assert msg.startswith(f"{ds.path}:2: id 'b': 94 tokens; SGLang on h aborts prompts of 94 tokens or more "
+                          "(SGLang's rule min(context - 1, KV pool - 1) - 5 on context length 100 from config.json "
+                          "max_position_embeddings=100; its server reported no max_req_input_len (/server_info "
+                          "answered HTTP 404), so a KV pool smaller than the context is not accounted for); "
+                          "expected at most 93"), msg
+    # the server's --context-length wins over config.json's; its own max_req_input_len over both
+    check_against_model(ds, {"h": dict(facts["h"], context_length=101)})
+    with pytest.raises(BadInput, match="max_req_input_len 90 from its /server_info"):
+        check_against_model(ds, {"h": dict(facts["h"], context_length=1000, max_req_input_len=90)})
+
+
+def test_no_bound_known_is_refused_unless_the_length_check_is_off(tmp_path):
+    ds = load_dataset(write(tmp_path, [{"id": "a", "input_ids": [1] * 200_000}]))
+    facts = {"ok": {"vocab_size": 10, "max_req_input_len": 300_000},
+             "h": {"vocab_size": 10, "model_path": "/m", "num_hidden_layers": 2, "max_req_input_len": None}}
+    with pytest.raises(BadInput) as e:
+        check_against_model(ds, facts)
+    msg = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in msg and "ok:" not in msg
+    assert msg.startswith(f"{ds.path}: no prompt length bound is known for h: its server reports no max_req_input_len "
+                          "in /server_info, and its config.json has none of max_sequence_length, seq_length, "
+                          "max_seq_len, model_max_length, max_position_embeddings"), msg
+    assert msg.endswith("nothing was sent (--no-length-check sends without a bound)")
+    said = check_against_model(ds, facts, length_check=False)
+    assert said.startswith("prompt length: not checked (--no-length-check)")
+    # the vocabulary is checked all the same
+    with pytest.raises(BadInput, match="vocab_size 1 "):
+        check_against_model(ds, {"h": {"vocab_size": 1}}, length_check=False)

@@ -147,6 +147,8 @@ def test_a_dataset_through_three_hosts_every_file_bit_exact_failures_retried_els
         assert all(r["host"] == "host2" for r in fails if r["id"] == sid)
         assert done[sid]["host"] != "host2"
     assert "298/300 samples done and verified; 2 failed; 0 pending" in p.stderr
+    assert ("prompt length: at most 2041 tokens (host0: max_req_input_len 2042 from its /server_info; the smallest "
+            "of 3 hosts)") in p.stderr
     # status agrees, from the journal alone
     st = f.patchctl("capture", "status", "main")
     assert "298" in st.stdout + st.stderr
@@ -275,6 +277,31 @@ def test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent(fleet, tmp
     assert p.returncode == 2, p.stderr
     assert f"{bad}:2" in p.stderr and "vocab" in p.stderr
     assert [r for r in journal(f, "bad2") if r["rec"] == "sent"] == []
+
+
+def test_a_sample_sglang_would_abort_is_refused_before_sending_naming_the_servers_bound(fleet, tmp_path):
+    f = fleet
+    # the stand-ins derive SGLang's context (2048: the config names none) and report max_req_input_len
+    # = min(2048 - 1, KV pool - 1) - 5 = 2042 in /server_info: a prompt of 2042 tokens is aborted there
+    ds = tmp_path / "long.jsonl"
+    ds.write_text(json.dumps({"id": "fits", "input_ids": [11] * 2041}) + "\n" +
+                  json.dumps({"id": "long", "input_ids": [11] * 2042}) + "\n")
+    p = f.patchctl("capture", "run", str(ds), "--name", "long", "--keep-free", "0")
+    assert p.returncode == 2, p.stderr
+    assert (f"{ds}:2: id 'long': 2042 tokens; SGLang on host0 aborts prompts of 2042 tokens or more "
+            "(max_req_input_len 2042 from its /server_info); expected at most 2041; nothing was sent") in p.stderr
+    assert journal(f, "long") == []
+    # without the check the sample goes out, and each server aborts it as SGLang does (HTTP 400, nothing
+    # verified): tried on two hosts, then recorded failed with the server's own words
+    p = f.patchctl("capture", "run", str(ds), "--name", "long", "--keep-free", "0", "--no-length-check")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "prompt length: not checked (--no-length-check)" in p.stderr
+    recs = journal(f, "long")
+    assert set(done_records(recs)) == {"fits"}
+    fails = [r for r in recs if r["rec"] == "failed"]
+    assert [r["id"] for r in fails] == ["long", "long"] and fails[0]["host"] != fails[1]["host"] and fails[1]["final"]
+    assert all("HTTP 400" in r["reason"] and "exceeds the maximum allowed length (2042 tokens)" in r["reason"]
+               for r in fails), fails
 
 
 def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(fleet, tmp_path):

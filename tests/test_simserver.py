@@ -179,6 +179,42 @@ def test_dump_through_tree_hook(sglang_tree, start, tmp_path):
     assert (dumps / "users-file.txt").read_text() == "keep"
 
 
+def test_prompt_lengths_bounded_and_aborted_as_sglang_does(sglang_tree, start, tmp_path):
+    # max_req_input_len = min(context - 1, KV pool - 1) - 5 (tp_worker.py:568-572), reported in /server_info
+    tree = hooked_tree(sglang_tree, tmp_path / "tree")
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    s = start(tree, args=["--context-length", "64"],
+              env={"PATCHCTL_SIM_KV_TOKENS": "40", "SGLANG_HIDDEN_DUMP_DIR": str(dumps)})
+    s.wait_ready()
+    si = s.get("/server_info")[1]
+    assert (si["context_length"], si["max_total_num_tokens"], si["max_req_input_len"]) == (64, 40, 34)
+    assert gen(s, [7] * 33, rid="fits")[0] == 200
+    # the scheduler aborts T >= max_req_input_len: HTTP 400 with SGLang's message, after a 1-token stub prefill
+    code, err = gen(s, [7] * 34, rid="long")
+    assert code == 400 and err["error"]["message"] == (
+        "Input length (34 tokens) exceeds the maximum allowed length (34 tokens). "
+        "Use a shorter input or enable --allow-auto-truncate."), err
+    meta, t = read_dump(dumps / "long.safetensors")  # this test's module dumps every prefill: the stub's too
+    assert t["input_ids"].tolist() == [0] and meta["num_tokens"] == "1"
+    assert "Input length (34 tokens) exceeds" in s.text() and "rid='long'" in s.text()
+    # the TokenizerManager refuses T >= context and T + max_new_tokens > context before the scheduler sees them
+    code, err = gen(s, [7] * 64, rid="ctx")
+    assert code == 400 and "longer than the model's context length (64 tokens)" in err["error"]["message"]
+    code, err = gen(s, [7] * 30, rid="ctx2", n=40)
+    assert code == 400 and "maximum context length of 64 tokens" in err["error"]["message"]
+    assert not (dumps / "ctx.safetensors").exists() and not (dumps / "ctx2.safetensors").exists()
+    assert gen(s, [7] * 33, rid="fits2")[1]["meta_info"]["prompt_tokens"] == 33  # still serving
+    # without --context-length: config.json's context by SGLang's rule (2048 when it names none)
+    s2 = start(sglang_tree)
+    s2.wait_ready()
+    si = s2.get("/server_info")[1]
+    assert si["context_length"] is None and si["max_req_input_len"] == 2042
+    # a --context-length above the derived one is refused, as SGLang refuses it
+    s3 = start(sglang_tree, args=["--context-length", "4096"])
+    assert s3.wait_exit(30) == 1 and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in s3.text()
+
+
 def test_default_layers_and_input_semantics(sglang_tree, start, tmp_path):
     tree = hooked_tree(sglang_tree, tmp_path / "tree")
     dumps = tmp_path / "dumps"

@@ -21,8 +21,10 @@ largest token id; `Dataset.read()` / `Dataset.records()` read input_ids and loss
 the runner sends a sample (checked against the id recorded, so a file changed since is noticed).
 
 `check_against_model(dataset, facts_by_host)` then refuses token ids >= a served model's
-vocab_size and prompts the server would refuse as too long for its context (SGLang 0.5.23's
-TokenizerManager refuses `T >= context_len` and `T + max_new_tokens > context_len`).
+vocab_size and prompts the server would abort as too long: SGLang 0.5.23 aborts `T >= max_req_input_len`
+(`min(context_len - 1, kv_pool - 1) - 5`, patchctl.host.limits), a bound each server reports in
+/server_info; without it, the same rule on the context length (KV pool unknown); with neither, the run
+is refused unless the length check is turned off. It says which bound it used.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.errors import BadInput
+from patchctl.host import limits
 from patchctl.host.capture import safe_name
 
 MAX_PROBLEMS = 20  # problems listed in one error; the total is always counted
@@ -228,41 +231,70 @@ def load_dataset(path, rid_prefix: str = "") -> Dataset:
                    has_loss_mask=any_mask, by_id=by_id)
 
 
-def context_limit(facts: dict) -> int | None:
-    """The context length the server enforces: `context_length` (the server's --context-length) when
-    known, else config.json's `max_position_embeddings`."""
-    for key in ("context_length", "max_position_embeddings"):
-        v = facts.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
+def length_bound(facts: dict) -> tuple[int | None, str]:
+    """(the most tokens a host's server takes in one prompt, where that number comes from), or (None, why
+    it cannot be known). SGLang aborts `len(input_ids) >= max_req_input_len` (patchctl.host.limits):
+    the server's own number from /server_info when it reports one; else the same rule on the context
+    length (the server's --context-length, else config.json's), whose KV-pool term is then unknown."""
+    m = _pos_int(facts.get("max_req_input_len"))
+    if m:
+        return m - 1, f"max_req_input_len {m} from its /server_info"
+    ctx, src = _pos_int(facts.get("context_length")), "the server's --context-length"
+    if not ctx:
+        ctx, src = _pos_int(facts.get("config_context_len")), f"config.json {facts.get('config_context_from')}"
+    if ctx:
+        return (limits.max_req_input_len(ctx, ctx) - 1,
+                f"SGLang's rule min(context - 1, KV pool - 1) - {limits.MARGIN} on context length {ctx} from {src}; "
+                f"its server reported no max_req_input_len"
+                + (f" ({facts['server_info_error']})" if facts.get("server_info_error") else "")
+                + ", so a KV pool smaller than the context is not accounted for")
+    why = "its server reports no max_req_input_len in /server_info" + (
+        f" ({facts['server_info_error']})" if facts.get("server_info_error") else "")
+    why += (", and its config.json has none of " + ", ".join(limits.CONTEXT_LENGTH_KEYS)
+            if facts.get("model_path") and facts.get("num_hidden_layers") is not None else
+            ", and its model's config.json could not be read")
+    return None, why
 
 
-def check_against_model(dataset: Dataset, facts_by_host: dict[str, dict], max_new_tokens: int = 1) -> None:
+def _pos_int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def check_against_model(dataset: Dataset, facts_by_host: dict[str, dict], *, length_check: bool = True) -> str:
     """Refuse (BadInput, exit 2) samples a host's model cannot take: a token id >= its vocab_size, or a
-    prompt too long for its context (T + max_new_tokens > context, as SGLang refuses). Every sample may go
-    to any host, so every host's limits apply; each problem names the line, the host and its model.
-    facts_by_host: {host: {"vocab_size", "max_position_embeddings"?, "context_length"?, "model_path"?}}."""
-    limits = []
+    prompt its SGLang would abort as too long (length_bound). Every sample may go to any host (a retry,
+    a dead host's hand-back), so the smallest bound of the taking-part hosts applies to all; each problem
+    names the line, the host, its bound and where the bound came from. A host whose bound cannot be
+    known is refused unless length_check is off. Returns one line saying which length bound was used.
+    facts_by_host: {host: the capture probe's facts ("vocab_size", "max_req_input_len", ...)}."""
+    if not facts_by_host:
+        return "no host: nothing checked"
+    limits_ = []
     for host, facts in sorted(facts_by_host.items()):
         vocab = facts.get("vocab_size")
-        ctx = context_limit(facts)
         model = f" ({facts['model_path']})" if facts.get("model_path") else ""
-        limits.append((host + model, vocab if isinstance(vocab, int) and vocab > 0 else None, ctx))
-    if not limits:
-        return
-    vocab_min = min((v, h) for h, v, _ in limits if v) if any(v for _, v, _ in limits) else None
-    ctx_min = min((c, h) for h, _, c in limits if c) if any(c for _, _, c in limits) else None
+        bound, src = length_bound(facts) if length_check else (None, "")
+        limits_.append((host, model, vocab if isinstance(vocab, int) and vocab > 0 else None, bound, src))
+    unknown = [(h, src) for h, _, _, b, src in limits_ if length_check and b is None]
+    if unknown:
+        raise BadInput("no prompt length bound is known for " + "; ".join(f"{h}: {why}" for h, why in unknown)
+                       + ": a sample SGLang finds too long would be aborted on the host; nothing was sent "
+                       "(--no-length-check sends without a bound)", file=str(dataset.path))
+    vocab_min = min(((v, h + m) for h, m, v, _, _ in limits_ if v), default=None)
+    tight = min(((b, h, src) for h, _, _, b, src in limits_ if b is not None), default=None)
     problems = _Problems(dataset.path)
     for s in dataset.samples:
         if vocab_min and s.max_id >= vocab_min[0]:
             problems.add(s.line, f"id {_short(s.id)}: token id {s.max_id} >= vocab_size {vocab_min[0]} of the model "
                                  f"served on {vocab_min[1]}; expected ids below {vocab_min[0]}")
-        if ctx_min and s.tokens + max_new_tokens > ctx_min[0]:
-            problems.add(s.line, f"id {_short(s.id)}: {s.tokens} tokens; the model served on {ctx_min[1]} takes at "
-                                 f"most {ctx_min[0] - max_new_tokens} (context length {ctx_min[0]}, "
-                                 f"{max_new_tokens} new token{'s' if max_new_tokens != 1 else ''})")
+        if tight and s.tokens > tight[0]:
+            problems.add(s.line, f"id {_short(s.id)}: {s.tokens} tokens; SGLang on {tight[1]} aborts prompts of "
+                                 f"{tight[0] + 1} tokens or more ({tight[2]}); expected at most {tight[0]}")
     problems.raise_if_any("nothing was sent")
+    if not length_check:
+        return "prompt length: not checked (--no-length-check): a sample its server finds too long fails on the host"
+    others = f"; the smallest of {len(limits_)} hosts" if len(limits_) > 1 else ""
+    return f"prompt length: at most {tight[0]} tokens ({tight[1]}: {tight[2]}{others})"
 
 
 def dataset_info(ds: Dataset) -> dict:
@@ -281,4 +313,4 @@ def open_run_dataset(info: dict, rid_prefix: str = "") -> Dataset:
 
 
 __all__ = ["Dataset", "Sample", "load_dataset", "check_against_model", "safe_name", "file_name", "dataset_info",
-           "open_run_dataset", "context_limit", "MAX_PROBLEMS"]
+           "open_run_dataset", "length_bound", "MAX_PROBLEMS"]

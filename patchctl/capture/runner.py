@@ -292,7 +292,7 @@ def _probe(run: Run, units: list[list[Host]]) -> tuple[list[Lane], dict[str, str
 
 
 def run_capture(app: App, args) -> int:
-    name = check_run_name(args.name or default_name(args.dataset))
+    name = check_run_name(default_name(args.dataset) if args.name is None else args.name)
     # bad input: exit 2 naming the lines, nothing sent (file names judged with the default series prefix;
     # the module's naming is injective whatever the prefix)
     ds = datasets.load_dataset(args.dataset, run_prefix("patchctl-", name) + "-")
@@ -316,14 +316,15 @@ def run_capture(app: App, args) -> int:
                            + (f"; the run was started with {before['prefix']}" if before else "") +
                            "): one run needs one prefix (SGLANG_HIDDEN_DUMP_RID_PREFIX): nothing sent")
         prefix = prefixes.pop()
-        datasets.check_against_model(ds, {l.host.name: l.info for l in lanes})
+        app.info(datasets.check_against_model(ds, {l.host.name: l.info for l in lanes},
+                                              length_check=not args.no_length_check))
         directory = run_dir(name, create=True)
         info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}
         for l in lanes:
             info["hosts"][l.host.name] = dict({k: l.info.get(k) for k in (
                 "model_path", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
-                "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect")},
+                "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect")},
                 run_dir=f"{l.info['dump_dir']}/captures/{name}")
         write_run_info(directory, info)
         return _capture(app, args, run, name, prefix, ds, directory, lanes, skipped)

@@ -21,9 +21,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from . import limits
 from .events import AgentError, ControllerGone, event
 from .osutil import expand, sha256_file
-from .server import http_once
+from .server import http_once, http_request
 from .smoke import FORMAT_VERSION, expected_layers, model_facts, validate_dump
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
@@ -122,8 +123,26 @@ def probe(manifest, cfg, req):
                bytes_per_token=bytes_per_token(k, int(hidden)), free_bytes=shutil.disk_usage(probe_dir).free,
                model_path=facts.get("model_path"), num_hidden_layers=facts.get("num_hidden_layers"),
                vocab_size=facts.get("vocab_size"), max_position_embeddings=facts.get("max_position_embeddings"),
-               architectures=facts.get("architectures"), format_version=FORMAT_VERSION)
+               architectures=facts.get("architectures"), format_version=FORMAT_VERSION,
+               config_context_len=facts.get("config_context_len"), config_context_from=facts.get("config_context_from"))
+    out.update(server_limits(cfg))
     return out
+
+
+def server_limits(cfg):
+    """What the running server says about prompt lengths (limits.from_server_info), and why it said
+    nothing when it did not answer (`server_info_error`)."""
+    why = None
+    for path in ("/server_info", "/get_server_info"):  # the second: releases before /server_info existed
+        try:
+            status, info = http_request(cfg["host"], cfg["port"], "GET", path, timeout=10)
+        except (OSError, http.client.HTTPException) as e:
+            why = "%s: %s" % (path, e or e.__class__.__name__)
+            break
+        if status == 200 and isinstance(info, dict):
+            return dict(limits.from_server_info(info), server_info_error=None)
+        why = "%s answered HTTP %s" % (path, status)
+    return dict(limits.from_server_info(None), server_info_error=why)
 
 
 class Capture(object):

@@ -15,6 +15,7 @@ import random
 import struct
 import time
 
+from . import limits
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail
 from .server import http_request
@@ -186,10 +187,12 @@ def model_facts(cfg):
     if conf and os.path.isfile(conf):
         with open(conf) as f:
             c = json.load(f)
-        c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) and "num_hidden_layers" not in c else c
+        ctx, ctx_from = limits.config_context_len(c)
+        c = limits.text_config(c)
         facts.update(num_hidden_layers=c.get("num_hidden_layers"), hidden_size=c.get("hidden_size"),
                      vocab_size=c.get("vocab_size"), architectures=c.get("architectures"),
-                     max_position_embeddings=c.get("max_position_embeddings"))
+                     max_position_embeddings=c.get("max_position_embeddings"),
+                     config_context_len=ctx, config_context_from=ctx_from)
     return facts
 
 

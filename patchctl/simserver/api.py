@@ -4,7 +4,9 @@
 it shuts down), then run a one-token health request through the engine;
 `/get_model_info` and `/get_server_info` say they are a stand-in; `POST /generate`
 takes `text` or `input_ids` (one or a batch), `rid`, `sampling_params`, and answers
-with `meta_info.prompt_tokens` as SGLang does. The DIE_AFTER / STALL_AFTER knobs act here.
+with `meta_info.prompt_tokens` as SGLang does. Prompt lengths are checked as SGLang 0.5.23 does
+(patchctl.host.limits): `T >= context` or `T + max_new_tokens > context` refused up front (HTTP 400),
+`T >= max_req_input_len` aborted by the scheduler: a 1-token stub prefill, then HTTP 400. The DIE_AFTER / STALL_AFTER knobs act here.
 """
 
 from __future__ import annotations
@@ -161,9 +163,23 @@ class App:
             aux_hidden_state_layer_ids=self.engine.capture_ids,
             hook_lines=self.engine.hook.lines if self.engine.hook else [],
             internal_states=[{"last_gen_throughput": 0.0, "forward_pass_id": self.engine.forward_pass_id}],
+            # the scheduler's init info, merged in as SGLang's build_server_info does
+            max_total_num_tokens=self.engine.kv_tokens,
+            max_req_input_len=self.engine.max_req_input_len,
             launch_command=" ".join([sys.executable, "-m", "patchctl.simserver"] + sys.argv[1:]),
         )
         return info
+
+    def _work(self, rid, ids, max_new):
+        """The scheduler's prompt-length check (validate_input_length): a prompt of max_req_input_len tokens or
+        more is aborted, its request turned into a 1-token stub that is still prefilled."""
+        limit = self.engine.max_req_input_len
+        if len(ids) < limit:
+            return Work(rid, ids, max_new)
+        msg = (f"Input length ({len(ids)} tokens) exceeds the maximum allowed length ({limit} tokens). "
+               "Use a shorter input or enable --allow-auto-truncate.")
+        logger.error("%s, self.rid=%r", msg, rid)
+        return Work(rid, [0], max_new, abort=msg)
 
     def generate(self, body):
         sp = body.get("sampling_params") or {}
@@ -199,6 +215,16 @@ class App:
             bad = [t for t in p if t < 0 or t >= vocab]
             if bad:
                 raise BadRequest(f"The input_ids {bad[:5]} contains values outside the vocabulary [0, {vocab}).")
+        ctx = self.engine.context_len
+        for p in prompts:  # TokenizerManager's checks: refused before the scheduler sees the request
+            if len(p) >= ctx:
+                raise BadRequest(f"The input ({len(p)} tokens) is longer than the model's context length ({ctx} tokens).")
+            if max_new + len(p) > ctx:
+                raise BadRequest(
+                    f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+                    f"a total of {max_new + len(p)} tokens: {len(p)} tokens from the input messages and {max_new} "
+                    f"tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                    f"completion to fit within the limit.")
         rid = body.get("rid")
         if single:
             rids = [rid if rid is not None else uuid.uuid4().hex]
@@ -210,7 +236,7 @@ class App:
             raise BadRequest("The rid should be a list with the same length as the prompts for a batch request.")
         if not all(isinstance(r, str) for r in rids):
             raise BadRequest("rid must be a string")
-        works = [Work(r, p, max_new) for r, p in zip(rids, prompts)]
+        works = [self._work(r, p, max_new) for r, p in zip(rids, prompts)]
         for w in works:
             self.engine.submit(w)
         results = []
@@ -218,6 +244,8 @@ class App:
             w.done.wait()
             if w.error is not None:
                 raise RuntimeError(f"{type(w.error).__name__}: {w.error}")
+            if w.abort is not None:
+                raise BadRequest(w.abort)
             results.append({
                 "text": detokenize(w.output_ids),
                 "output_ids": list(w.output_ids),

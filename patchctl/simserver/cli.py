@@ -37,7 +37,7 @@ from pathlib import Path
 
 from patchctl.simserver import knobs
 from patchctl.simserver.api import STAND_IN, App, Handler, tokenize
-from patchctl.simserver.engine import Engine, Work
+from patchctl.simserver.engine import Engine, Work, derived_context_len
 from patchctl.simserver.hook import FORWARD_BATCH_INFO, MODEL_RUNNER, extract_batch_hook, extract_hook
 from patchctl.simserver.model import resolve_capture_ids
 from patchctl.simserver.multinode import DistInitError, follow_head, head_rendezvous
@@ -77,6 +77,8 @@ def build_parser():
                    help="layer ids to capture (input of each layer; used as given); also a JSON list")
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None,
+                   help="the model's context length (default: config.json's, as SGLang derives it; 2048 without one)")
     p.add_argument("--sglang-root", default=None,
                    help="directory containing the sglang/ package to serve (default: find_spec('sglang'))")
     p.add_argument("--nnodes", type=int, default=1)
@@ -202,7 +204,21 @@ def main(argv=None):
             logger.warning("PATCHCTL_SIM_NAN_LAYER=%s: captured input of that layer gets NaN (stand-in knob)",
                            nan_layer)
 
+    derived = derived_context_len(model_cfg)
+    if args.context_length is not None and args.context_length > derived:
+        msg = (f"Warning: User-specified context_length ({args.context_length}) is greater than the derived "
+               f"context_length ({derived}).")
+        if os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in ("1", "true"):
+            _fatal(f"ValueError: {msg} To allow overriding this maximum, set the env var "
+                   "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+        logger.warning(msg)
     engine = Engine(args, model_cfg, hook, hd, light, batch_hook)
+    if engine.kv_tokens < engine.context_len:
+        logger.warning("KV pool holds %d tokens, fewer than --context-length %d. One full-length request cannot fit, "
+                       "so long requests will be refused or truncated at serving time.", engine.kv_tokens,
+                       engine.context_len)
+    logger.info("context_len=%d, KV pool %d tokens (PATCHCTL_SIM_KV_TOKENS), max_req_input_len=%d",
+                engine.context_len, engine.kv_tokens, engine.max_req_input_len)
     app = App(args, root, version, model_cfg, engine, unknown)
     Handler.app = app
     follower = args.nnodes > 1 and args.node_rank >= 1

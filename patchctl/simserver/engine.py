@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 
+from patchctl.host import limits
 from patchctl.simserver import knobs
 from patchctl.simserver.ducks import NS, ForwardMode
 from patchctl.simserver.model import TinyModel, resolve_capture_ids
@@ -27,14 +28,28 @@ MAX_BATCH = 32
 
 
 class Work:
-    def __init__(self, rid, input_ids, max_new_tokens):
+    def __init__(self, rid, input_ids, max_new_tokens, abort: str | None = None):
         self.rid = rid
         self.input_ids = input_ids
         self.max_new_tokens = max_new_tokens
+        # SGLang's Req.set_finish_with_abort: the prompt replaced by the 1-token stub [0], `to_finish` set;
+        # the stub is still prefilled (and the request answered with the abort's message, HTTP 400)
+        self.abort = abort
         self.output_ids: list[int] = []
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.t0 = time.time()
+
+
+def derived_context_len(model_cfg) -> int:
+    """get_context_length on the model's config (2048 when it sets no context key)."""
+    return limits.config_context_len(model_cfg)[0] or limits.DEFAULT_CONTEXT_LEN
+
+
+def _finish_abort(message):
+    """SGLang's FINISH_ABORT as set_finish_with_abort makes it (status 400, BadRequestError)."""
+    j = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+    return NS(message=message, status_code=400, err_type="BadRequestError", to_json=lambda: dict(j))
 
 
 class Engine:
@@ -51,6 +66,10 @@ class Engine:
         self.layers = int(model_cfg.get("num_hidden_layers", 8))
         self.hidden = int(model_cfg.get("hidden_size", 64))
         self.capture_ids = resolve_capture_ids(args, self.layers)
+        # SGLang's ModelConfig context_len (--context-length, else config.json's) and the scheduler's bound
+        self.context_len = getattr(args, "context_length", None) or derived_context_len(model_cfg)
+        self.kv_tokens = knobs.kv_tokens()
+        self.max_req_input_len = limits.max_req_input_len(self.context_len, self.kv_tokens)
         self.model = None
         self.q: queue.Queue[Work] = queue.Queue()
         self.forward_pass_id = 0
@@ -100,10 +119,10 @@ class Engine:
     def _run_batch(self, batch):
         nexts = self._forward("EXTEND", batch, [w.input_ids for w in batch])
         for w, t in zip(batch, nexts):
-            if w.max_new_tokens > 0:
+            if w.max_new_tokens > 0 and w.abort is None:
                 w.output_ids.append(t)
         while True:
-            active = [w for w in batch if 0 < len(w.output_ids) < w.max_new_tokens]
+            active = [w for w in batch if 0 < len(w.output_ids) < w.max_new_tokens and w.abort is None]
             if not active:
                 break
             nexts = self._forward("DECODE", active, [[w.output_ids[-1]] for w in active])
@@ -127,7 +146,9 @@ class Engine:
         last_index = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], dtype=torch.int64)
         fb = self._forward_batch(mode, batch, seqs, input_ids) if self.hook is not None else None
         if fb is not None and self.batch_hook is not None:
-            reqs = [NS(rid=w.rid, origin_input_ids=list(w.input_ids), output_ids=list(w.output_ids))
+            reqs = [NS(rid=w.rid, origin_input_ids=list(w.input_ids), output_ids=list(w.output_ids),
+                       to_finish=None if w.abort is None else _finish_abort(w.abort),
+                       finished_reason=None, finished=lambda: False)
                     for w in batch]
             self.batch_hook.run(self.hd, self.runner, fb, NS(reqs=reqs, forward_mode=fb.forward_mode))
         if fb is not None:

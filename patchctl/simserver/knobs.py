@@ -11,6 +11,8 @@
                                ids only (a corrupt dump for exactly the prompts holding one)
   PATCHCTL_SIM_RECORD_DIR=D    each prompt's captured rows as the model computed them, saved in D as
                                <sha256(rid)[:32]>.safetensors (what a dump must hold, bit for bit)
+  PATCHCTL_SIM_KV_TOKENS=N     tokens the KV pool holds (default 1048576): with the context length it sets
+                               max_req_input_len = min(context - 1, N - 1) - 5, as SGLang sizes it
   PATCHCTL_SIM_LIGHT=1         no torch, no hidden_dump import, no hook: the tree is
                                only compile-checked and tokens come from a pure-Python
                                function (fast start for tests that need no dumps)
@@ -29,6 +31,7 @@ HELP = """\
   PATCHCTL_SIM_NAN_LAYER=L       write NaN into the captured input of layer L
   PATCHCTL_SIM_NAN_TOKEN=T,...   write NaN into the first captured layer's rows of these token ids
   PATCHCTL_SIM_RECORD_DIR=D      save each prompt's computed capture rows in D (tests compare dumps)
+  PATCHCTL_SIM_KV_TOKENS=N       tokens the KV pool holds (default 1048576); max_req_input_len follows
   PATCHCTL_SIM_LIGHT=1           no torch, no hidden_dump import, no hook (compile check only)
 """
 
@@ -73,3 +76,7 @@ def nan_tokens() -> list[int]:
 
 def record_dir() -> str | None:
     return os.environ.get("PATCHCTL_SIM_RECORD_DIR") or None
+
+
+def kv_tokens() -> int:
+    return int(os.environ.get("PATCHCTL_SIM_KV_TOKENS") or 1 << 20)
