@@ -144,8 +144,14 @@ def test_example_dataset_validates_against_the_demo_model(tmp_path):
     config = json.loads((write_model_config(tmp_path / "model", **DEMO_MODEL) / "config.json").read_text())
     ds = load_dataset(EXAMPLE_DATASET)
     assert len(ds.samples) == 200 and ds.has_loss_mask
-    # what the demo host's probe reports from that config.json (host/capture.py)
-    check_against_model(ds, {"local": {k: config.get(k) for k in ("vocab_size", "max_position_embeddings")}})
+    # what the demo host's probe reports: the vocabulary from that config.json, the prompt length bound from
+    # the stand-in's /server_info (SGLang's max_req_input_len on the context it derives, default KV pool)
+    from patchctl.host.limits import max_req_input_len
+    from patchctl.simserver.engine import derived_context_len
+    from patchctl.simserver.knobs import kv_tokens
+
+    bound = max_req_input_len(derived_context_len(config), kv_tokens())
+    check_against_model(ds, {"local": {"vocab_size": config["vocab_size"], "max_req_input_len": bound}})
     with pytest.raises(BadInput, match="vocab_size 256"):
-        check_against_model(ds, {"local": {"vocab_size": 256}})
+        check_against_model(ds, {"local": {"vocab_size": 256, "max_req_input_len": bound}})
     assert f"capture run {EXAMPLE_DATASET.relative_to(REPO)}" in README.read_text()
