@@ -87,9 +87,10 @@ class Batch:
     """A duck-typed extend batch of several requests with its expected per-request tensors."""
 
     def __init__(self, rids, lens, hidden=16, k=3, mode="extend", prefix=None, seed=0,
-                 ids_dtype=torch.int32, prompt_lens=None, pad=0):
+                 ids_dtype=torch.int32, prompt_lens=None, pad=0, aborted=None):
         """`prompt_lens`: each request's prompt length as ForwardBatch.init_new records it
-        (default: the extend lengths, i.e. whole prompts); `pad`: rows appended after the
+        (default: the extend lengths, i.e. whole prompts); `aborted`: which requests it
+        records as aborted or finished (default: none); `pad`: rows appended after the
         real ones, as DP attention pads a batch (never data)."""
         g = torch.Generator().manual_seed(seed)
         T = sum(lens) + pad
@@ -101,7 +102,8 @@ class Batch:
             forward_mode=ForwardMode(mode.upper()), rids=self.rids, extend_seq_lens_cpu=self.lens,
             extend_prefix_lens_cpu=list(prefix) if prefix is not None else [0] * len(lens),
             input_ids=self.input_ids,
-            hidden_dump_prompt_lens=list(prompt_lens) if prompt_lens is not None else list(lens))
+            hidden_dump_prompt_lens=list(prompt_lens) if prompt_lens is not None else list(lens),
+            hidden_dump_aborted=list(aborted) if aborted is not None else [False] * len(lens))
         self.logits_output = types.SimpleNamespace(hidden_states=self.aux,
                                                    last_hidden_states=self.last)
 

@@ -337,6 +337,7 @@ class Harness:
             "extend_prefix_lens": list(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu is not None else None,
             "prompt_lens": [len(r.origin_input_ids) for r in batch.reqs],
             "noted_prompt_lens": getattr(fb, "hidden_dump_prompt_lens", None),
+            "noted_aborted": getattr(fb, "hidden_dump_aborted", None),
             "capture_hidden_mode": fb.capture_hidden_mode.name,
         }
         out = mr.forward(fb)
@@ -690,6 +691,38 @@ def sc_logprob(h: Harness) -> None:
     h.step_prefill()
 
 
+def sc_aborted(h: Harness) -> None:
+    """Requests the scheduler aborts before their prefill, beside normal ones in one batch.
+
+    Scheduler.handle_generate_request validates the prompt length with the real
+    `validate_input_length` against `max_req_input_len` (the real
+    `TpModelWorker.get_worker_info`, on this runner) and on failure calls the real
+    `Req.set_finish_with_abort`, which leaves a 1-token stub ([0], `to_finish` set) that is
+    still queued and prefilled (managers/scheduler.py:3245-3252).  The grammar manager's
+    abort of a queued request (AbortReq) calls the same method.  A genuine 1-token prompt
+    [0] rides along: the stub's rows look exactly like it."""
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.managers.utils import validate_input_length
+
+    mr = h.runner
+    worker = types.SimpleNamespace(model_runner=mr, model_config=h.model_config,
+                                   dllm_algorithm=None, random_seed=0, device="cpu")
+    max_req_input_len = TpModelWorker.get_worker_info(worker)[5]
+    long_req = h.req("patchctl-too-long", max_req_input_len, seed=7)
+    err = validate_input_length(long_req, max_req_input_len, False)
+    assert err, "a prompt of max_req_input_len tokens was accepted"
+    long_req.set_finish_with_abort(err)
+    client_abort = h.req("patchctl-client-abort", 6, seed=8)
+    client_abort.set_finish_with_abort("Aborted by AbortReq.")
+    h.notes["max_req_input_len"] = max_req_input_len
+    h.notes["abort_error"] = err
+    h.notes["stub_ids"] = [list(r.origin_input_ids) for r in (long_req, client_abort)]
+    h.notes["to_finish"] = [type(r.to_finish).__name__ for r in (long_req, client_abort)]
+    h.submit(h.req("patchctl-a", 5, seed=1), long_req, h.req("patchctl-one", 1, ids=[0]),
+             client_abort, h.req("patchctl-b", 7, seed=2))
+    h.step_prefill()
+
+
 def sc_no_capture(h: Harness) -> None:
     h.submit(h.req("patchctl-a", 5, seed=1))
     h.step_prefill()
@@ -711,6 +744,7 @@ SCENARIOS = {
     "chunked": sc_chunked,
     "warmup": sc_warmup,
     "logprob": sc_logprob,
+    "aborted": sc_aborted,
     "no_capture": sc_no_capture,
     "layers": sc_layers,
 }

@@ -131,11 +131,17 @@ def test_batch_hook_records_prompt_lengths_in_init_new(patched, hd):
     prev = init_new.body[init_new.body.index(ifs[0]) - 1]
     assert ast.unparse(prev).startswith("ret = cls(")
     code = compile(ast.Module(body=ifs, type_ignores=[]), "<batch hook>", "exec")
-    reqs = [types.SimpleNamespace(origin_input_ids=[1] * n) for n in (5, 9)]
+    done = types.SimpleNamespace(origin_input_ids=[1] * 4, to_finish=None, finished=lambda: True)
+    reqs = [types.SimpleNamespace(origin_input_ids=[1] * 5, to_finish=None, finished=lambda: False),
+            types.SimpleNamespace(origin_input_ids=[1] * 9),  # no abort attributes: not aborted
+            # what Req.set_finish_with_abort leaves: the 1-token stub with to_finish set
+            types.SimpleNamespace(origin_input_ids=[0], to_finish=object(), finished=lambda: False),
+            done]
     ret = types.SimpleNamespace()
     exec(code, {"_hidden_dump": hd, "model_runner": make_runner(), "ret": ret,
                 "batch": types.SimpleNamespace(reqs=reqs)})
-    assert ret.hidden_dump_prompt_lens == [5, 9]
+    assert ret.hidden_dump_prompt_lens == [5, 9, 1, 4]
+    assert ret.hidden_dump_aborted == [False, False, True, True]
 
 
 def _forward_of(tree: ast.Module, cls: str, fn: str) -> ast.FunctionDef:
@@ -227,7 +233,7 @@ def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree
     assert "hidden_dump" not in (tree_dir / MODEL_RUNNER).read_text()
     data = tomllib.loads((DEAD_SERIES / "series.toml").read_text())
     assert data["series"]["name"] == "hidden-dump-dead-hook"
-    assert data["series"]["version"] == "1.0.0"
+    assert data["series"]["version"] == "1.1.0"
     real = tomllib.loads((SERIES / "series.toml").read_text())
     assert {k: v for k, v in data["smoke"].items() if k != "hook"} == \
         {k: v for k, v in real["smoke"].items() if k != "hook"}
@@ -382,6 +388,21 @@ def test_warm_up_and_other_unnamed_requests_are_not_dumped(hd):
     assert hd.flush(10)
     assert dumped(hd.dir) == ["client-1.safetensors"]
     assert hd.stats()["skipped_unnamed"] == 1
+
+
+def test_aborted_requests_are_never_written(hd):
+    # SGLang turns a too-long prompt into a 1-token stub ([0], to_finish set) that is still
+    # prefilled beside the batch's other requests; one finished before its forward likewise.
+    b = Batch(["ok-0", "too-long", "ok-1", "gone"], [3, 1, 4, 2], prompt_lens=[3, 1, 4, 2],
+              aborted=[False, True, False, True])
+    hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
+    assert hd.flush(10)
+    assert dumped(hd.dir) == ["ok-0.safetensors", "ok-1.safetensors"]
+    t, _ = load(hd.dir / "ok-1.safetensors")
+    assert torch.equal(t["input_ids"], b.expected(2)[0])  # rows after the stub still line up
+    s = hd.stats()
+    assert s["skipped_aborted"] == 2 and s["files_written"] == 2 and s["errors"] == 0
+    assert not (hd.dir / "_hidden_dump_errors.log").exists()  # SGLang answered the client
 
 
 def test_missing_prompt_lengths_write_nothing_and_say_why(hd):

@@ -20,7 +20,8 @@ input_ids padded, 12 rows for 11 tokens), mixed chunk (the running requests' dec
 written as `.prefix<N>` files), chunked prefill (the first 8-token chunk written as
 `patchctl-long.safetensors`, a partial prompt presented as a whole sample), warm-up (the
 uuid-named warm-up prompt written) and Llama layer numbering (`layers` says [2, 4, 5], the
-model captured [3, 5, 6]).
+model captured [3, 5, 6]).  Against hidden-dump 2.0.0 the aborted test fails: SGLang's 1-token
+abort stubs are written as `patchctl-too-long.safetensors` and `patchctl-client-abort.safetensors`.
 """
 
 from __future__ import annotations
@@ -417,6 +418,31 @@ def test_server_warmup_request_is_never_written(scenario):
     assert run.samples() == ["patchctl-a.safetensors"]
     assert_sample(run, run.forward("prefill"), "patchctl-a")
     assert run.stats()["skipped_unnamed"] == 1 and run.stats()["files_written"] == 1
+
+
+def test_aborted_requests_are_never_written(scenario):
+    """SGLang's own abort of a too-long prompt (and of a queued request) leaves a 1-token
+    stub that is prefilled with the batch: it is never written, the rest of the batch is."""
+    run = scenario("aborted", "aborted")
+    notes = run.r["notes"]
+    # max_req_input_len = min(context_len - 1, kv capacity - 1) - 5, as SGLang reports it
+    assert notes["max_req_input_len"] == min(2048, 4096) - 1 - 5
+    assert "exceeds the maximum allowed length" in notes["abort_error"]
+    assert notes["stub_ids"] == [[0], [0]] and notes["to_finish"] == ["FINISH_ABORT"] * 2
+    fwd = run.forward("prefill")
+    assert fwd["scheduled_mode"] == "EXTEND"
+    assert fwd["rids"] == ["patchctl-a", "patchctl-too-long", "patchctl-one", "patchctl-client-abort",
+                           "patchctl-b"]
+    assert fwd["extend_seq_lens"] == fwd["prompt_lens"] == [5, 1, 1, 1, 7]  # stubs are prefilled
+    assert run.samples() == ["patchctl-a.safetensors", "patchctl-b.safetensors",
+                             "patchctl-one.safetensors"]
+    assert fwd["noted_aborted"] == [False, True, False, True, False]
+    for rid in ("patchctl-a", "patchctl-one", "patchctl-b"):
+        assert_sample(run, fwd, rid)
+    s = run.stats()
+    assert s["skipped_aborted"] == 2 and s["files_written"] == 3
+    assert s["errors"] == 0 and run.errors_log() == ""
+    assert_clean(run)
 
 
 def test_logprob_path(scenario):
