@@ -188,6 +188,69 @@ def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(f
     assert journal(f, "lonely") == []
 
 
+def assert_handed_over(f, name: str, samples: dict, host: str, why: str) -> list[dict]:
+    """Every sample done exactly once, bit for bit; `host` the one host stopped (for `why`); what it held
+    came back and was done on the others."""
+    recs = journal(f, name)
+    done = done_records(recs)  # a sample done twice fails here
+    assert set(done) == set(samples)
+    for sid, rec in done.items():
+        assert_bit_exact(f, rec, samples[sid])
+    stopped = [r for r in recs if r["rec"] == "host"]
+    assert [r["host"] for r in stopped] == [host] and why in stopped[0]["reason"], stopped
+    returned = [r for r in recs if r["rec"] == "returned"]
+    assert returned and all(r["host"] == host for r in returned)
+    assert all(done[r["id"]]["host"] != host for r in returned)
+    return recs
+
+
+def test_a_frozen_link_mid_run_its_samples_go_elsewhere_after_the_silence_limit(fleet, tmp_path):
+    f = fleet
+    h = f.hosts[1]
+    samples = dataset(tmp_path / "ds.jsonl", 400, seed=7)
+    proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "frozen", "--in-flight", "2",
+                   "--max-fail", "1", "--keep-free", "0", env={"PATCHCTL_SILENCE_S": "6"})
+    try:
+        wait_for(lambda: sum(1 for r in journal(f, "frozen") if r["rec"] == "done" and r["host"] == h.name) >= 10
+                 or proc.poll() is not None, 120, what=f"{h.name} at work")
+        assert proc.poll() is None, "the run ended before the link froze"
+        # the link freezes: the host's SSH session processes stop (TCP still acknowledges, nothing moves)
+        assert h.ssh.kill_sessions(signal.SIGSTOP) >= 1
+        out, err = proc.communicate(timeout=300)
+    finally:
+        h.ssh.kill_sessions(signal.SIGKILL)  # the link is cut for good: the host's agent sees its controller gone
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
+    assert_handed_over(f, "frozen", samples, h.name, "no word from the command for 6s")
+    assert f"{h.name}: takes no more work" in err
+    wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
+
+
+def test_a_hung_server_mid_run_its_samples_go_elsewhere_after_the_request_timeout(fleet, tmp_path):
+    f = fleet
+    h = f.hosts[2]
+    samples = dataset(tmp_path / "ds.jsonl", 400, seed=8)
+    proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "hung", "--in-flight", "2",
+                   "--max-fail", "1", "--keep-free", "0", "--request-timeout", "15")
+    pid = None
+    try:
+        wait_for(lambda: sum(1 for r in journal(f, "hung") if r["rec"] == "done" and r["host"] == h.name) >= 10
+                 or proc.poll() is not None, 120, what=f"{h.name} at work")
+        assert proc.poll() is None, "the run ended before the server hung"
+        pid = f.server_pid(h)
+        os.kill(pid, signal.SIGSTOP)  # the server hangs: its port still accepts, nothing answers
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert_handed_over(f, "hung", samples, h.name, "does not answer: no answer to a sample within 15s (--request-timeout)")
+    assert f"{h.name}: takes no more work" in err
+
+
 def test_the_controller_killed_then_resumed_resends_no_verified_sample(fleet, tmp_path):
     f = fleet
     samples = dataset(tmp_path / "ds.jsonl", 600, seed=3)

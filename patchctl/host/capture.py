@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -290,7 +291,11 @@ class Capture(object):
         try:
             status, resp = http_once(self.cfg["host"], self.cfg["port"], "POST", "/generate", body, self.request_timeout)
         except (OSError, http.client.HTTPException) as e:
-            self._stop("the server on port %s does not answer: %s" % (self.cfg["port"], e or e.__class__.__name__))
+            if isinstance(e, socket.timeout):  # a hung server: it took the request and never answered
+                why = "no answer to a sample within %gs (--request-timeout)" % self.request_timeout
+            else:
+                why = e or e.__class__.__name__
+            self._stop("the server on port %s does not answer: %s" % (self.cfg["port"], why))
             self._emit("sample_returned", id=s["id"], reason=self.stopped)
             return False
         if status != 200:
