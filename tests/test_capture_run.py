@@ -365,6 +365,9 @@ def test_a_sample_sglang_would_abort_is_refused_before_sending_naming_the_server
     assert [r["id"] for r in fails] == ["long", "long"] and fails[0]["host"] != fails[1]["host"] and fails[1]["final"]
     assert all("HTTP 400" in r["reason"] and "exceeds the maximum allowed length (2042 tokens)" in r["reason"]
                for r in fails), fails
+    # the abort's 1-token stub was prefilled through the hook on both hosts, and the module wrote no file for it
+    tried = {r["host"] for r in fails}
+    assert not [p for h in f.hosts if h.name in tried for p in h.dumps.rglob("*cap-long-long*")]
 
 
 def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(fleet, tmp_path):
