@@ -155,3 +155,55 @@ def test_example_dataset_validates_against_the_demo_model(tmp_path):
     with pytest.raises(BadInput, match="vocab_size 256"):
         check_against_model(ds, {"local": {"vocab_size": 256, "max_req_input_len": bound}})
     assert f"capture run {EXAMPLE_DATASET.relative_to(REPO)}" in README.read_text()
+
+
+def _commands_block() -> list[str]:
+    text = README.read_text()
+    start = text.index("### Commands\n\n```\n") + len("### Commands\n\n```\n")
+    return text[start:text.index("```", start)].splitlines()
+
+
+HOST_FLAGS = {"--accept-new-host-keys", "--forks"}
+
+
+def test_readme_command_list_names_every_command_and_flag_of_the_parser_and_no_other():
+    """The README's "Commands" list and the argument parser in step: every command and every flag it
+    takes is listed on that command's entry (the flags every host-contacting command takes, once, on
+    the "host options" line), and no entry names a flag its command does not take."""
+    import argparse
+
+    from patchctl.cli import COMMANDS, build_parser
+
+    def subs(parser):
+        return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+    lines = _commands_block()
+    top = build_parser()
+    for flag in ("--inventory", "--patches", "--json", "-v"):
+        assert re.search(rf"\[{flag}[\] ]", lines[0]), flag
+    host_line = next(ln for ln in lines if ln.startswith("  host options:"))
+    assert set(re.findall(r"--[\w-]+", host_line)) == HOST_FLAGS
+    entries: dict[str, str] = {}
+    key = None
+    keys = sorted(COMMANDS, key=len, reverse=True)
+    for ln in lines[1:]:
+        if ln.startswith("  ") and not ln.startswith("   "):
+            key = next((k for k in keys if ln[2:] == k or ln[2:].startswith(k + " ")), None)
+            if key:
+                entries[key] = ln
+        elif key and ln.startswith("   "):
+            entries[key] += " " + ln.strip()
+    problems = []
+    glob = {"--inventory", "--patches", "--json", "--verbose", "--help", "--version"}
+    for key in COMMANDS:
+        if key not in entries:
+            problems.append(f"`patchctl {key}` is not in the README's Commands list")
+            continue
+        sp = subs(top)[key.split()[0]]
+        if " " in key:
+            sp = subs(sp)[key.split()[1]]
+        takes = {o for a in sp._actions for o in a.option_strings if o.startswith("--")} - glob
+        listed = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", entries[key]))
+        problems += [f"{key}: {f} is not listed" for f in sorted(takes - listed - HOST_FLAGS)]
+        problems += [f"{key}: {f} is listed but not taken" for f in sorted(listed - takes)]
+    assert not problems, "\n".join(problems)
