@@ -55,21 +55,19 @@ def load_module(path: Path, name: str = "hidden_dump_under_test"):
     return mod
 
 
-def resolve_layers_to_capture(arch: str, num_layers: int, layer_ids: Optional[list]) -> list:
-    """What SGLang 0.5.23's `set_eagle3_layers_to_capture` sets on the model: the default
-    [2, N//2, N-3]; explicit ids + 1 on Llama (models/llama.py:929-941), as given on
-    DeepseekV2/V3 unless the first id is 1 (models/deepseek_v2.py:3458-3473)."""
-    if not layer_ids:
-        return [2, num_layers // 2, num_layers - 3]
-    if arch.startswith("Deepseek") and layer_ids[0] != 1:
-        return list(layer_ids)
-    return [i + 1 for i in layer_ids]
-
-
 def make_runner(hidden: int = 16, num_layers: int = 12, layer_ids: Optional[list] = None,
-                arch: str = "LlamaForCausalLM", attn_tp_rank: int = 0):
+                arch: str = "LlamaForCausalLM", attn_tp_rank: int = 0,
+                layers_to_capture: Optional[list] = None):
     """A duck ModelRunner (the attributes hidden_dump reads) and SGLang's runtime context with
-    the given attention-TP rank (the stand-in server's stub of `sglang.srt.runtime_context`)."""
+    the given attention-TP rank (the stand-in server's stub of `sglang.srt.runtime_context`).
+
+    `layers_to_capture` is what the model says it captures; the rule SGLang uses to set it from
+    `layer_ids` is SGLang's own and is checked against real SGLang in test_real_sglang.py (it is not
+    re-implemented here). Default: [2, 6, 9], what SGLang gives a 12-layer model without layer ids."""
+    if layers_to_capture is None:
+        if layer_ids:
+            raise TypeError("make_runner(layer_ids=...): say what the model captures (layers_to_capture=...)")
+        layers_to_capture = [2, 6, 9]
     install_runtime_context(attn_tp_rank=attn_tp_rank)
     return types.SimpleNamespace(
         is_draft_worker=False,
@@ -78,8 +76,7 @@ def make_runner(hidden: int = 16, num_layers: int = 12, layer_ids: Optional[list
         model_config=types.SimpleNamespace(
             num_hidden_layers=num_layers, hidden_size=hidden,
             hf_config=types.SimpleNamespace(architectures=[arch])),
-        model=types.SimpleNamespace(model=types.SimpleNamespace(
-            layers_to_capture=resolve_layers_to_capture(arch, num_layers, layer_ids))),
+        model=types.SimpleNamespace(model=types.SimpleNamespace(layers_to_capture=list(layers_to_capture))),
     )
 
 

@@ -12,6 +12,7 @@ are recorded failed), 6 on host2 only (those samples are retried elsewhere and e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,8 +89,13 @@ def dataset(path: Path, n: int, *, seed: int, lengths=(4, 40), poison: int = 0, 
 
 
 def journal(f, name: str) -> list[dict]:
+    """The run's journal; a last line still being written (no newline yet) is skipped, as the product does."""
     p = f.base / "xdg-state" / "patchctl" / "captures" / name / "journal.jsonl"
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+    if not p.exists():
+        return []
+    lines = p.read_text().split("\n")
+    lines.pop()  # "" after a complete last line, or a torn one
+    return [json.loads(l) for l in lines if l.strip()]
 
 
 def done_records(recs) -> dict[str, dict]:
@@ -167,6 +174,7 @@ def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(f
                    "--max-fail", "1", "--keep-free", "0")
     wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 10
              or proc.poll() is not None, 120, what="host1 at work")
+    assert proc.poll() is None, proc.communicate()  # the run is under way: the kill lands mid-run
     os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
@@ -260,6 +268,7 @@ def test_the_controller_killed_then_resumed_resends_no_verified_sample(fleet, tm
     proc = f.popen(*args, env={"PATCHCTL_CAPTURE_POOL_FROM_BYTES": "1"})
     wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 60 or proc.poll() is not None,
              120, what="60 samples done")
+    assert proc.poll() is None, proc.communicate()  # still running with >= 60 done: the kill lands mid-run
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     first = journal(f, "crash")
@@ -293,35 +302,52 @@ def agent_lock_free(h) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def file_systems_of_their_own(dirs, size: str):
+    """A tmpfs over each directory (the suite runs as root): free space that no other writer moves."""
+    mounted = []
+    try:
+        for d in dirs:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0750", "patchctl-test", str(d)],
+                           check=True)
+            mounted.append(d)
+        yield
+    finally:
+        for d in mounted:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
 def test_the_disk_reserve_stops_hosts_before_the_disk_fills_and_the_run_resumes(fleet, tmp_path):
     f = fleet
     samples = dataset(tmp_path / "ds.jsonl", 300, seed=4, lengths=(150, 200))
-    # the reserve sits 12 MB under the free space now: each sample writes ~90 KB of dump (and the stand-in's
-    # record of the same size), so the hosts stop after some tens of samples, long before 300
-    margin = 12_000_000
-    free = shutil.disk_usage(f.hosts[0].dumps).free
-    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--in-flight", "2",
-                   "--max-fail", "100%", "--keep-free", str(free - margin))
-    assert p.returncode == 1, p.stdout + p.stderr
-    recs = journal(f, "full")
-    stopped = {r["host"]: r["reason"] for r in recs if r["rec"] == "host"}
-    assert set(stopped) == {"host0", "host1", "host2"} and all("disk reserve reached" in r for r in stopped.values())
-    done = done_records(recs)
-    assert 0 < len(done) < 300
-    for host, reason in stopped.items():
-        # the guard fired before the disk went under the reserve: what was free when the host stopped did not
-        # cover the reserve plus the dumps of the samples it would have had in flight, but it still covered the
-        # reserve, give or take what the 3 hosts (sharing this file system) had in flight then: 2 samples of at
-        # most 200 tokens each, written twice (the dump, and the stand-in's record of it)
-        m = re.search(r"(\d+) bytes free, the samples in flight need (\d+) and (\d+) must stay free", reason)
-        free_then, need, keep = map(int, m.groups())
-        in_flight = 3 * 2 * 2 * 200 * BYTES_PER_TOKEN
-        assert keep == free - margin and free_then - need < keep <= free_then + in_flight, reason
-    assert "disk reserve reached" in p.stderr and "pending" in p.stderr
-    # with room again, the same command finishes the run
-    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--keep-free", "0")
-    assert p.returncode == 0, p.stderr
-    assert set(done_records(journal(f, "full"))) == set(samples)
+    # each host's dump directory on a file system of its own (what the other hosts, the stand-ins' records
+    # and any other process on this machine write goes elsewhere); the reserve sits 3 MB under its free
+    # space: each sample writes ~90 KB of dump, so every host stops after some tens of samples, long before 300
+    with file_systems_of_their_own([h.dumps for h in f.hosts], "64m"):
+        margin = 3_000_000
+        free = shutil.disk_usage(f.hosts[0].dumps).free
+        assert all(shutil.disk_usage(h.dumps).free == free for h in f.hosts)
+        p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--in-flight", "2",
+                       "--max-fail", "100%", "--keep-free", str(free - margin))
+        assert p.returncode == 1, p.stdout + p.stderr
+        recs = journal(f, "full")
+        stopped = {r["host"]: r["reason"] for r in recs if r["rec"] == "host"}
+        assert set(stopped) == {"host0", "host1", "host2"} and all("disk reserve reached" in r for r in stopped.values())
+        done = done_records(recs)
+        assert 0 < len(done) < 300
+        for host, reason in stopped.items():
+            # the guard fired before the disk went under the reserve: what was free when the host stopped did
+            # not cover the reserve plus the dumps of the samples it would have had in flight, but it still
+            # covered the reserve, give or take the host's own 2 samples in flight (their files' headers and
+            # the file system's pages are not in the per-token estimate)
+            m = re.search(r"(\d+) bytes free, the samples in flight need (\d+) and (\d+) must stay free", reason)
+            free_then, need, keep = map(int, m.groups())
+            assert keep == free - margin and free_then - need < keep <= free_then + 2 * 200 * BYTES_PER_TOKEN, reason
+        assert "disk reserve reached" in p.stderr and "pending" in p.stderr
+        # with room again, the same command finishes the run
+        p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "full", "--keep-free", "0")
+        assert p.returncode == 0, p.stderr
+        assert set(done_records(journal(f, "full"))) == set(samples)
 
 
 def test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent(fleet, tmp_path):

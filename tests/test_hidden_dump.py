@@ -69,6 +69,19 @@ def dumped(d: Path):
     return sorted(p.name for p in d.iterdir() if p.name.endswith(".safetensors")) if d.exists() else []
 
 
+def gated_writes(monkeypatch, hd) -> threading.Event:
+    """Hold every os.write of the writer until the returned event is set (a disk that has not answered yet)."""
+    real = hd._write_all
+    gate = threading.Event()
+
+    def gated(fd, mv):
+        assert gate.wait(60), "the test never opened the gate"
+        real(fd, mv)
+
+    monkeypatch.setattr(hd, "_write_all", gated)
+    return gate
+
+
 def slow_writes(monkeypatch, hd, delay: float, chunk: int | None = None):
     """Make every os.write of the writer slow (and optionally small)."""
     real = hd._write_all
@@ -110,14 +123,6 @@ def test_patches_are_git_unified_diffs_inside_sglang():
 def test_hook_patch_applies_to_pristine_and_compiles(patched, sglang_tree):
     for rel in (MODEL_RUNNER, MODULE, FORWARD_BATCH_INFO):
         py_compile.compile(str(patched / rel), doraise=True)
-    growth = {}
-    for rel in (MODEL_RUNNER, FORWARD_BATCH_INFO):
-        before = (sglang_tree / rel).read_text().splitlines()
-        after = (patched / rel).read_text().splitlines()
-        growth[rel] = len(after) - len(before)
-    # model_runner: import, comment + mode before the forward, comment + if + 3-line call;
-    # forward_batch_info: import, comment + if + call. Nothing else moves.
-    assert growth == {MODEL_RUNNER: 8, FORWARD_BATCH_INFO: 4}
 
 
 def test_batch_hook_records_prompt_lengths_in_init_new(patched, hd):
@@ -304,14 +309,14 @@ def test_one_correct_file_per_request(hd):
 
 
 @pytest.mark.parametrize("arch,ids,captured", [
-    # The Kimi-K2.5 example: DeepseekV2 takes explicit ids as given.
+    # what SGLang sets from the flag (checked against real SGLang in test_real_sglang.py): the
+    # Kimi-K2.5 example, DeepseekV2 takes explicit ids as given; Llama adds one to explicit ids
     ("DeepseekV3ForCausalLM", [3, 31, 59], [3, 31, 59]),
-    # Llama adds one to explicit ids: the flag [2, 4, 5] captures the inputs of 3, 5, 6.
     ("LlamaForCausalLM", [2, 4, 5], [3, 5, 6]),
 ])
 def test_layers_metadata_names_what_the_model_captured(hd, arch, ids, captured):
     b = Batch(["p-0"], [4], hidden=8, k=3)
-    runner = make_runner(hidden=8, num_layers=61, layer_ids=ids, arch=arch)
+    runner = make_runner(hidden=8, num_layers=61, layer_ids=ids, arch=arch, layers_to_capture=captured)
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
     assert hd.flush(10)
     _, meta = load(hd.dir / "p-0.safetensors")
@@ -634,20 +639,25 @@ def test_queue_bound_counted_drop(hd, monkeypatch, caplog):
     monkeypatch.setenv("SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES", str(cap))
     monkeypatch.setenv("SGLANG_HIDDEN_DUMP_ON_FULL", "drop")
     hd.reset()
-    slow_writes(monkeypatch, hd, delay=0.05)
-    with caplog.at_level(logging.WARNING, logger="sglang.hidden_dump"):
-        t0 = time.monotonic()
+    gate = gated_writes(monkeypatch, hd)  # the disk answers only after all forwards are done
+
+    def forwards():
         for j in range(3):
             b = Batch([f"dr-{j}-{i}" for i in range(3)], [64] * 3, hidden=32, seed=j)
             hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
-        forward_s = time.monotonic() - t0
-    assert hd.flush(20)
+
+    with caplog.at_level(logging.WARNING, logger="sglang.hidden_dump"):
+        fw = threading.Thread(target=forwards)
+        fw.start()
+        fw.join(60)
+        assert not fw.is_alive(), "the forward waited for the disk"
+        gate.set()
+        assert hd.flush(20)
     s = hd.stats()
     assert s["host_bytes_peak"] <= cap
     assert s["dropped"] > 0 and s["blocked"] == 0
     assert s["files_written"] + s["dropped"] == 9 == s["requests_seen"]
     assert len(dumped(hd.dir)) == s["files_written"]
-    assert forward_s < 0.5  # the forward never waited for the slow disk
     drops = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(drops) == 1  # one clear line, the rest is counted
 
@@ -664,16 +674,18 @@ def test_request_larger_than_the_cap_is_dropped_with_an_error(hd, monkeypatch):
     assert "SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
 
-def test_flush_timeout_and_stats_shape(hd, monkeypatch):
-    slow_writes(monkeypatch, hd, delay=0.3)
+def test_flush_timeout_and_stats(hd, monkeypatch):
+    gate = gated_writes(monkeypatch, hd)
     b = Batch(["ft-0", "ft-1"], [4, 4])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(0.05) is False  # honest about not being done
+    assert hd.flush(0.05) is False  # honest about not being done (the disk has not answered)
+    assert hd.stats()["files_written"] == 0
+    gate.set()
     assert hd.flush(10) is True
     s = hd.stats()
-    for k in ("files_written", "bytes_written", "dropped", "errors", "queued_bytes_peak",
-              "host_bytes_peak", "gpu_bytes_peak", "pinned_bytes", "blocked", "policy"):
-        assert k in s
+    assert (s["files_written"], s["dropped"], s["errors"], s["blocked"]) == (2, 0, 0, 0)
+    assert s["bytes_written"] == sum((hd.dir / n).stat().st_size for n in dumped(hd.dir))
+    assert s["queued_bytes_peak"] > 0 and s["host_bytes_peak"] > 0
     assert s["policy"] == "block" and s["host_cap_bytes"] == 8 << 30
 
 
@@ -681,18 +693,20 @@ def test_flush_at_exit(patched, tmp_path):
     """A process that exits right after the forward still leaves every file, complete."""
     d = tmp_path / "exit-dumps"
     script = textwrap.dedent(f"""
-        import sys, time
+        import atexit, sys, threading
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from hidden_dump_util import Batch, load_module, make_runner
         hd = load_module(__import__("pathlib").Path({str(patched / MODULE)!r}))
         real = hd._write_all
-        def slow(fd, mv):
-            time.sleep(0.05)
+        gate = threading.Event()
+        def gated(fd, mv):
+            gate.wait(60)
             real(fd, mv)
-        hd._write_all = slow
+        hd._write_all = gated
         b = Batch(["exit-0", "exit-1", "exit-2"], [5, 6, 7])
         hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-        assert hd.stats()["files_written"] < 3
+        assert hd.stats()["files_written"] == 0  # the disk has not answered yet
+        atexit.register(gate.set)  # after the module's own exit flush, so it runs first (LIFO)
         # no explicit flush: atexit must do it
     """)
     env = dict(os.environ, SGLANG_HIDDEN_DUMP_DIR=str(d))

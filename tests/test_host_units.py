@@ -202,12 +202,27 @@ def test_agent_beats_while_its_main_thread_is_busy_and_notices_a_gone_controller
     import subprocess
     import sys
 
-    busy = ("import threading, time\nfrom patchctl.host import events\n"
+    import threading
+
+    busy = ("import sys, threading\nfrom patchctl.host import events\n"
             "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
-            "time.sleep(3.2)\n")  # a main thread that never reports by itself
-    p = subprocess.run([sys.executable, "-c", busy], capture_output=True, text=True, timeout=60)
-    beats = [json.loads(l.split(" ", 1)[1]) for l in p.stderr.splitlines() if l.startswith("PATCHCTL-EVENT ")]
-    assert p.returncode == 0 and len(beats) >= 2 and all(b["event"] == "heartbeat" for b in beats), p.stderr
+            "sys.stdin.read()\n")  # a main thread that never reports by itself (until its stdin closes)
+    p = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hang = threading.Timer(60, p.kill)  # only catches a hang: two beats end the wait
+    hang.start()
+    try:
+        lines = []
+        for line in p.stderr:
+            lines.append(line)
+            if sum(l.startswith("PATCHCTL-EVENT ") for l in lines) == 2:
+                break
+        p.stdin.close()
+        lines += p.stderr.readlines()
+        rc = p.wait(60)
+    finally:
+        hang.cancel()
+    beats = [json.loads(l.split(" ", 1)[1]) for l in lines if l.startswith("PATCHCTL-EVENT ")]
+    assert rc == 0 and len(beats) >= 2 and all(b["event"] == "heartbeat" for b in beats), "".join(lines)
     waits = ("import sys, threading, time\nfrom patchctl.host import events\n"
              "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
              "deadline = time.time() + 30\n"

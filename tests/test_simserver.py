@@ -126,9 +126,8 @@ def test_pristine_tree_readiness_and_http_surface(sglang_tree, start):
     assert "stand-in" in log and "ignores unsupported sglang arguments: --mem-fraction-static 0.8" in log
     assert "No hidden_dump hook" in log and "fired up and ready to roll" in log
 
-    t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
-    assert s.wait_exit(5) == 0 and time.monotonic() - t0 < 2.5
+    assert s.wait_exit() == 0  # a clean exit on SIGTERM (the deadline only catches a hang)
 
 
 def test_dump_through_tree_hook(sglang_tree, start, tmp_path):
@@ -174,7 +173,7 @@ def test_dump_through_tree_hook(sglang_tree, start, tmp_path):
     assert not list(tree.rglob("__pycache__")), "the stand-in must not write bytecode into the tree"
 
     s.proc.send_signal(signal.SIGTERM)
-    assert s.wait_exit(5) == 0
+    assert s.wait_exit() == 0
     assert (dumps / "_flushed").exists(), "hidden_dump.flush() is called on SIGTERM"
     assert (dumps / "users-file.txt").read_text() == "keep"
 
@@ -330,10 +329,9 @@ def test_knob_hang_and_sigterm_while_starting(sglang_tree, start):
     for _ in range(5):
         assert hang.get("/health_generate")[0] == 503 and slow.get("/health")[0] == 503
     assert hang.get("/get_model_info")[0] == 200
-    for s in (hang, slow):
-        t0 = time.monotonic()
+    for s in (hang, slow):  # SIGTERM ends a hung start and a 600 s start delay: exit 0, not a kill
         s.proc.send_signal(signal.SIGTERM)
-        assert s.wait_exit(5) == 0 and time.monotonic() - t0 < 2.5
+        assert s.wait_exit() == 0
 
 
 def test_knob_die_after(sglang_tree, start):
@@ -376,17 +374,16 @@ def test_light_mode_find_spec_pidfile_and_bad_starts(sglang_tree, start, tmp_pat
     assert bad.wait_exit() != 0 and "out of range" in bad.text()
     assert busy.wait_exit() != 0 and "address" in busy.text().lower()
     light.proc.send_signal(signal.SIGTERM)
-    assert light.wait_exit(5) == 0 and not pid_file.exists()
+    assert light.wait_exit() == 0 and not pid_file.exists()
 
 
 SERIES = REPO / "patches"
 
 
-@pytest.mark.skipif(not (SERIES / "hidden-dump" / "0002-model-runner-hook.patch").exists(),
-                    reason="hidden-dump series not written yet")
 def test_real_hidden_dump_series(sglang_tree, start, tmp_path):
     """The shipped series, applied to (part of) the real 0.5.23 tree: the dump is made; the
     known-bad dead-hook series starts and serves but never writes a file."""
+    assert (SERIES / "hidden-dump" / "series.toml").is_file(), "the shipped hidden-dump series is missing"
     good = make_mini_tree(sglang_tree, tmp_path / "good")
     apply_series(good, SERIES / "hidden-dump")
     dumps = {name: tmp_path / f"dumps-{name}" for name in ("good", "dead")}
@@ -406,7 +403,7 @@ def test_real_hidden_dump_series(sglang_tree, start, tmp_path):
         code, r = gen(s, ids, rid=f"smoke-{i}")
         assert code == 200 and r["meta_info"]["prompt_tokens"] == 32
     s.proc.send_signal(signal.SIGTERM)  # flush() drains the writer before exit
-    assert s.wait_exit(5) == 0
+    assert s.wait_exit() == 0
     files = sorted(p.name for p in dumps["good"].iterdir())
     assert files == ["smoke-0.safetensors", "smoke-1.safetensors"], (files, s.text())
     meta, t = read_dump(dumps["good"] / "smoke-0.safetensors")
@@ -418,7 +415,7 @@ def test_real_hidden_dump_series(sglang_tree, start, tmp_path):
         dead.wait_ready()
         assert gen(dead, ids, rid="smoke-0")[0] == 200
         dead.proc.send_signal(signal.SIGTERM)
-        assert dead.wait_exit(5) == 0
+        assert dead.wait_exit() == 0
         assert list(dumps["dead"].iterdir()) == [], dead.text()
         assert "No hidden_dump hook in ModelRunner.forward" in dead.text()
 
