@@ -32,6 +32,7 @@ COMMANDS = {
     "smoke": ("patchctl.deploy", "run_smoke"),
     "history": ("patchctl.queries", "run_history"),
     "unlock": ("patchctl.queries", "run_unlock"),
+    "capture prepare": ("patchctl.capture.prepare", "run_prepare"),
     "capture run": ("patchctl.capture.runner", "run_capture"),
     "capture status": ("patchctl.capture.collect", "run_capture_status"),
     "capture collect": ("patchctl.capture.collect", "run_capture_collect"),
@@ -329,6 +330,32 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the run's name: letters, digits, '.', '_', '-' (default: the dataset file's stem); "
                                  "running the same command again resumes the run")
 
+    cp = ccmd("prepare", "conversations -> a tokenized dataset, with SpecForge's own chat template and loss mask",
+              "Tokenize and mask conversations exactly as SpecForge's online preprocessing does (its\n"
+              "preprocess_conversations and TEMPLATE_REGISTRY), with the served model's tokenizer; record the\n"
+              "tokenizer, template and source in DATASET.meta.json (`capture run` refuses another tokenizer).\n"
+              "Needs: pip install 'patchctl[prepare]' && pip install --no-deps specforge==0.2.0")
+    cp.add_argument("conversations", type=Path, metavar="CONVERSATIONS",
+                    help='JSONL, one conversation a line: {"conversations": [{"from", "value"}, ...]} (ShareGPT) or '
+                         '{"messages": [{"role", "content"}, ...]} (OpenAI); optional "id", "tools"')
+    cp.add_argument("--template", required=True, metavar="NAME", help="SpecForge's chat template (llama3, qwen, "
+                    "deepseek-v3, kimi-k2-thinking, ...; an unknown name lists them)")
+    cp.add_argument("--out", type=Path, required=True, metavar="DATASET", help="the dataset to write (JSONL)")
+    src = cp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokenizer", type=Path, metavar="DIR", help="a local directory with the model's tokenizer files")
+    src.add_argument("--from", dest="from_host", metavar="HOST",
+                     help="the tokenizer files of the model served on HOST (inventory name), fetched over its SSH "
+                          "connection and cached by sha256 under ~/.cache/patchctl/tokenizers")
+    hostkeys(cp)
+    cp.add_argument("--max-length", type=positive_int, default=2048, metavar="N",
+                    help="tokens a sample may have (SpecForge's max_length; default 2048); longer ones are refused")
+    cp.add_argument("--truncate", action="store_true",
+                    help="cut conversations longer than --max-length as SpecForge does, instead of refusing them")
+    cp.add_argument("--train-only-last-turn", action="store_true",
+                    help="only the last assistant turn is trained on (SpecForge's train_only_last_turn)")
+    cp.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                    help="tokenizing processes (default: one per core)")
+
     cp = ccmd("run", "send every sample of a dataset to the fleet's capture servers, verified; resumable")
     cp.add_argument("dataset", type=Path, metavar="DATASET",
                     help='JSONL, one sample a line: {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
@@ -353,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "a sample too long then fails on its host")
     cp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                     help="where run logs go (default: the run's directory under ~/.local/state/patchctl/captures)")
+    cp.add_argument("--allow-tokenizer-mismatch", action="store_true",
+                    help="capture a prepared dataset even where the server's tokenizer files differ from the ones "
+                         "it was prepared with (DATASET.meta.json)")
 
     cp = ccmd("status", "a run's samples: done, failed (with reasons), pending, per host and in total")
     run_name(cp, required=True)

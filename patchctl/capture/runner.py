@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from patchctl import remote
 from patchctl.capture import dataset as datasets
+from patchctl.capture import provenance
 from patchctl.capture.journal import Journal, check_run_name, run_dir, write_run_info
 from patchctl.capture.progress import Progress
 from patchctl.console import App
@@ -318,6 +319,8 @@ def run_capture(app: App, args) -> int:
         prefix = prefixes.pop()
         app.info(datasets.check_against_model(ds, {l.host.name: l.info for l in lanes},
                                               length_check=not args.no_length_check))
+        provenance.check_tokenizer(ds.path, ds.sha256, {l.host.name: l.info.get("tokenizer") for l in lanes},
+                                   getattr(args, "allow_tokenizer_mismatch", False), app.info)
         directory = run_dir(name, create=True)
         info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from . import applier, capture
+from . import applier, capture, tokenizer
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
 from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
@@ -437,6 +437,10 @@ class Agent(object):
         if not info["ready"]:
             raise AgentError("bad_input", "cannot capture here: %s" % info["why"])
         return capture.Capture(cfg, info, self.req, sys.stdin.buffer).run_all()
+
+    def op_tokenizer(self):
+        """The served model's tokenizer files (`tokenizer.served`), their bytes with `with_data`; reads only."""
+        return tokenizer.served(self._capture_server(), bool(self.req.get("with_data")))
 
     def op_release(self):
         """Give this run's lock back; with `record` (a failed deploy left as is), say why in the history."""

@@ -27,6 +27,7 @@ from .events import AgentError, ControllerGone, event
 from .osutil import expand, sha256_file
 from .server import http_once, http_request
 from .smoke import FORMAT_VERSION, expected_layers, model_facts, validate_dump
+from .tokenizer import served as served_tokenizer
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
 POOL_FROM_BYTES = 4 << 20  # dumps this large are checked in worker processes (a 2000-token dump at H = 7168
@@ -127,6 +128,8 @@ def probe(manifest, cfg, req):
                architectures=facts.get("architectures"), format_version=FORMAT_VERSION,
                config_context_len=facts.get("config_context_len"), config_context_from=facts.get("config_context_from"))
     out.update(server_limits(cfg))
+    tok = served_tokenizer(cfg)  # `capture run` refuses a dataset prepared with another tokenizer
+    out["tokenizer"] = {"path": tok.get("tokenizer_path"), "digest": tok["digest"], "why": tok.get("why")}
     return out
 
 
