@@ -66,7 +66,8 @@ ENVIRONMENT = """environment:
                             to 10 times as long: a busy host's login shell may be slow to start it)
   PATCHCTL_TRACE_JOBS       worker processes for an every-architecture trace (default: by cores)
   XDG_CACHE_HOME            SGLang wheels, unpacked trees, trace verdicts (default ~/.cache/patchctl)
-  XDG_STATE_HOME            run logs, private to you (default ~/.local/state/patchctl/runs)
+  XDG_STATE_HOME            run logs and capture runs (journal, logs), private to you
+                            (default ~/.local/state/patchctl: runs/, captures/)
 
 exit codes:
   0    ok
@@ -202,11 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hosts to work on: host, group and server names and globs (gpu-*), comma-separated; "
                              "!name excludes (default: every host)")
 
-    def hostkeys(sp):
+    def hostkeys(sp, forks="hosts worked on at once, 1 or more (default 256: one wave of restarts for 256 hosts)"):
         sp.add_argument("--accept-new-host-keys", action="store_true",
                         help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
-        sp.add_argument("--forks", type=positive_int, default=None, metavar="N",
-                        help="hosts worked on at once, 1 or more (default 256: one wave of restarts for 256 hosts)")
+        sp.add_argument("--forks", type=positive_int, default=None, metavar="N", help=forks)
 
     def junit(sp, what):
         sp.add_argument("--junit", type=Path, metavar="FILE", help=f"also write a JUnit XML report ({what}) to FILE")
@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSONL, one sample a line: {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
     run_name(cp, required=False)
     limit(cp)
-    hostkeys(cp)
+    hostkeys(cp, forks="hosts probed at once before the run, 1 or more (default 256); every host that takes part "
+                     "is then fed samples at the same time, --in-flight each")
     cp.add_argument("--in-flight", type=positive_int, default=8, metavar="N",
                     help="requests in flight per server (default 8); a faster server finishes more and so gets more")
     cp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
@@ -390,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp = ccmd("collect", "pull a run's verified files over the hosts' SSH connections and index them")
     run_name(cp, required=True)
     limit(cp)
-    hostkeys(cp)
+    hostkeys(cp, forks="hosts collected from at once, 1 or more (default 256)")
     cp.add_argument("--to", type=Path, required=True, metavar="DIR", help="where the dataset goes (created if missing)")
     cp.add_argument("--format", choices=["safetensors", "specforge"], default="safetensors",
                     help="safetensors (default): the dump files as written, verified by sha256; specforge: one "

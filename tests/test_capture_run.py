@@ -189,10 +189,13 @@ def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(f
     assert returned and all(r["host"] == "host1" for r in returned)
     assert all(done[r["id"]]["host"] != "host1" for r in returned)
     assert "host1: takes no more work" in err
+    restart = f"patchctl --inventory {f.inventory} --patches {f.patches} restart --limit host1"
+    assert f"servers down: host1; bring them back with: {restart}" in err
     # a host whose server is gone does not take part; when no host does, nothing is sent (exit 2)
     p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "lonely", "--limit", "host1")
     assert p.returncode == 2, p.stderr
     assert "host1: does not take part: no server is running" in p.stderr and "nothing sent" in p.stderr
+    assert f"bring its server back: {restart}\n" in p.stderr and f"servers down on host1: {restart}" in p.stderr
     assert journal(f, "lonely") == []
 
 
@@ -231,7 +234,7 @@ def test_a_frozen_link_mid_run_its_samples_go_elsewhere_after_the_silence_limit(
             proc.kill()
     assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
     assert_handed_over(f, "frozen", samples, h.name, "no word from the command for 6s")
-    assert f"{h.name}: takes no more work" in err
+    assert f"{h.name}: takes no more work" in err and "servers down" not in err  # the link, not the server
     wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
 
 
@@ -257,6 +260,7 @@ def test_a_hung_server_mid_run_its_samples_go_elsewhere_after_the_request_timeou
     assert proc.returncode == 0, out + err
     assert_handed_over(f, "hung", samples, h.name, "does not answer: no answer to a sample within 15s (--request-timeout)")
     assert f"{h.name}: takes no more work" in err
+    assert f"servers down: {h.name}; bring them back with: " in err and f"restart --limit {h.name}" in err
 
 
 def test_the_controller_killed_then_resumed_resends_no_verified_sample(fleet, tmp_path):
@@ -421,3 +425,28 @@ def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(
     p = f.patchctl(*args)
     assert p.returncode == 0, p.stderr
     assert set(done_records(journal(f, "ctrlc"))) == set(samples)
+
+
+def test_an_empty_run_name_is_refused_before_anything_is_read(tmp_path):
+    """`--name ""` is an error (exit 2), not the dataset file's name; nothing is read or contacted."""
+    import subprocess
+    import sys
+
+    ds = tmp_path / "convs.jsonl"
+    ds.write_text('{"id": "a", "input_ids": [11]}\n')
+    p = subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(tmp_path / "none.toml"), "capture", "run",
+                        str(ds), "--name", ""], capture_output=True, text=True,
+                       env=dict(os.environ, XDG_STATE_HOME=str(tmp_path / "state")))
+    assert p.returncode == 2 and "run name '': expected 1-64 characters" in p.stderr, p.stderr
+    assert not (tmp_path / "state").exists()
+    # --forks under capture says what it means there
+    h = subprocess.run([sys.executable, "-m", "patchctl", "capture", "run", "--help"], capture_output=True, text=True)
+    forks = " ".join(h.stdout.split("\n  --forks N", 1)[1].split("--in-flight", 1)[0].split())
+    assert forks.startswith("hosts probed at once before the run") and "restart" not in forks
+
+
+def test_sizes_are_printed_in_the_unit_that_reads():
+    from patchctl.capture.progress import human_size
+
+    assert [human_size(n) for n in (0, 950, 1_600_000, 1_234_567_890, 12_300_000_000, 115_000_000, 2_500_000_000_000)] \
+        == ["0 B", "950 B", "1.60 MB", "1.23 GB", "12.3 GB", "115 MB", "2.50 TB"]

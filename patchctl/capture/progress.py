@@ -1,4 +1,4 @@
-"""What a capture run tells its operator: a live bar on a terminal (samples, tokens/s, GB written,
+"""What a capture run tells its operator: a live bar on a terminal (samples, tokens/s, bytes written,
 per-host rate, ETA), a progress line every PLAIN_EVERY_S seconds elsewhere (a CI log), JSON events on
 stdout with --json, the same events in the invocation's log directory, and the closing summary.
 """
@@ -18,8 +18,13 @@ from patchctl.report import private_dir, record_event
 PLAIN_EVERY_S = 10.0
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
+def human_size(n: int) -> str:
+    """Bytes as people read them: 950 B, 1.6 MB, 12.3 GB (decimal units, 3 significant digits)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{n} B"
 
 
 def _eta(seconds: float | None) -> str:
@@ -87,7 +92,7 @@ class Progress:
         filled = int(width * s["done"] / max(1, s["total"]))
         t = Table.grid(padding=(0, 2))
         t.add_row(f"[{'#' * filled}{'.' * (width - filled)}] {s['done']}/{s['total']} samples",
-                  f"{s['tokens_per_s']:.0f} tok/s", _gb(s["bytes"]), f"ETA {_eta(s['eta_s'])}",
+                  f"{s['tokens_per_s']:.0f} tok/s", human_size(s["bytes"]), f"ETA {_eta(s['eta_s'])}",
                   f"{s['failed']} failed" if s["failed"] else "")
         for h, v in s["hosts"].items():
             t.add_row(f"  {h}", f"{v['samples_per_s']:.1f} samples/s", f"{v['samples']} done", "", "")
@@ -95,7 +100,7 @@ class Progress:
 
     def _plain(self) -> str:
         s = self.snapshot()
-        return (f"{s['done']}/{s['total']} samples, {s['tokens_per_s']:.0f} tok/s, {_gb(s['bytes'])}, ETA "
+        return (f"{s['done']}/{s['total']} samples, {s['tokens_per_s']:.0f} tok/s, {human_size(s['bytes'])}, ETA "
                 f"{_eta(s['eta_s'])}" + (f", {s['failed']} failed" if s["failed"] else "") + "; " +
                 ", ".join(f"{h} {v['samples_per_s']:.1f}/s" for h, v in s["hosts"].items()))
 
@@ -126,7 +131,8 @@ class Progress:
 
     # the end ------------------------------------------------------------------------------------
     def summary(self, name: str, lanes, skipped: dict[str, str], *, done: int, total: int, failed: dict[str, str],
-                pending: int, duplicates: int, stopping: str | None, exit_code: int) -> None:
+                pending: int, duplicates: int, stopping: str | None, exit_code: int, servers_down: list[str] = (),
+                restart: str | None = None) -> None:
         s = self.snapshot()
         ev = {"event": "run_end", "name": name, "exit_code": exit_code, "done": done, "total": total,
               "failed": len(failed), "pending": pending, "duplicates": duplicates, "stopped": stopping,
@@ -134,27 +140,30 @@ class Progress:
               "log_dir": str(self.log_dir),
               "hosts": {l.host.name: {"done": l.done, "failed": l.failed, "tokens": l.tokens, "bytes": l.bytes,
                                       "stopped": l.stopped} for l in lanes},
-              "skipped_hosts": skipped}
+              "skipped_hosts": skipped, "servers_down": list(servers_down), "restart": restart}
         self.emit(ev)
         if self.app.json:
             return
         t = table(f"capture {name}", "host", "samples", "tokens", "written", "failed attempts", "state")
         for l in lanes:
-            t.add_row(l.host.name, str(l.done), str(l.tokens), _gb(l.bytes), str(l.failed), l.stopped or "ok")
+            t.add_row(l.host.name, str(l.done), str(l.tokens), human_size(l.bytes), str(l.failed), l.stopped or "ok")
         for h, why in skipped.items():
             t.add_row(h, "-", "-", "-", "-", f"not taking part: {why}")
         self.app.err.print(self.app.masker.table(t))
         lines = [f"{done}/{total} samples done and verified; {len(failed)} failed; {pending} pending"
                  + (f"; {duplicates} duplicate results ignored" if duplicates else "")
-                 + f" ({s['tokens_per_s']:.0f} tok/s this invocation, {_gb(s['bytes'])} written in {s['elapsed_s']:.0f}s)"]
+                 + f" ({s['tokens_per_s']:.0f} tok/s this invocation, {human_size(s['bytes'])} written in {s['elapsed_s']:.0f}s)"]
         for sid, why in list(failed.items())[:5]:
             lines.append(f"  failed {sid}: {why}")
         if len(failed) > 5:
             lines.append(f"  ... {len(failed) - 5} more: patchctl capture status {name}")
         if stopping:
             lines.append(f"stopped: {stopping}")
+        if servers_down:
+            lines.append(f"servers down: {', '.join(servers_down)}; bring them back with: {restart}")
         if pending or failed:
-            lines.append(f"run the same command again to send the {pending + len(failed)} samples not done")
+            lines.append(f"run the same command again to send the {pending + len(failed)} samples not done"
+                         + (" (after the restart, to use those hosts too)" if servers_down else ""))
         lines.append(f"logs: {self.log_dir}")
         for line in lines:
             self.app.info(line)

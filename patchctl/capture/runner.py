@@ -55,6 +55,7 @@ class Lane:
     active: bool = True
     closed: bool = False
     stopped: str | None = None  # why it takes no more work
+    server_down: bool = False  # stopped because its server does not answer (a restart brings it back)
     done: int = 0
     failed: int = 0
     tokens: int = 0
@@ -169,7 +170,7 @@ class CaptureRun:
             return
         with self.lock:
             if kind == "host_stopped":
-                self._host_stopped(lane, ev["reason"])
+                self._host_stopped(lane, ev["reason"], server_down=bool(ev.get("server_down")))
                 return
             it = lane.outstanding.pop(ev.get("id"), None)
             if it is None:
@@ -203,11 +204,12 @@ class CaptureRun:
         else:
             self.pending.appendleft(it)
 
-    def _host_stopped(self, lane: Lane, reason: str) -> None:
+    def _host_stopped(self, lane: Lane, reason: str, server_down: bool = False) -> None:
         if not lane.active:
             return
         lane.active = False
         lane.stopped = reason
+        lane.server_down = server_down
         self.journal.append({"rec": "host", "host": lane.host.name, "state": "stopped", "reason": reason})
         self.progress.announce(f"{lane.host.name}: takes no more work: {reason}")
         if not lane.closed:
@@ -273,8 +275,8 @@ class CaptureRun:
             t.join(5)
 
 
-def _probe(run: Run, units: list[list[Host]]) -> tuple[list[Lane], dict[str, str]]:
-    """Each unit's head says whether it takes part; (lanes, {host: why not})."""
+def _probe(run: Run, units: list[list[Host]]) -> tuple[list[Lane], dict[str, str], list[str]]:
+    """Each unit's head says whether it takes part; (lanes, {host: why not}, hosts whose server is down)."""
     def one(h: Host):
         try:
             r = run.session(h).call("capture_probe", capture_layers=h.server.capture_layers,
@@ -283,13 +285,20 @@ def _probe(run: Run, units: list[list[Host]]) -> tuple[list[Lane], dict[str, str
         except PatchctlError as e:
             return h, None, host_error(e)[1]
 
-    lanes, skipped = [], {}
+    lanes, skipped, down = [], {}, []
     for h, r, err in run.parallel(one, [u[0] for u in units]):
         if err or not r["ready"]:
             skipped[h.name] = err or r["why"]
+            if r and r.get("server_down"):
+                down.append(h.name)
         else:
             lanes.append(Lane(h, r))
-    return lanes, skipped
+    return lanes, skipped, down
+
+
+def restart_hint(app: App, down: list[str]) -> str:
+    """The command that brings these hosts' servers back (as configured now, with the deployed series)."""
+    return app.cmd("restart", "--limit", ",".join(down))
 
 
 def run_capture(app: App, args) -> int:
@@ -305,12 +314,14 @@ def run_capture(app: App, args) -> int:
                        f"{before['dataset']['sha256'][:12]}…); {args.dataset} differs: resume with that file, or "
                        f"start another run with --name")
     try:
-        lanes, skipped = _probe(run, run.units())
+        lanes, skipped, down = _probe(run, run.units())
         for host, why in skipped.items():
-            app.info(f"{host}: does not take part: {why}")
+            app.info(f"{host}: does not take part: {why}"
+                     + (f"; bring its server back: {restart_hint(app, [host])}" if host in down else ""))
         if not lanes:
             raise BadInput("no host takes part in the capture (each needs a capture series deployed and verified, "
-                           "its server running): nothing sent")
+                           "its server running): nothing sent"
+                           + (f"; servers down on {', '.join(down)}: {restart_hint(app, down)}" if down else ""))
         prefixes = {run_prefix(l.info["rid_prefix"], name) for l in lanes}
         if len(prefixes) > 1 or (before and before["prefix"] not in prefixes):
             raise BadInput(f"the taking-part hosts' series dump different rid prefixes ({', '.join(sorted(prefixes))}"
@@ -330,13 +341,13 @@ def run_capture(app: App, args) -> int:
                 "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect")},
                 run_dir=f"{l.info['dump_dir']}/captures/{name}")
         write_run_info(directory, info)
-        return _capture(app, args, run, name, prefix, ds, directory, lanes, skipped)
+        return _capture(app, args, run, name, prefix, ds, directory, lanes, skipped, down)
     finally:
         run.close()
 
 
 def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
-             skipped: dict[str, str]) -> int:
+             skipped: dict[str, str], down: list[str]) -> int:
     journal = Journal(directory)
     done = journal.state().done
     todo = [s for s in ds.samples if s.id not in done]
@@ -365,6 +376,8 @@ def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, la
     journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
                     "done": len(final.done), "failed": len(failed), "pending": pending})
     journal.close()
+    down = down + [l.host.name for l in lanes if l.server_down]
     progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,
-                     pending=pending, duplicates=len(final.duplicates), stopping=cr.stopping, exit_code=code)
+                     pending=pending, duplicates=len(final.duplicates), stopping=cr.stopping, exit_code=code,
+                     servers_down=down, restart=restart_hint(app, down) if down else None)
     return code

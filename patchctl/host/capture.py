@@ -103,6 +103,7 @@ def probe(manifest, cfg, req):
         return out
     if not cfg.get("running"):
         out["why"] = "no server is running on port %s" % cfg.get("port")
+        out["server_down"] = True
         return out
     dump_dir = dump_dir_of(cfg)
     if not (cfg.get("profile") or {}).get("dump_dir_env") or not dump_dir:
@@ -263,13 +264,15 @@ class Capture(object):
             self.gone = True
             raise
 
-    def _stop(self, reason):
+    def _stop(self, reason, server_down=False):
+        """This host takes no more work; `server_down`: because its server does not answer (a restart is what
+        brings it back, and the controller says so)."""
         with self.lock:
             first = self.stopped is None
             if first:
                 self.stopped = reason
         if first:
-            self._emit("host_stopped", reason=reason)
+            self._emit("host_stopped", reason=reason, server_down=server_down)
 
     def _reserve(self, s):
         """The disk guard: this sample starts only if the dumps of everything in flight, this one included,
@@ -298,7 +301,7 @@ class Capture(object):
                 why = "no answer to a sample within %gs (--request-timeout)" % self.request_timeout
             else:
                 why = e or e.__class__.__name__
-            self._stop("the server on port %s does not answer: %s" % (self.cfg["port"], why))
+            self._stop("the server on port %s does not answer: %s" % (self.cfg["port"], why), server_down=True)
             self._emit("sample_returned", id=s["id"], reason=self.stopped)
             return False
         if status != 200:
@@ -335,7 +338,7 @@ class Capture(object):
             if time.time() > deadline:
                 if not self._server_answers():  # it died after answering, before its writer landed the file:
                     #                             the sample is not at fault, another host takes it
-                    self._stop("the server on port %s does not answer" % self.cfg["port"])
+                    self._stop("the server on port %s does not answer" % self.cfg["port"], server_down=True)
                     return self._emit("sample_returned", id=s["id"], reason="the server on port %s died before its "
                                       "dump was written" % self.cfg["port"])
                 return self._emit("sample_failed", id=s["id"], reason="no dump file %s within %gs of the response%s" % (
