@@ -4,11 +4,12 @@ Owns what decides whether this host takes part (a capture series deployed *and v
 running, the model's facts and the bytes a token's dump costs) and the capture loop: samples arrive
 on stdin, one JSON line each (`{"id", "rid", "input_ids"}`), while the op runs; up to `in_flight` of
 them at a time go to the local server (`max_new_tokens = 1`, the sample's rid); each dump is awaited
-(bounded), validated by the smoke's rules (`smoke.validate_dump`), moved into
-`<dump_dir>/captures/<RUN>/` and reported with its sha256 (`sample_done`), or reported failed with
-the reason (`sample_failed`; the file kept aside in `rejected/`). The server not answering or the
-disk reserve reached stops this host taking work: everything not yet finished is handed back
-(`sample_returned`), so the controller routes it elsewhere and nothing is lost. Standard library only.
+(bounded), validated by the smoke's rules (`smoke.check_dump`; big dumps in a pool of processes, half
+the usable cores), moved into `<dump_dir>/captures/<RUN>/` and reported with its sha256 (`sample_done`),
+or reported failed with the reason (`sample_failed`; the file kept aside in `rejected/`). The server
+not answering or the disk reserve reached stops this host taking work: everything not yet finished is
+handed back (`sample_returned`), so the controller routes it elsewhere and nothing is lost. Standard
+library only (the dump check uses numpy when the host's Python has it: dumpscan).
 """
 
 import hashlib
@@ -24,14 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import limits
 from .events import AgentError, ControllerGone, event
-from .osutil import expand, sha256_file
+from .osutil import expand
 from .server import http_once, http_request
-from .smoke import FORMAT_VERSION, expected_layers, model_facts, validate_dump
+from .smoke import FORMAT_VERSION, check_dump, expected_layers, model_facts
 from .tokenizer import served as served_tokenizer
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
 POOL_FROM_BYTES = 4 << 20  # dumps this large are checked in worker processes (a 2000-token dump at H = 7168
-#                            is 115 MB and ~0.9 s of CPU to check and hash, mostly under the GIL)
+#                            is 115 MB and ~0.1 s of CPU to check and hash with numpy, ~0.3 s without)
 MAX_NAME_LEN = 150  # the hidden-dump module's own limit (safe_name below must be its exact twin)
 _SAFE_RID = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -72,9 +73,30 @@ def run_prefix(env_prefix, run):
 
 
 def check_file(path, ids, expect, hidden):
-    """(problems, sha256): validate_dump and the file's hash, in one place for the inline and pooled paths."""
-    problems = validate_dump(path, ids, expect, hidden)
-    return problems, (None if problems else sha256_file(path))
+    """(problems, sha256): the smoke's checks and the file's hash from one mapping of the file
+    (smoke.check_dump), in one place for the inline and pooled paths."""
+    return check_dump(path, ids, expect, hidden)
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity mask, e.g. a container's or taskset's), else all."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def checker_workers(cores=None):
+    """How many processes check big dumps: half the usable cores (at least one). The server's own
+    processes (a scheduler per GPU, tokenizer, detokenizer) need the rest; at ~0.1 s CPU per 115 MB dump
+    (bench/verify_rate.py) half of a 16-core host checks several times what one server writes."""
+    return max(1, (cores or usable_cores()) // 2)
+
+
+def _quiet_worker():
+    """Each checker process runs one check at a time: numpy's thread pools would only compete."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 
 def _checker_pool(workers):
@@ -83,7 +105,8 @@ def _checker_pool(workers):
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_quiet_worker)
         list(pool.map(abs, range(workers)))  # start every worker while this process has one thread of its own
         return pool
     except (ImportError, OSError, ValueError):
@@ -184,9 +207,11 @@ class Capture(object):
             if not os.path.isdir(d):
                 os.makedirs(d, 0o750)
         t0 = time.time()
+        workers = 0
         if self.info["bytes_per_token"] * 1024 >= self.pool_from:  # a model whose dumps get big
-            self.pool = _checker_pool(max(1, min(self.in_flight, (os.cpu_count() or 2) - 1)))
-        self.checkers = ThreadPoolExecutor(max_workers=self.in_flight)
+            workers = checker_workers()
+            self.pool = _checker_pool(workers)
+        self.checkers = ThreadPoolExecutor(max_workers=max(self.in_flight, workers))  # every process kept busy
         reader = threading.Thread(target=self._read, name="capture-stdin")
         reader.daemon = True  # blocked on stdin when the op ends: the process exit ends it
         reader.start()

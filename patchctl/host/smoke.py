@@ -1,13 +1,15 @@
 """The smoke extraction and dump validation (docs/design.md "Smoke validation").
 
 Owns sending the profile's prompts to the running server, waiting (bounded)
-for the asynchronous writer's files, checking each dump (a stdlib
-safetensors reader: ids, prefix_len, shapes, bfloat16, finite, no all-zero
-or identical layer slices, no leftovers, no new error-log lines), removing
+for the asynchronous writer's files, checking each dump (`check_dump`: ids,
+prefix_len, metadata, shapes, bfloat16, finite, no all-zero or identical layer
+slices, over a read-only mapping of the file through dumpscan; also what a
+capture run checks every dump with), no leftovers, no new error-log lines, removing
 exactly the files named with the run's own prefix, and the served model's
 facts (config.json) that give the expected layers and hidden size.
 """
 
+import hashlib
 import http.client
 import json
 import os
@@ -15,7 +17,7 @@ import random
 import struct
 import time
 
-from . import limits
+from . import dumpscan, limits
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail
 from .server import http_request
@@ -44,20 +46,6 @@ def parse_safetensors(data):
             raise ValueError("tensor %s runs past the end of the file" % name)
         tensors[name] = (info["dtype"], list(info["shape"]), body[b:e])
     return meta, tensors
-
-
-# bf16, little-endian: NaN or Inf when the exponent bits are all set, i.e. (high byte & 0x7F) == 0x7F and
-# (low byte & 0x80). Both tests as byte maps, ANDed as big integers: C speed, standard library only.
-_EXP_HIGH = bytes(1 if b & 0x7F == 0x7F else 0 for b in range(256))
-_EXP_LOW = bytes(1 if b & 0x80 else 0 for b in range(256))
-
-
-def _bf16_nonfinite(buf):
-    if len(buf) % 2:
-        return True
-    high = bytes(buf[1::2]).translate(_EXP_HIGH)
-    low = bytes(buf[0::2]).translate(_EXP_LOW)
-    return (int.from_bytes(high, "little") & int.from_bytes(low, "little")) != 0
 
 
 FORMAT_VERSION = "2"  # of the hidden-dump files this smoke understands
@@ -111,14 +99,31 @@ def check_layers(meta, expect):
     return problems
 
 
-def validate_dump(path, sent_ids, expect, hidden):
+def validate_dump(path, sent_ids, expect, hidden, backend=None):
     """Every check of docs/design.md's smoke validation for one file; returns a list of problems.
     `expect` is expected_layers(...)."""
-    problems = []
+    return check_dump(path, sent_ids, expect, hidden, digest=False, backend=backend)[0]
+
+
+def check_dump(path, sent_ids, expect, hidden, digest=True, backend=None):
+    """(problems, sha256 of the file or None): validate_dump's checks and, for a file without problems
+    when `digest` is asked, its hash, both from one read-only mapping of the file (dumpscan).
+    `backend`: dumpscan's ("auto" numpy when importable, "numpy", "stdlib"); None for its default."""
     try:
-        meta, t = read_safetensors(path)
-    except Exception as e:
+        dump = dumpscan.open_dump(path)
+    except (OSError, ValueError) as e:
+        return ["unreadable safetensors file: %s" % e], None
+    with dump:
+        problems = _check_mapped(dump.buf, sent_ids, expect, hidden, backend)
+        return problems, (hashlib.sha256(dump.buf).hexdigest() if digest and not problems else None)
+
+
+def _check_mapped(buf, sent_ids, expect, hidden, backend):
+    try:
+        meta, t = dumpscan.layout(buf)
+    except ValueError as e:
         return ["unreadable safetensors file: %s" % e]
+    problems = []
     T = len(sent_ids)
     layers = _json_meta(meta, "layers_to_capture")
     if not isinstance(layers, list):
@@ -130,46 +135,40 @@ def validate_dump(path, sent_ids, expect, hidden):
             problems.append("tensor %s missing" % name)
     if problems:
         return problems
-    dt, shape, raw = t["input_ids"]
+    dt, shape, at, _end = t["input_ids"]
     if dt != "I64" or shape != [T]:
         problems.append("input_ids is %s %s, expected I64 [%d]" % (dt, shape, T))
-    else:
-        got = list(struct.unpack("<%dq" % T, raw))
-        if got != list(sent_ids):
-            problems.append("input_ids differ from the prompt sent")
+    elif list(struct.unpack_from("<%dq" % T, buf, at)) != list(sent_ids):
+        problems.append("input_ids differ from the prompt sent")
     if meta.get("prefix_len") != "0":
         problems.append("prefix_len is %r, expected '0' (radix cache or chunked prefill on?)" % meta.get("prefix_len"))
+    if meta.get("num_tokens") not in (None, str(T)):
+        problems.append("num_tokens is %r, %d tokens were sent" % (meta.get("num_tokens"), T))
     problems += check_layers(meta, expect)
     if any(len(ids) != K for ids in wanted):
         problems.append("%s layers captured, %s expected" % (K, " / ".join(str(len(ids)) for ids in wanted)))
     if hidden is not None and meta.get("hidden_size") not in (None, str(hidden)):
         problems.append("hidden_size %s, expected %d" % (meta.get("hidden_size"), hidden))
-    dt, shape, raw = t["hidden_states"]
-    if dt != "BF16" or len(shape) != 2 or shape[0] != T or (hidden is not None and shape[1] != hidden):
+    dt, shape, last_at, _end = t["hidden_states"]
+    last_ok = dt == "BF16" and len(shape) == 2 and shape[0] == T and (hidden is None or shape[1] == hidden)
+    if not last_ok:
         problems.append("hidden_states is %s %s, expected BF16 [%d, %s]" % (dt, shape, T, hidden))
-    elif _bf16_nonfinite(raw):
-        problems.append("hidden_states has NaN or Inf")
     H = hidden if hidden is not None else (shape[1] if len(shape) == 2 else None)
-    dt, shape, raw = t["aux_hidden_states"]
+    dt, shape, aux_at, _end = t["aux_hidden_states"]
     if K is None and H:
         K = shape[1] // H if len(shape) == 2 and H else None
     if dt != "BF16" or len(shape) != 2 or shape[0] != T or not H or not K or shape[1] != K * H:
         problems.append("aux_hidden_states is %s %s, expected BF16 [%d, %s*%s]" % (dt, shape, T, K, H))
         return problems
-    row = K * H * 2
-    slices = []
-    for k in range(K):
-        parts = [raw[r * row + k * H * 2: r * row + (k + 1) * H * 2] for r in range(T)]
-        slices.append(b"".join(parts))
-    for k, s in enumerate(slices):
-        if _bf16_nonfinite(s):
-            problems.append("layer %s slice has NaN or Inf" % (layers[k] if layers else k))
-        if not s.strip(b"\0"):
-            problems.append("layer %s slice is all zeros" % (layers[k] if layers else k))
-    for a in range(K):
-        for b in range(a + 1, K):
-            if slices[a] == slices[b]:
-                problems.append("layer slices %s and %s are identical" % (a, b))
+    if not last_ok:
+        return problems
+    v = dumpscan.scan_bf16(buf, aux_at, last_at, T, K, H, backend)
+    if v["last_nonfinite"]:
+        problems.append("hidden_states has NaN or Inf")
+    names = layers if layers else list(range(K))
+    problems += ["layer %s slice has NaN or Inf" % names[k] for k in v["nonfinite"]]
+    problems += ["layer %s slice is all zeros" % names[k] for k in v["zero"]]
+    problems += ["layer slices %s and %s are identical" % p for p in v["identical"]]
     return problems
 
 
