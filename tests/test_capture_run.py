@@ -220,7 +220,7 @@ def test_a_frozen_link_mid_run_its_samples_go_elsewhere_after_the_silence_limit(
     h = f.hosts[1]
     samples = dataset(tmp_path / "ds.jsonl", 400, seed=7)
     proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "frozen", "--in-flight", "2",
-                   "--max-fail", "1", "--keep-free", "0", env={"PATCHCTL_SILENCE_S": "6"})
+                   "--max-fail", "1", "--keep-free", "0", env={"PATCHCTL_SILENCE_S": "10"})
     try:
         wait_for(lambda: sum(1 for r in journal(f, "frozen") if r["rec"] == "done" and r["host"] == h.name) >= 10
                  or proc.poll() is not None, 120, what=f"{h.name} at work")
@@ -233,7 +233,7 @@ def test_a_frozen_link_mid_run_its_samples_go_elsewhere_after_the_silence_limit(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
-    assert_handed_over(f, "frozen", samples, h.name, "no word from the command for 6s")
+    assert_handed_over(f, "frozen", samples, h.name, "no word from the command for 10s")
     assert f"{h.name}: takes no more work" in err and "servers down" not in err  # the link, not the server
     wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
 
