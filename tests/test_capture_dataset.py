@@ -182,3 +182,47 @@ def test_no_bound_known_is_refused_unless_the_length_check_is_off(tmp_path):
     # the vocabulary is checked all the same
     with pytest.raises(BadInput, match="vocab_size 1 "):
         check_against_model(ds, {"h": {"vocab_size": 1}}, length_check=False)
+
+
+def sglang_get_context_length(tree: Path):
+    """SGLang 0.5.23's own get_context_length and CONTEXT_LENGTH_KEYS, taken from the tree's source (the
+    module imports half of SGLang; the function itself needs nothing)."""
+    import ast
+
+    src = (tree / "sglang/srt/utils/hf_transformers/common.py").read_text()
+    keep = [n for n in ast.parse(src).body if (isinstance(n, ast.FunctionDef) and n.name == "get_context_length")
+            or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "CONTEXT_LENGTH_KEYS" for t in n.targets))]
+    ns: dict = {}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "common.py", "exec"), ns)
+    assert len(keep) == 2 and ns["CONTEXT_LENGTH_KEYS"]
+    return ns["get_context_length"], ns["CONTEXT_LENGTH_KEYS"]
+
+
+def test_the_config_rule_is_sglangs_get_context_length(sglang_tree):
+    from types import SimpleNamespace
+
+    from patchctl.host.limits import CONTEXT_LENGTH_KEYS, config_context_len, max_req_input_len
+
+    theirs, keys = sglang_get_context_length(sglang_tree)
+    assert tuple(keys) == CONTEXT_LENGTH_KEYS
+    for cfg in ({"max_position_embeddings": 4096}, {"seq_length": 100, "max_position_embeddings": 4096},
+                {"max_position_embeddings": 4096, "rope_scaling": {"factor": 4.0}},
+                {"max_position_embeddings": 4096, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 1}},
+                {"max_position_embeddings": 8192, "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}},
+                {"model_max_length": 77, "rope_scaling": {"factor": 2}}):
+        assert config_context_len(cfg)[0] == theirs(SimpleNamespace(**cfg)), cfg
+
+    assert config_context_len({"max_position_embeddings": 4096}) == (4096, "max_position_embeddings=4096")
+    # the first key of SGLang's list wins; a rope factor multiplies, except with original_max_position_embeddings
+    assert config_context_len({"seq_length": 100, "max_position_embeddings": 4096})[0] == 100
+    assert config_context_len({"max_position_embeddings": 4096, "rope_scaling": {"factor": 4.0}}) == (
+        16384, "max_position_embeddings=4096 x rope factor 4.0")
+    assert config_context_len({"max_position_embeddings": 4096, "rope_scaling": {
+        "factor": 4.0, "original_max_position_embeddings": 1024}})[0] == 4096
+    assert config_context_len({"max_position_embeddings": 8192, "rope_scaling": {
+        "factor": 8.0, "rope_type": "llama3"}})[0] == 8192
+    # a multimodal config's text part; none of the keys: unknown (SGLang would use transformers' default)
+    assert config_context_len({"text_config": {"num_hidden_layers": 2, "max_position_embeddings": 32}})[0] == 32
+    assert config_context_len({"num_hidden_layers": 2}) == (None, None)
+    # tp_worker.py:568-572
+    assert max_req_input_len(4096, 10 ** 6) == 4090 and max_req_input_len(4096, 1000) == 994
