@@ -392,12 +392,19 @@ def build_parser() -> argparse.ArgumentParser:
     run_name(cp, required=True)
     limit(cp)
     hostkeys(cp, forks="hosts collected from at once, 1 or more (default 256)")
-    cp.add_argument("--to", type=Path, required=True, metavar="DIR", help="where the dataset goes (created if missing)")
+    cp.add_argument("--to", type=Path, default=None, metavar="DIR",
+                    help="where the dataset goes (created if missing); with --on-host, where the index, draft-config.json "
+                         "and summary go (default: the run's directory, on-host/)")
     cp.add_argument("--format", choices=["safetensors", "specforge"], default="safetensors",
                     help="safetensors (default): the dump files as written, verified by sha256; specforge: one "
                          "torch.save dict per sample (*.ckpt) in SpecForge's offline training format (needs torch)")
     cp.add_argument("--in-place", action="store_true",
                     help="pull nothing: write only the index, with each file's host and path (TB-scale runs)")
+    cp.add_argument("--on-host", default=None, metavar="DIR",
+                    help="with --format specforge: every host converts its own dumps into DIR on that host (its disk, "
+                         "or a mount all hosts share); only the index, draft-config.json and a summary come back")
+    cp.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                    help="--on-host: conversion processes per host (default: the host's cores - 1)")
     return p
 
 

@@ -1,6 +1,6 @@
-"""`capture status` and `capture collect` on a capture run made of real dumps: 2 real sshd hosts with
-hidden-dump deployed by `patchctl apply`, each sample POSTed to its host's stand-in server with the run's
-rid, its dump moved into `<state_dir>/dumps/captures/<RUN>/` and journalled as the runner does."""
+"""`capture status` and `capture collect` on capture runs made by `patchctl capture run` itself: 2 real sshd
+hosts with hidden-dump deployed by `patchctl apply`, each run's dumps verified and moved by the hosts' agents,
+its journal and run.json written by the runner (no hand-made layouts)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import hashlib
 import json
 import os
 import shutil
-import urllib.request
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from fleet import started_fleet, wait_for
-from patchctl.capture.dataset import file_name, load_dataset
+from patchctl.capture.dataset import file_name
 from patchctl.capture.journal import Journal, write_run_info
 
-PREFIX = "patchctl-cap-"
+SGLANG_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -29,47 +31,17 @@ def fleet(tmp_path_factory, sglang_tree):
     f.close()
 
 
-def post_generate(port: int, ids: list[int], rid: str) -> None:
-    body = json.dumps({"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1}}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status == 200
-
-
 def make_run(f, name: str, samples: list[dict], tmp_path: Path) -> dict:
-    """A capture run as `capture run` leaves it: dumps verified and moved under captures/<name>/, the journal
-    and run.json on the controller. Sample i goes to host i % 2."""
+    """A capture run as `patchctl capture run` leaves it: every dump verified on its host, moved under
+    captures/<name>/, journalled, and run.json written by the runner."""
     ds_path = tmp_path / f"{name}.jsonl"
     ds_path.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    ds = load_dataset(ds_path, PREFIX + name + "-")
+    p = f.patchctl("capture", "run", str(ds_path), "--name", name, "--keep-free", "0", "--in-flight", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
     rundir = f.base / "xdg-state" / "patchctl" / "captures" / name
-    rundir.mkdir(parents=True)
-    hosts = {}
-    for h in f.hosts:
-        run_host = h.dumps / "captures" / name
-        run_host.mkdir(parents=True)
-        hosts[h.name] = {"model_path": str(h.dir / "model"), "hidden_size": 64, "num_hidden_layers": 8,
-                         "vocab_size": 512, "layers_to_capture": [2, 4, 5], "layer_outputs": [1, 3, 4],
-                         "eagle_aux_hidden_state_layer_ids": None, "dump_dir": str(h.dumps), "run_dir": str(run_host)}
-    write_run_info(rundir, {"name": name, "prefix": PREFIX + name + "-", "created": "now",
-                            "dataset": {"path": str(ds.path), "sha256": ds.sha256, "samples": len(ds.samples),
-                                        "tokens": ds.tokens, "loss_mask": ds.has_loss_mask}, "hosts": hosts})
-    j = Journal(rundir)
-    j.append({"rec": "run", "event": "start"})
-    for i, s in enumerate(samples):
-        h = f.hosts[i % 2]
-        rid = PREFIX + name + "-" + s["id"]
-        post_generate(h.server_port, s["input_ids"], rid)
-        src = wait_for(lambda: (h.dumps / file_name(rid)).exists() and h.dumps / file_name(rid), 30,
-                       what=f"dump of {rid}")
-        dst = h.dumps / "captures" / name / file_name(rid)
-        os.rename(src, dst)
-        data = dst.read_bytes()
-        j.append({"rec": "sent", "id": s["id"], "host": h.name, "attempt": 1})
-        j.append({"rec": "done", "id": s["id"], "host": h.name, "path": str(dst), "sha256": hashlib.sha256(data).hexdigest(),
-                  "bytes": len(data), "tokens": len(s["input_ids"])})
-    j.close()
-    return {"dir": rundir, "dataset": ds, "journal": j}
+    done = Journal(rundir).state().done
+    assert set(done) == {s["id"] for s in samples}
+    return {"dir": rundir, "info": json.loads((rundir / "run.json").read_text()), "done": done}
 
 
 def samples(n: int, masks: bool = True, start: int = 0) -> list[dict]:
@@ -109,11 +81,25 @@ def test_collect_safetensors_is_bit_exact_and_resumable(fleet, tmp_path):
         assert (dest / e["file"]).read_bytes() == host_bytes  # bit-exact
         assert e["sha256"] == e["source_sha256"] == rec["sha256"] == hashlib.sha256(host_bytes).hexdigest()
         assert (e["host"], e["host_path"], e["bytes"], e["tokens"]) == (rec["host"], rec["path"], len(host_bytes), rec["tokens"])
-        assert e["model"].endswith("/model") and e["layers"]["layers_to_capture"] == [2, 4, 5]
-        assert e["loss_mask"] == "dataset"
+        assert e["model"].endswith("/model") and e["loss_mask"] == "dataset"
+        # the layers each file's metadata names (SGLang's default for the stand-in's 8 layers), read from the file
+        assert e["layers"] == {"layers_to_capture": [2, 4, 5], "layer_outputs": [1, 3, 4],
+                               "eagle_aux_hidden_state_layer_ids": None} and e["layers_source"] == "file"
+    # run.json as the runner wrote it: the layers are only an expectation per host, never top-level keys
+    for h, facts in run["info"]["hosts"].items():
+        assert facts["expect"] == {"layers_to_capture": {"ids": [2, 4, 5], "from": "SGLang's default for N = 8 layers (config.json)"}}
+        assert "layers_to_capture" not in facts and facts["layers"] == 3
+    draft = json.loads((dest / "draft-config.json").read_text())
+    # LlamaForCausalLM (the stand-in's architecture): SGLang adds 1 to each id, so [2, 4, 5] needs [1, 3, 4]
+    assert draft["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
+    assert (draft["target_hidden_size"], draft["vocab_size"], draft["architectures"]) == (64, 512, ["LlamaForCausalLMEagle3"])
+    assert draft["_patchctl"]["layers_to_capture"] == [2, 4, 5] and draft["_patchctl"]["problems"] == []
+    assert draft["_patchctl"]["target_architectures"] == ["LlamaForCausalLM"]
+    assert "llama.py:929-941" in draft["_patchctl"]["provenance"]["eagle_config.eagle_aux_hidden_state_layer_ids"]
     summary = json.loads((dest / "index.json").read_text())
     assert (summary["state"], summary["run"], summary["format"], summary["samples"]) == ("done", "st", "safetensors", 10)
     assert not list(dest.rglob("*.patchctl-partial"))
+    assert json.loads((dest / "index.json").read_text())["draft_config"] == "draft-config.json"
     # again: nothing is pulled (no agent command on any host), nothing rewritten, exit 0
     commands = [h.ssh.count_commands() for h in f.hosts]
     mtimes = {p: p.stat().st_mtime_ns for p in dest.rglob("*.safetensors")}
@@ -201,28 +187,32 @@ def test_specforge_ckpt_loads_with_the_shapes_and_dtypes_specforge_expects(fleet
 
 def test_in_place_and_limit(fleet, tmp_path):
     f = fleet
-    make_run(f, "ip", samples(4, start=300), tmp_path)
+    run = make_run(f, "ip", samples(10, start=300), tmp_path)
+    on1 = sum(r["host"] == "host1" for r in run["done"].values())
+    assert 0 < on1 < 10
     conns = [h.ssh.count_connections() for h in f.hosts]
     dest = tmp_path / "ip"
     collect(f, "ip", dest, "--in-place")
     assert [h.ssh.count_connections() for h in f.hosts] == conns  # no host contacted
     idx = index_of(dest)
-    assert len(idx) == 4 and all(e["file"] is None and Path(e["host_path"]).is_file() for e in idx)
-    assert sorted(os.listdir(dest)) == ["index.json", "index.jsonl"]
+    assert len(idx) == 10 and all(e["file"] is None and Path(e["host_path"]).is_file() for e in idx)
+    assert all(e["layers"]["layers_to_capture"] == [2, 4, 5] and e["layers_source"].startswith("run.json") for e in idx)
+    assert sorted(os.listdir(dest)) == ["draft-config.json", "index.json", "index.jsonl"]
     # --limit host0: host1 not contacted, its samples reported, exit 0
     dest = tmp_path / "lim"
     ev, p = collect(f, "ip", dest, "--limit", "host0")
     assert [h.ssh.count_connections() for h in f.hosts][1] == conns[1]
     assert {e["host"] for e in index_of(dest)} == {"host0"}
-    assert json.loads((dest / "index.json").read_text())["not_collected"] == {"not selected": 2}
+    assert json.loads((dest / "index.json").read_text())["not_collected"] == {"not selected": on1}
     # then the rest: host0's files are already there
     ev, p = collect(f, "ip", dest)
-    assert len(index_of(dest)) == 4 and {e["host"] for e in ev if e["event"] == "pulled"} == {"host1"}
+    assert len(index_of(dest)) == 10 and {e["host"] for e in ev if e["event"] == "pulled"} == {"host1"}
 
 
 def test_status_counts_from_the_journal_only(fleet, tmp_path):
     f = fleet
     run = make_run(f, "stat", samples(4, start=400), tmp_path)
+    per_host = {h: sum(r["host"] == h for r in run["done"].values()) for h in ("host0", "host1")}
     j = Journal(run["dir"])
     first = next(iter(j.state().done.values()))
     j.append({"rec": "failed", "id": "x1", "host": "host1", "reason": "server refused: too long", "final": True})
@@ -237,7 +227,8 @@ def test_status_counts_from_the_journal_only(fleet, tmp_path):
     assert p.returncode == 1, p.stderr
     d = json.loads(p.stdout)
     assert (d["done"], d["failed"], d["pending"], d["in_flight"], d["complete"]) == (4, 1, 2, 1, False)
-    assert d["hosts"]["host0"]["done"] == 2 and d["hosts"]["host1"]["failed"] == 1 and d["hosts"]["host0"]["in_flight"] == 1
+    assert d["hosts"]["host0"]["done"] == per_host["host0"] and d["hosts"]["host1"]["failed"] == 1
+    assert d["hosts"]["host0"]["in_flight"] == 1
     assert d["failures"] == [{"id": "x1", "host": "host1", "reason": "server refused: too long"}]
     assert len(d["duplicates"]) == 1 and d["duplicates"][0]["path"] == "/elsewhere"
     assert d["tokens_done"] == sum(len(s["input_ids"]) for s in samples(4, start=400))
@@ -246,6 +237,207 @@ def test_status_counts_from_the_journal_only(fleet, tmp_path):
     assert p.returncode == 1 and "server refused: too long" in p.stdout and "2 pending" in p.stdout, p.stdout
     p = f.patchctl("capture", "status", "nosuchrun")
     assert p.returncode == 2 and "no capture run named 'nosuchrun'" in p.stderr
+
+
+def test_to_holding_other_files_or_unwritable_is_refused_before_any_work(fleet, tmp_path):
+    f = fleet
+    make_run(f, "to", samples(3, start=600), tmp_path)
+    dest = tmp_path / "to"
+    (dest / "old" / "deep").mkdir(parents=True)
+    (dest / "old" / "deep" / "stray.ckpt").write_bytes(b"another dataset's sample")
+    (dest / "notes.txt").write_text("mine")
+    conns = [h.ssh.count_connections() for h in f.hosts]
+    p = f.patchctl("capture", "collect", "to", "--to", str(dest), "--format", "specforge")
+    assert p.returncode == 2, p.stderr
+    assert "holds 2 file(s) that are not this run's collection: notes.txt, old/deep/stray.ckpt" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and [h.ssh.count_connections() for h in f.hosts] == conns
+    assert sorted(str(x.relative_to(dest)) for x in dest.rglob("*")) == ["notes.txt", "old", "old/deep", "old/deep/stray.ckpt"]
+    # unwritable: a path below a regular file, and a directory on a read-only file system
+    for bad in (tmp_path / "a-file" / "out", Path("/proc/self/patchctl-out")):
+        (tmp_path / "a-file").write_text("x")
+        p = f.patchctl("capture", "collect", "to", "--to", str(bad))
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.strip().count("\n") == 0 and "cannot write there" in p.stderr, p.stderr
+    # the collection itself, collected again, is not stray: its files are this run's
+    ok = tmp_path / "ok"
+    collect(f, "to", ok, "--format", "specforge")
+    collect(f, "to", ok, "--format", "specforge")
+
+
+# SGLang 0.5.23's own set_eagle3_layers_to_capture of each architecture, run on an object holding just what it
+# reads (pp_group.is_last_rank, config.num_hidden_layers, .model), in a process of its own (SGLang's imports)
+SGLANG_LAYERS = """
+import json, sys, types, torch
+try:
+    torch.ops.torchvision.nms
+except (AttributeError, RuntimeError):  # PyPI torchvision's CUDA ops cannot load next to CPU torch
+    torch.library.define("torchvision::nms", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    torch.library.define("torchvision::qnms", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+from sglang.srt.models.llama import LlamaForCausalLM
+from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+out = []
+for arch, ids, n in json.loads(sys.argv[1]):
+    m = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True),
+                              config=types.SimpleNamespace(num_hidden_layers=n), model=types.SimpleNamespace())
+    globals()[arch].set_eagle3_layers_to_capture(m, ids)
+    out.append(m.model.layers_to_capture)
+print(json.dumps(out))
+"""
+
+
+def test_draft_config_ids_map_back_through_sglangs_own_function(sglang_tree):
+    """For each architecture convention, draft-config.json's ids, handed to the real SGLang 0.5.23
+    set_eagle3_layers_to_capture of that architecture, give back exactly the files' layers_to_capture."""
+    from patchctl.capture.draftconfig import draft_config
+
+    cases, want = [], []
+    for arch, n, layers in [("LlamaForCausalLM", 8, [2, 4, 5]), ("LlamaForCausalLM", 32, [3, 17, 30]),
+                            ("DeepseekV2ForCausalLM", 61, [2, 30, 58]), ("DeepseekV3ForCausalLM", 61, [3, 31, 59]),
+                            ("DeepseekV3ForCausalLM", 61, [2, 31, 59])]:
+        facts = {"h": {"architectures": [arch], "num_hidden_layers": n, "hidden_size": 7168, "vocab_size": 163840}}
+        meta = {"layers_to_capture": layers, "layer_outputs": [i - 1 for i in layers],
+                "eagle_aux_hidden_state_layer_ids": None}
+        cfg, problems = draft_config("r", facts, {"h": [meta]})
+        assert problems == [] and cfg["target_hidden_size"] == 7168 and cfg["vocab_size"] == 163840
+        ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        cases.append([arch, ids, n])
+        want.append(layers)
+    # the two conventions really differ: Llama ids are the capture indices - 1, DeepseekV2 keeps them
+    assert cases[0][1] == [1, 3, 4] and cases[2][1] == [2, 30, 58] and cases[3][1] == [3, 31, 59]
+    env = dict(os.environ, PYTHONPATH=str(sglang_tree), **SGLANG_ENV)
+    p = subprocess.run([sys.executable, "-c", SGLANG_LAYERS, json.dumps(cases)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == want
+    # layers DeepseekV2 cannot be made to capture from explicit ids ([1, ...]): said, no ids invented
+    cfg, problems = draft_config("r", {"h": {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61}},
+                                 {"h": [{"layers_to_capture": [1, 30, 58]}]})
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] is None and "no explicit ids" in problems[0]
+
+
+def _dump_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _assert_ckpt_is_the_dump(ckpt: Path, dump: Path, sample: dict) -> None:
+    """The .ckpt's tensors are the dump's, bit for bit, in SpecForge's layout, with the dataset's loss mask."""
+    import torch
+
+    d = torch.load(ckpt, weights_only=True)
+    t = _dump_tensors(dump)
+    T = len(sample["input_ids"])
+    assert set(d) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+    assert d["input_ids"].dtype == torch.int64 and d["input_ids"].tolist() == sample["input_ids"] == t["input_ids"].tolist()
+    assert d["hidden_state"].shape == (1, T, 64) and d["aux_hidden_state"].shape == (1, T, 3 * 64)
+    assert d["hidden_state"][0].view(torch.int16).equal(t["hidden_states"].view(torch.int16))
+    assert d["aux_hidden_state"][0].view(torch.int16).equal(t["aux_hidden_states"].view(torch.int16))
+    assert d["loss_mask"].dtype == torch.int64 and d["loss_mask"].tolist() == sample.get("loss_mask", [1] * T)
+
+
+def test_on_host_every_host_converts_its_own_dumps_into_a_shared_directory(fleet, tmp_path):
+    f = fleet
+    ss = samples(12, start=700)
+    run = make_run(f, "oh", ss, tmp_path)
+    assert {r["host"] for r in run["done"].values()} == {"host0", "host1"}
+    shared, dest = tmp_path / "shared", tmp_path / "oh-index"  # one directory both hosts see
+    commands = [h.ssh.count_commands() for h in f.hosts]
+    ev, p = collect(f, "oh", dest, "--format", "specforge", "--on-host", str(shared))
+    # one agent command per host did it all; the controller got the index, the draft config and a summary
+    assert [h.ssh.count_commands() - c for h, c in zip(f.hosts, commands)] == [1, 1]
+    assert sorted(os.listdir(dest)) == ["draft-config.json", "index.json", "index.jsonl"]
+    idx = {e["id"]: e for e in index_of(dest)}
+    assert set(idx) == {s["id"] for s in ss}
+    for s in ss:
+        e, rec = idx[s["id"]], run["done"][s["id"]]
+        ckpt = shared / e["file"]
+        assert e["host"] == rec["host"] and e["host_dir"] == str(shared) and e["source_sha256"] == rec["sha256"]
+        assert e["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest() and e["bytes"] == ckpt.stat().st_size
+        assert e["layers"] == {"layers_to_capture": [2, 4, 5], "layer_outputs": [1, 3, 4],
+                               "eagle_aux_hidden_state_layer_ids": None}
+        assert e["loss_mask"] == ("dataset" if "loss_mask" in s else "all ones (no loss_mask on its line of the dataset)")
+        _assert_ckpt_is_the_dump(ckpt, Path(rec["path"]), s)
+    # every sample file is a SpecForge sample (nothing else ends in .ckpt); each host kept its own record
+    assert sorted(str(x.relative_to(shared)) for x in shared.rglob("*.ckpt")) == sorted(e["file"] for e in idx.values())
+    assert sorted(os.listdir(shared / ".patchctl")) == ["collection.json", "host0.jsonl", "host0.lock", "host1.jsonl",
+                                                      "host1.lock"]
+    assert not list(shared.rglob("*.patchctl-partial"))
+    summary = json.loads((dest / "index.json").read_text())
+    assert (summary["format"], summary["on_host"], summary["samples"], summary["state"]) == (
+        "specforge-on-host", str(shared), 12, "done")
+    draft = json.loads((dest / "draft-config.json").read_text())
+    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert {e["event"] for e in ev} >= {"run_start", "host_result", "run_end"}
+    # again: every file recognised from the host's own record, none rewritten
+    inodes = {x: (x.stat().st_ino, x.stat().st_mtime_ns) for x in shared.rglob("*.ckpt")}
+    ev, p = collect(f, "oh", dest, "--format", "specforge", "--on-host", str(shared))
+    assert {x: (x.stat().st_ino, x.stat().st_mtime_ns) for x in shared.rglob("*.ckpt")} == inodes
+    assert {e["id"]: e for e in index_of(dest)} == idx
+    assert sorted(e["message"].split(",")[:2] for e in ev if e["event"] == "host_result") == sorted(
+        ["0 converted", f" {sum(r['host'] == h for r in run['done'].values())} already there"] for h in ("host0", "host1"))
+    # a stray ckpt in the host directory: refused on the host, named, nothing converted
+    (shared / "files" / "zz").mkdir()
+    (shared / "files" / "zz" / "stray.ckpt").write_bytes(b"x")
+    ev, p = collect(f, "oh", dest, "--format", "specforge", "--on-host", str(shared), expect=2)
+    assert "files/zz/stray.ckpt" in p.stderr and "not run oh's samples" in p.stderr, p.stderr
+
+
+def test_on_host_resumes_after_the_controller_is_killed(fleet, tmp_path):
+    f = fleet
+    ss = samples(24, start=800)
+    run = make_run(f, "ohk", ss, tmp_path)
+    shared, dest = tmp_path / "shared", tmp_path / "idx"
+    args = ("--json", "capture", "collect", "ohk", "--format", "specforge", "--on-host", str(shared), "--to", str(dest),
+            "--workers", "1")
+    proc = f.popen(*args, env={"PATCHCTL_CONVERT_PAUSE_S": "0.3"})  # tests: each host pauses after every sample
+    wait_for(lambda: (dest / "index.jsonl").exists() and len(index_of(dest)) >= 4 or proc.poll() is not None, 120,
+             what="4 samples converted")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {e["id"]: e for e in index_of(dest)}
+    assert 4 <= len(before) < 24, len(before)
+    kept = {e["id"]: (shared / e["file"]).stat().st_ino for e in before.values()}
+    p = f.patchctl(*args[1:], timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    idx = {e["id"]: e for e in index_of(dest)}
+    assert set(idx) == {s["id"] for s in ss}
+    for sid, ino in kept.items():  # converted before the kill: recognised, not written again
+        assert (shared / idx[sid]["file"]).stat().st_ino == ino and idx[sid]["sha256"] == before[sid]["sha256"]
+    records = [json.loads(l) for h in ("host0", "host1") for l in (shared / ".patchctl" / f"{h}.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(idx)  # each sample converted exactly once, across both invocations
+    for s in ss:
+        _assert_ckpt_is_the_dump(shared / idx[s["id"]]["file"], Path(run["done"][s["id"]]["path"]), s)
+    assert not list(shared.rglob("*.patchctl-partial"))
+
+
+def test_specforge_refuses_a_run_of_four_layers_before_any_work(fleet, tmp_path):
+    """A real run captured with 4 layers (capture_layers [1, 3, 5, 6] on host0): --format specforge is refused
+    (SpecForge's drafter asserts 3); safetensors collects it."""
+    f = fleet
+    f.write_inventory(host_overrides={"host0": {"server": {"capture_layers": [1, 3, 5, 6]}}})
+    try:
+        for cmd in (("rollback", "--to", "clean"), ("apply", "hidden-dump")):
+            p = f.patchctl(*cmd, "--limit", "host0")
+            assert p.returncode == 0, p.stdout + p.stderr
+        ds = tmp_path / "k4.jsonl"
+        ds.write_text("".join(json.dumps(s) + "\n" for s in samples(3, start=900)))
+        p = f.patchctl("capture", "run", str(ds), "--name", "k4", "--limit", "host0", "--keep-free", "0")
+        assert p.returncode == 0, p.stdout + p.stderr
+        conns = [h.ssh.count_connections() for h in f.hosts]
+        for extra in ((), ("--on-host", str(tmp_path / "shared"))):
+            p = f.patchctl("capture", "collect", "k4", "--to", str(tmp_path / "k4"), "--format", "specforge", *extra)
+            assert p.returncode == 2, p.stderr
+            assert "captured 4 layers on host0" in p.stderr and "asserts exactly 3" in p.stderr, p.stderr
+        assert [h.ssh.count_connections() for h in f.hosts] == conns and not (tmp_path / "k4").exists()
+        assert not (tmp_path / "shared").exists()
+        ev, p = collect(f, "k4", tmp_path / "k4st")
+        assert all(e["layers"]["layers_to_capture"] == [1, 3, 5, 6] for e in index_of(tmp_path / "k4st"))
+    finally:
+        f.write_inventory()
+        for cmd in (("rollback", "--to", "clean"), ("apply", "hidden-dump")):
+            p = f.patchctl(*cmd, "--limit", "host0")
+            assert p.returncode == 0, p.stdout + p.stderr
 
 
 def _pull(f, host, run, paths):
@@ -267,8 +459,9 @@ def _pull(f, host, run, paths):
 def test_pull_serves_only_files_inside_the_runs_captures_directory(fleet, tmp_path, monkeypatch):
     f = fleet
     run = make_run(f, "sec", samples(2, start=500), tmp_path)
-    h = f.hosts[0]
-    good = Path(next(r["path"] for r in Journal(run["dir"]).state().done.values() if r["host"] == "host0"))
+    first = next(iter(run["done"].values()))
+    h = next(x for x in f.hosts if x.name == first["host"])
+    good = Path(first["path"])
     captures = h.dumps / "captures"
     (captures / "other").mkdir(exist_ok=True)
     (captures / "other" / "x.safetensors").write_bytes(b"another run's file")

@@ -37,19 +37,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patchctl import __version__
-from patchctl.capture.dataset import open_run_dataset, safe_name
+from patchctl.capture import draftconfig
+from patchctl.capture.dataset import open_run_dataset
 from patchctl.capture.journal import Journal, RunState, check_run_name, read_run_info, run_dir
 from patchctl.console import App, table
 from patchctl.errors import BadInput
+from patchctl.host import convert as hconvert
+from patchctl.host.smoke import check_layers
 from patchctl.session import OUTCOME_EXIT, Run, host_error, worst
 
-INDEX, SUMMARY = "index.jsonl", "index.json"
+INDEX, SUMMARY, DRAFT = "index.jsonl", "index.json", "draft-config.json"
 PARTIAL = ".patchctl-partial"  # our own temporary names: a crashed collect's leftovers are overwritten
 PULL_BYTES = 32 << 20  # file data per agent round trip (base64 makes the answer 4/3 of that)
 PULL_FILES = 2048
 SHOWN = 20  # failures listed in human output (--json lists all)
 ALL_ONES = "all ones (no loss_mask in the dataset)"
-OK_STATES = ("collected", "present", "indexed")
+OK_STATES = ("collected", "present", "indexed", "converted")
 
 
 def _load(name: str) -> tuple[dict, RunState]:
@@ -143,6 +146,8 @@ class Item:
     sha256: str | None = None  # of the file in DIR
     bytes: int = 0
     mask_source: str | None = None  # specforge: where the ckpt's loss_mask came from
+    layers: dict | None = None  # the file's layer metadata (LAYER_KEYS), or the run's expectation (--in-place)
+    layers_source: str | None = None
 
     @property
     def host(self) -> str:
@@ -158,8 +163,52 @@ def sha256_file(path: Path) -> str:
 
 
 def target_rel(sid: str, fmt: str) -> str:
-    shard = hashlib.sha256(sid.encode("utf-8", "surrogatepass")).hexdigest()[:2]
-    return f"files/{shard}/{safe_name(sid)}" + (".ckpt" if fmt == "specforge" else ".safetensors")
+    return hconvert.target_rel(sid, "specforge" if fmt.startswith("specforge") else fmt)
+
+
+# --- layers: what the files say, against what the run expected ----------------------------------
+
+def expectation(facts: dict) -> dict:
+    """run.json's expectation for one host's dumps (hosts.<h>.expect), as smoke.check_layers takes it."""
+    return {k: (v["ids"], v["from"]) for k, v in (facts.get("expect") or {}).items()}
+
+
+def expected_layers(facts: dict) -> dict | None:
+    """--in-place (no file is read): the three layer keys as far as the run's expectation gives them."""
+    exp = facts.get("expect") or {}
+    given = (exp.get("eagle_aux_hidden_state_layer_ids") or {}).get("ids")
+    layers = (exp.get("layers_to_capture") or {}).get("ids")
+    if layers is None and (exp.get("layer_outputs") or {}).get("ids"):
+        layers = [i + 1 for i in exp["layer_outputs"]["ids"]]
+    rule = draftconfig.RULES.get((facts.get("architectures") or [None])[0])
+    if layers is None and given is not None and rule:
+        layers = draftconfig.sglang_layers(rule, given, facts.get("num_hidden_layers"))
+    if layers is None:
+        return None
+    return {"layers_to_capture": list(layers), "layer_outputs": [i - 1 for i in layers],
+            "eagle_aux_hidden_state_layer_ids": given}
+
+
+def check_to(out: Path, fmt: str, prev: dict[str, dict], st: RunState) -> None:
+    """--to holds nothing but this collection: its own files, the run's sample files, our partial files.
+    Anything else is refused (named), because SpecForge lists every *.ckpt below it and trains on it."""
+    if not out.is_dir():
+        return
+    allowed = {SUMMARY, INDEX, DRAFT}
+    if fmt in ("safetensors", "specforge"):  # with --in-place / --on-host no sample file is here
+        allowed |= {e["file"] for e in prev.values() if isinstance(e.get("file"), str)}
+        allowed |= {target_rel(sid, fmt) for sid in st.done}
+    stray = []
+    for dirpath, _dirs, files in os.walk(out):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), out)
+            if rel not in allowed and not f.endswith(PARTIAL):
+                stray.append(rel)
+    if stray:
+        stray.sort()
+        raise BadInput(f"--to {out} holds {len(stray)} file(s) that are not this run's collection: "
+                       + ", ".join(stray[:10]) + (" ..." if len(stray) > 10 else "")
+                       + " (SpecForge trains on every *.ckpt below the directory): move them away or choose another --to")
 
 
 def open_collection(out: Path, name: str, fmt: str) -> dict[str, dict]:
@@ -192,10 +241,11 @@ def open_collection(out: Path, name: str, fmt: str) -> dict[str, dict]:
     return prev
 
 
-def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selected: set[str], known: set[str]) -> list[Item]:
+def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selected: set[str], known: set[str],
+               host_facts: dict | None = None) -> list[Item]:
     """One Item per done sample, in journal order: already in DIR (present), in the way (conflict), on a host
     not selected or not in the inventory, indexed where it lies (--in-place), or still to pull (pending)."""
-    items = []
+    items, host_facts = [], host_facts or {}
     for sid, rec in st.done.items():
         it = Item(sid, rec, target_rel(sid, fmt) if fmt != "in-place" else None)
         items.append(it)
@@ -208,6 +258,10 @@ def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selecte
                 want, it.mask_source = p.get("sha256"), p.get("loss_mask")
             if have is not None and have == want:
                 it.status, it.sha256, it.bytes = "present", have, path.stat().st_size
+                if isinstance(p.get("layers"), dict) and p.get("sha256") == have:
+                    it.layers, it.layers_source = p["layers"], p.get("layers_source") or "file"
+                elif fmt == "safetensors":
+                    it.layers, it.layers_source = hconvert.layer_meta(hconvert.read_header(path)), "file"
             else:
                 it.status = "conflict"
                 it.reason = (f"{path} exists with other contents (sha256 {have}); not overwritten: move it away "
@@ -218,6 +272,8 @@ def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selecte
             it.status, it.reason = "not selected", f"host {it.host} not selected by --limit"
         elif fmt == "in-place":
             it.status, it.sha256, it.bytes = "indexed", rec.get("sha256"), int(rec.get("bytes") or 0)
+            it.layers = expected_layers(host_facts.get(it.host) or {})
+            it.layers_source = "run.json (the expectation each file was verified against on its host; files not read)"
     return items
 
 
@@ -245,8 +301,7 @@ class Collector:
                 "host_path": it.rec.get("path"), "sha256": it.sha256, "bytes": it.bytes,
                 "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
                 "hidden_size": facts.get("hidden_size"),
-                "layers": {k: facts.get(k) for k in ("layers_to_capture", "layer_outputs", "eagle_aux_hidden_state_layer_ids")},
-                "loss_mask": mask}
+                "layers": it.layers, "layers_source": it.layers_source, "loss_mask": mask}
 
     def record(self, it: Item) -> None:
         """Appended (and flushed) before the file is linked into place: a resumed collect knows its own file."""
@@ -347,6 +402,16 @@ class Collector:
                 it.reason = (f"{it.host}:{it.rec['path']}: sha256 {digest}, the journal recorded {it.rec.get('sha256')} "
                              "(changed on the host since it was verified); not collected")
                 return
+            try:
+                meta = hconvert.read_header(tmp)
+            except (OSError, ValueError) as e:
+                it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: unreadable header: {e}"
+                return
+            problems = check_layers(meta, expectation((self.info.get("hosts") or {}).get(it.host) or {}))
+            if problems:
+                it.status, it.reason = "layers mismatch", f"{it.host}:{it.rec['path']}: " + "; ".join(problems)
+                return
+            it.layers, it.layers_source = hconvert.layer_meta(meta), "file"
             if self.fmt == "specforge":
                 from patchctl.capture.specforge import convert
 
@@ -396,7 +461,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item], state: str, created: str) -> dict:
+def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item], state: str, created: str,
+                  **extra) -> dict:
     ok = [it for it in items if it.status in OK_STATES]
     missing: dict[str, int] = {}
     for it in items:
@@ -409,9 +475,37 @@ def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item],
          "bytes": sum(it.bytes for it in ok), "not_collected": missing,
          "loss_mask": "dataset" if ds.get("loss_mask") else ALL_ONES, "index": INDEX,
          "files": None if fmt == "in-place" else "files/<first 2 hex of sha256(id)>/<safe id>"
-                  + (".ckpt" if fmt == "specforge" else ".safetensors")}
+                  + (".ckpt" if fmt.startswith("specforge") else ".safetensors")}
+    s.update(extra)
     _write_atomic(out / SUMMARY, (json.dumps(s, indent=2, sort_keys=True) + "\n").encode())
     return s
+
+
+def write_draft_config(out: Path, name: str, info: dict, items: list[Item]) -> list[str]:
+    """draft-config.json beside the index (capture/draftconfig.py); its problems (also inside it)."""
+    sets: dict[str, list[dict]] = {}
+    for it in items:
+        if it.status in OK_STATES and it.layers:
+            seen = sets.setdefault(it.host, [])
+            if it.layers not in seen:
+                seen.append(it.layers)
+    cfg, problems = draftconfig.draft_config(name, info.get("hosts") or {}, sets)
+    _write_atomic(out / DRAFT, (json.dumps(cfg, indent=2) + "\n").encode())
+    return problems
+
+
+def _prepare_to(out: Path, name: str, fmt: str, st: RunState) -> dict[str, dict]:
+    """--to checked (another collection, files that are not this run's: exit 2) and made; the earlier index."""
+    prev = open_collection(out, name, fmt)
+    check_to(out, fmt, prev, st)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ("." + PARTIAL.lstrip("."))
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise BadInput(f"--to {out}: cannot write there ({e.strerror or e})") from None
+    return prev
 
 
 def run_capture_collect(app: App, args) -> int:
@@ -419,22 +513,33 @@ def run_capture_collect(app: App, args) -> int:
 
     name = args.name
     info, st = _load(name)
+    on_host = getattr(args, "on_host", None)
     fmt = "in-place" if args.in_place else args.format
     if args.in_place and args.format != "safetensors":
         raise BadInput("--in-place pulls nothing, so there is nothing to convert: leave out --format")
+    if on_host is not None and (args.format != "specforge" or args.in_place):
+        raise BadInput("--on-host DIR converts on the hosts into SpecForge's format: use it with --format specforge "
+                       "(and without --in-place)")
     if fmt == "specforge":
-        from patchctl.capture.specforge import require_torch
+        from patchctl.capture.specforge import refuse_other_k
 
-        require_torch()
+        refuse_other_k(info)
+        if on_host is None:
+            from patchctl.capture.specforge import require_torch
+
+            require_torch()
+    if on_host is not None:
+        return run_on_host(app, args, name, info, st, on_host)
+    if args.to is None:
+        raise BadInput("--to DIR is required (only --on-host has a default)")
     out = Path(args.to).expanduser().absolute()
-    prev = open_collection(out, name, fmt)
+    prev = _prepare_to(out, name, fmt, st)
     dataset = None
     if fmt == "specforge" and (info.get("dataset") or {}).get("loss_mask"):
         dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
     run = Run(app, args, "capture collect")
     selected = {h.name for h in run.hosts}
-    items = plan_items(st, out, fmt, prev, selected, set(run.inventory.hosts))
-    out.mkdir(parents=True, exist_ok=True)
+    items = plan_items(st, out, fmt, prev, selected, set(run.inventory.hosts), info.get("hosts") or {})
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     write_summary(out, name, info, fmt, items, "collecting", created)
     by_host: dict[str, list[Item]] = {}
@@ -459,17 +564,202 @@ def run_capture_collect(app: App, args) -> int:
             codes.append(code)
             reporter.host_result(host, "ok" if code == 0 else ("failed" if code == 1 else "unknown" if code == 3 else "refused"),
                                  code, msg)
-        entries = [col.entry(it) for it in items if it.status in OK_STATES]
-        _write_atomic(out / INDEX, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
-        summary = write_summary(out, name, info, fmt, items, "done", created)
-        failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}
-                    for it in items if it.status not in OK_STATES]
+        summary, failures = _finish_collection(out, name, info, fmt, items, created, col.entry)
         for f in failures:
             if f["status"] != "not selected":
                 codes.append(1)
                 reporter.emit({"event": "not_collected", "run_id": run.run_id, **f})
         code = worst(codes)
         reporter.run_end(code, summary=summary)
+    _print_summary(app, out, summary, items, failures)
+    return code
+
+
+def _finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[Item], created: str, entry,
+                       **extra) -> tuple[dict, list[dict]]:
+    """The index rewritten in journal order, draft-config.json, index.json: (summary, failures)."""
+    entries = [entry(it) for it in items if it.status in OK_STATES]
+    _write_atomic(out / INDEX, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
+    problems = write_draft_config(out, name, info, items)
+    summary = write_summary(out, name, info, fmt, items, "done", created, draft_config=DRAFT,
+                            draft_config_problems=problems, **extra)
+    failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}
+                for it in items if it.status not in OK_STATES]
+    return summary, failures
+
+
+# --- collect --on-host: every host converts its own dumps --------------------------------------------
+
+STREAM_LINES = 64  # samples per write on a host's stdin
+
+
+class OnHost:
+    """`collect --format specforge --on-host DIR`: one agent op `convert` per host (host/convert.py), fed its
+    samples on stdin; each converted file comes back as an event and goes into the index in --to."""
+
+    def __init__(self, app: App, run: Run, name: str, info: dict, st: RunState, out: Path, host_dir: str, workers,
+                 dataset, progress):
+        self.app, self.run, self.name, self.info, self.out, self.host_dir = app, run, name, info, out, host_dir
+        self.ids = list(st.done)
+        self.workers = workers
+        self.dataset = dataset
+        self.progress = progress
+        self._index = open(out / INDEX, "ab")
+        self._lock = threading.Lock()
+
+    def close(self):
+        self._index.close()
+
+    def entry(self, it: Item) -> dict:
+        facts = (self.info.get("hosts") or {}).get(it.host) or {}
+        return {"id": it.id, "tokens": it.rec.get("tokens"), "file": it.rel, "host_dir": self.host_dir, "host": it.host,
+                "host_path": it.rec.get("path"), "sha256": it.sha256, "bytes": it.bytes,
+                "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
+                "hidden_size": facts.get("hidden_size"), "layers": it.layers, "layers_source": it.layers_source,
+                "loss_mask": it.mask_source or ALL_ONES}
+
+    def _lines(self, items: list[Item]):
+        """The host's samples as stdin chunks, made as the host reads them (loss masks read from the dataset)."""
+        buf = []
+        for it in items:
+            line = {"id": it.id, "path": it.rec.get("path"), "sha256": it.rec.get("sha256"), "bytes": it.rec.get("bytes"),
+                    "tokens": it.rec.get("tokens")}
+            mask, it.mask_source = self.loss_mask(it.id)
+            if mask is not None:
+                line["loss_mask"] = mask
+            buf.append(json.dumps(line, separators=(",", ":")) + "\n")
+            if len(buf) >= STREAM_LINES:
+                yield "".join(buf).encode()
+                buf = []
+        if buf:
+            yield "".join(buf).encode()
+
+    def loss_mask(self, sid: str):
+        if self.dataset is None:
+            return None, ALL_ONES
+        smp = self.dataset.samples[self.dataset.by_id[sid]]
+        if not smp.has_loss_mask:
+            return None, "all ones (no loss_mask on its line of the dataset)"
+        return self.dataset.read(smp)["loss_mask"], "dataset"
+
+    def on_event(self, by_id: dict[str, Item], host: str, ev: dict) -> None:
+        kind = ev.get("event")
+        it = by_id.get(ev.get("id"))
+        if it is None or kind not in ("sample_converted", "sample_failed"):
+            return
+        if kind == "sample_failed":
+            it.status, it.reason = ev.get("status") or "failed", f"{host}:{it.rec.get('path')}: {ev.get('reason')}"
+            self.progress.sample_failed(host, it.id, it.reason)
+            return
+        if ev.get("file") != it.rel or ev.get("source_sha256") != it.rec.get("sha256"):
+            it.status, it.reason = "failed", f"{host} answered {ev.get('file')!r} (source {ev.get('source_sha256')}) for it"
+            return
+        it.status = "present" if ev.get("present") else "converted"
+        it.sha256, it.bytes = ev.get("sha256"), int(ev.get("bytes") or 0)
+        it.layers, it.layers_source = ev.get("layers"), "file"
+        line = (json.dumps(self.entry(it), sort_keys=True) + "\n").encode()
+        with self._lock:
+            self._index.write(line)
+            self._index.flush()
+        self.progress.sample_done(host, int(it.rec.get("tokens") or 0), it.bytes)
+
+    def host(self, host, items: list[Item]) -> tuple[int, str, dict | None]:
+        from patchctl import remote
+
+        facts = (self.info.get("hosts") or {}).get(host.name) or {}
+        by_id = {it.id: it for it in items}
+        s = self.run.session(host)
+        req = s.request("convert", run=self.name, out_dir=self.host_dir, host=host.name, ids=self.ids,
+                        expect=facts.get("expect") or {}, layers=facts.get("layers") or hconvert.SPECFORGE_K,
+                        workers=self.workers,
+                        # tests: the host pauses after each sample (a conversion that can be interrupted half way)
+                        pause_s=float(os.environ.get("PATCHCTL_CONVERT_PAUSE_S") or 0) or None)
+        try:
+            res = remote.call(s.transport, req, on_event=lambda ev: self.on_event(by_id, host.name, ev),
+                              silence=self.run.silence, stream=self._lines(items))
+        except Exception as e:  # noqa: BLE001 - this host's remaining samples are reported, the others go on
+            outcome, msg = host_error(e)
+            for it in items:
+                if it.status == "pending":
+                    it.status, it.reason = "host error", f"{outcome}: {msg}"
+            return OUTCOME_EXIT.get(outcome, 3), f"{outcome}: {msg}", None
+        finally:
+            s.close()
+        left = [it for it in items if it.status == "pending"]
+        for it in left:
+            it.status, it.reason = "no answer", f"{host.name} ended without an answer for it"
+        bad = sum(it.status not in OK_STATES for it in items)
+        msg = (f"{res.get('converted', 0)} converted, {res.get('present', 0)} already there, {res.get('failed', 0)} failed; "
+               f"{_mb(res.get('bytes') or 0)} in {res.get('seconds')}s with {res.get('workers')} workers")
+        return (1 if bad else 0), msg, res
+
+
+def run_on_host(app: App, args, name: str, info: dict, st: RunState, host_dir: str) -> int:
+    if not host_dir or "\0" in host_dir:
+        raise BadInput("--on-host: expected a directory path on the hosts")
+    out = Path(args.to).expanduser().absolute() if args.to is not None else run_dir(name) / "on-host"
+    fmt = "specforge-on-host"
+    prev = _prepare_to(out, name, fmt, st)
+    dataset = None
+    if (info.get("dataset") or {}).get("loss_mask"):
+        dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
+    run = Run(app, args, "capture collect")
+    selected = {h.name for h in run.hosts}
+    items = plan_items(st, out, fmt, {}, selected, set(run.inventory.hosts), info.get("hosts") or {})
+    for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
+        if it.status in ("conflict", "present"):
+            it.status, it.reason = "pending", ""
+    del prev
+    created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    (out / INDEX).write_bytes(b"")
+    write_summary(out, name, info, fmt, items, "collecting", created, on_host=host_dir)
+    by_host: dict[str, list[Item]] = {}
+    for it in items:
+        if it.status == "pending":
+            by_host.setdefault(it.host, []).append(it)
+    hosts = [h for h in run.hosts if h.name in by_host]
+    from patchctl.capture.progress import Progress
+
+    progress = Progress(app, run_dir(name), run.run_id, total=sum(len(v) for v in by_host.values()), already=0,
+                        hosts=[h.name for h in hosts])
+    job = OnHost(app, run, name, info, st, out, host_dir, args.workers, dataset, progress)
+    results: dict[str, tuple] = {}
+    finished = threading.Event()
+    codes: list[int] = []
+
+    def drive(h):
+        try:
+            results[h.name] = job.host(h, by_host[h.name])
+        except Exception as e:  # noqa: BLE001 - a bug here fails this host, loudly, and never hangs the others
+            results[h.name] = (3, f"needs attention: {e.__class__.__name__}: {e}", None)
+        finally:
+            if len(results) == len(hosts):
+                finished.set()
+
+    with progress:
+        progress.announce(f"collect {name} --on-host {host_dir} (specforge): {len(st.done)} samples done in the journal; "
+                          f"{sum(len(v) for v in by_host.values())} to convert on {len(hosts)} host(s); index in {out}")
+        threads = [threading.Thread(target=drive, args=(h,), name=f"convert {h.name}", daemon=True) for h in hosts]
+        for t in threads:
+            t.start()
+        try:
+            while hosts and not finished.wait(0.2):
+                progress.refresh()
+        finally:
+            job.close()
+            run.close()
+        for h in hosts:
+            code, msg, _res = results[h.name]
+            codes.append(code)
+            progress.emit({"event": "host_result", "host": h.name, "exit_code": code, "message": msg})
+            app.info(f"{h.name}: {msg}")
+        summary, failures = _finish_collection(out, name, info, fmt, items, created, job.entry, on_host=host_dir)
+        for f in failures:
+            if f["status"] != "not selected":
+                codes.append(1)
+                progress.emit({"event": "not_collected", **f})
+        code = worst(codes)
+        progress.emit({"event": "run_end", "exit_code": code, "summary": summary, **progress.snapshot()})
     _print_summary(app, out, summary, items, failures)
     return code
 
@@ -483,7 +773,8 @@ def _print_summary(app: App, out: Path, summary: dict, items: list[Item], failur
               "indexed", "not collected")
     for host, c in sorted(counts.items()):
         bad = ", ".join(f"{n} {k}" for k, n in sorted(c.items()) if k not in OK_STATES)
-        t.add_row(host, str(c.get("collected", 0)), str(c.get("present", 0)), str(c.get("indexed", 0)), bad or "0")
+        t.add_row(host, str(c.get("collected", 0) + c.get("converted", 0)), str(c.get("present", 0)),
+                  str(c.get("indexed", 0)), bad or "0")
     if not app.json:
         app.out.print(t)
     shown = [f for f in failures if f["status"] != "not selected"]
@@ -491,4 +782,8 @@ def _print_summary(app: App, out: Path, summary: dict, items: list[Item], failur
         app.info(f"not collected: {f['id']} ({f['status']}): {f['reason']}")
     if len(shown) > SHOWN:
         app.info(f"... and {len(shown) - SHOWN} more (index.json counts them; --json lists every one)")
-    app.info(f"{summary['samples']} samples, {summary['tokens']} tokens, {_mb(summary['bytes'])} indexed in {out / INDEX}")
+    app.info(f"{summary['samples']} samples, {summary['tokens']} tokens, {_mb(summary['bytes'])} indexed in {out / INDEX}"
+             + (f" (files on the hosts in {summary['on_host']})" if summary.get("on_host") else ""))
+    for p in summary.get("draft_config_problems") or []:
+        app.info(f"draft-config.json: {p}")
+    app.info(f"draft config fields for SpecForge and SGLang: {out / DRAFT}")

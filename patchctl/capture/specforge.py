@@ -14,18 +14,19 @@ ending in .ckpt or .ckpt.gz, sorted; `OfflineEagle3Dataset._open_file` reads eac
 `OfflineEagle3Dataset.process_data` then takes `aux_hidden_state.squeeze(0)` as its input,
 `hidden_state.squeeze(0)` as its target and `loss_mask[None, :]` (setting the last position to 0
 itself). A dump's `aux_hidden_states` [T, K*H] and `hidden_states` [T, H] are exactly these
-with the leading batch dimension added.
+with the leading batch dimension added. SpecForge's EAGLE-3 drafter (`LlamaForCausalLMEagle3`,
+`modeling/draft/llama3_eagle.py`) asserts K == 3: a collection of another K is refused up front.
 
-torch is imported here only, lazily: the rest of the controller never needs it.
+The conversion itself lives in `patchctl.host.convert` (the hosts run it for `--on-host`); torch is
+imported there only, lazily: the rest of the controller never needs it.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from patchctl.errors import BadInput
-from patchctl.host.smoke import parse_safetensors
+from patchctl.host.convert import SPECFORGE_K, convert_file
 
 TORCH_HINT = ("--format specforge needs torch on this machine (it writes torch.save files): "
               "pip install torch   (a CPU build is enough)")
@@ -39,42 +40,21 @@ def require_torch():
     return torch
 
 
-def _tensor(torch, entry, want_dtype: str, name: str):
-    dtype, shape, buf = entry
-    if dtype != want_dtype:
-        raise ValueError(f"{name} is {dtype}, expected {want_dtype}")
-    tdtype = {"I64": torch.int64, "BF16": torch.bfloat16}[dtype]
-    return torch.frombuffer(buf, dtype=tdtype).reshape(shape) if len(buf) else torch.empty(shape, dtype=tdtype)
+def refuse_other_k(info: dict) -> None:
+    """--format specforge with a run whose hosts capture K != 3 layers: exit 2 before any work."""
+    bad = {h: f.get("layers") for h, f in (info.get("hosts") or {}).items()
+           if f.get("layers") is not None and f.get("layers") != SPECFORGE_K}
+    if bad:
+        raise BadInput(f"--format specforge: run {info.get('name')!r} captured "
+                       + ", ".join(f"{k} layers on {h}" for h, k in sorted(bad.items()))
+                       + f"; SpecForge's EAGLE-3 drafter (LlamaForCausalLMEagle3) asserts exactly {SPECFORGE_K} "
+                       "(hidden_states.size(-1) == target_hidden_size * 3, at the first training step): collect "
+                       "it as --format safetensors, or capture again with 3 layers")
 
 
-def convert(dump_path: Path, out_tmp: Path, loss_mask: list[int] | None) -> int:
+def convert(dump_path: Path, out_tmp: Path, loss_mask: list[int] | None) -> tuple[int, dict]:
     """Write the ckpt for one dump file to `out_tmp` (fsynced); `loss_mask` None means all ones.
-    Returns T. Raises ValueError when the dump is not a hidden-dump file of the expected layout."""
-    torch = require_torch()
-    with open(dump_path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(data)
-    _meta, t = parse_safetensors(memoryview(data))
-    for name in ("input_ids", "hidden_states", "aux_hidden_states"):
-        if name not in t:
-            raise ValueError(f"tensor {name} missing")
-    ids = _tensor(torch, t["input_ids"], "I64", "input_ids")
-    hidden = _tensor(torch, t["hidden_states"], "BF16", "hidden_states")
-    aux = _tensor(torch, t["aux_hidden_states"], "BF16", "aux_hidden_states")
-    T = ids.shape[0]
-    if hidden.dim() != 2 or aux.dim() != 2 or hidden.shape[0] != T or aux.shape[0] != T:
-        raise ValueError(f"shapes input_ids {list(ids.shape)}, hidden_states {list(hidden.shape)}, "
-                         f"aux_hidden_states {list(aux.shape)} do not line up")
-    if loss_mask is None:
-        mask = torch.ones(T, dtype=torch.int64)
-    elif len(loss_mask) != T:
-        raise ValueError(f"loss_mask has {len(loss_mask)} values for {T} tokens")
-    else:
-        mask = torch.tensor(loss_mask, dtype=torch.int64)
-    sample = {"input_ids": ids.clone(), "loss_mask": mask,
-              "hidden_state": hidden.unsqueeze(0).clone(), "aux_hidden_state": aux.unsqueeze(0).clone()}
-    with open(out_tmp, "wb") as f:
-        torch.save(sample, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return int(T)
+    (T, the dump's metadata). Raises ValueError when the dump is not a hidden-dump file of the expected
+    layout or does not hold 3 layers."""
+    require_torch()
+    return convert_file(dump_path, out_tmp, loss_mask, SPECFORGE_K)

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from . import applier, capture, tokenizer
+from . import applier, capture, convert, tokenizer
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
 from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
@@ -177,6 +177,12 @@ class Agent(object):
     def op_pull(self):
         """Bytes of a capture run's verified dumps (`capture collect`); read-only, no lock (pull)."""
         return pull(self.state_dir, self.req.get("run"), self.req.get("files"), self.req.get("max_bytes"))
+
+    def op_convert(self):
+        """A capture run's verified dumps -> SpecForge files in a directory on this host (`capture collect
+        --on-host`); samples on stdin; reads only the run's dumps, writes only below that directory (convert)."""
+        conv = convert.Converter(self.state_dir, self.req, sys.stdin.buffer)
+        return conv.run_all(self.req.get("ids") or [])
 
     def op_history(self):
         return {"root": self.tree.root, "history": self.tree.history()}

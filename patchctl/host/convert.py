@@ -1,0 +1,406 @@
+"""A capture run's verified dumps -> SpecForge's offline `.ckpt` files, on the host that holds them.
+
+Used two ways: by the controller's `capture collect --format specforge` on each pulled file
+(`convert_file`), and by the agent op `convert` (`capture collect --on-host DIR`), which converts a
+host's own dumps into DIR on that host (its disk, or a mount every host shares) so that terabytes never
+cross the controller. The op reads samples on stdin, one JSON line each (`{"id", "path", "sha256",
+"bytes", "tokens", "loss_mask"?}`), converts them in worker processes (one per core, fork), and for each:
+
+    reads the dump (only inside <state_dir>/dumps/captures/<RUN>/, as `pull`), checks its sha256 against
+    the journal's, its layer metadata against the run's expectation, and K == 3;
+    torch.save()s the sample to `<file>.<host>.patchctl-partial` (host-unique: a shared DIR), fsyncs it,
+    hashes it; appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/<host>.jsonl (fsynced: the
+    host's own record, which makes a resumed op skip the file); links it into place (never replacing a
+    file); answers `sample_converted` (or `sample_failed` with the reason).
+
+File names are the collection's: files/<first 2 hex of sha256(id)>/<safe id>.ckpt, unique per sample id
+and so across hosts. torch is imported only where the conversion runs (the host's Python is SGLang's);
+everything else is the standard library.
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import threading
+import time
+
+from .capture import safe_name
+from .events import AgentError, ControllerGone, event, heartbeat
+from .osutil import expand
+from .pull import _open_inside, captures_root
+from .smoke import check_layers, parse_safetensors
+
+PARTIAL = ".patchctl-partial"
+MARK = ".patchctl"  # DIR/.patchctl/: collection.json (which run) and each host's record of its files
+LAYER_KEYS = ("layers_to_capture", "layer_outputs", "eagle_aux_hidden_state_layer_ids")
+LOCK_WAIT_S = 120.0
+SPECFORGE_K = 3  # SpecForge's LlamaForCausalLMEagle3 asserts hidden_states.size(-1) == target_hidden_size * 3
+
+
+def target_rel(sid, fmt):
+    """A sample's file in a collection: files/<xx>/<safe id>.ckpt | .safetensors (xx: sha256(id)[:2])."""
+    shard = hashlib.sha256(sid.encode("utf-8", "surrogatepass")).hexdigest()[:2]
+    return "files/%s/%s%s" % (shard, safe_name(sid), ".ckpt" if fmt == "specforge" else ".safetensors")
+
+
+def read_header(path):
+    """A safetensors file's metadata, read from its header only."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("truncated file")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100 << 20:
+            raise ValueError("header of %d bytes" % n)
+        return json.loads(f.read(n).decode()).get("__metadata__") or {}
+
+
+def layer_meta(meta):
+    """The three layer keys of a dump's metadata, decoded (None where absent or not JSON)."""
+    out = {}
+    for k in LAYER_KEYS:
+        try:
+            out[k] = json.loads(meta[k]) if k in meta else None
+        except ValueError:
+            out[k] = None
+    return out
+
+
+def _torch():
+    try:
+        return importlib.import_module("torch")
+    except ImportError:
+        return None
+
+
+def _tensor(torch, entry, want_dtype, name):
+    dtype, shape, buf = entry
+    if dtype != want_dtype:
+        raise ValueError("%s is %s, expected %s" % (name, dtype, want_dtype))
+    tdtype = {"I64": torch.int64, "BF16": torch.bfloat16}[dtype]
+    return torch.frombuffer(buf, dtype=tdtype).reshape(shape) if len(buf) else torch.empty(shape, dtype=tdtype)
+
+
+def ckpt_bytes(data, loss_mask, k=None):
+    """(the .ckpt's bytes, T, metadata) for one dump's contents; ValueError when it is not a hidden-dump
+    file of the expected layout (or holds another number of layers than `k`)."""
+    torch = _torch()
+    if torch is None:
+        raise ValueError("torch is not importable by %s (it writes torch.save files)" % sys.executable)
+    meta, t = parse_safetensors(memoryview(data))
+    for name in ("input_ids", "hidden_states", "aux_hidden_states"):
+        if name not in t:
+            raise ValueError("tensor %s missing" % name)
+    ids = _tensor(torch, t["input_ids"], "I64", "input_ids")
+    hidden = _tensor(torch, t["hidden_states"], "BF16", "hidden_states")
+    aux = _tensor(torch, t["aux_hidden_states"], "BF16", "aux_hidden_states")
+    T = ids.shape[0]
+    if hidden.dim() != 2 or aux.dim() != 2 or hidden.shape[0] != T or aux.shape[0] != T:
+        raise ValueError("shapes input_ids %s, hidden_states %s, aux_hidden_states %s do not line up" % (
+            list(ids.shape), list(hidden.shape), list(aux.shape)))
+    if k is not None and aux.shape[1] != k * hidden.shape[1]:
+        raise ValueError("aux_hidden_states is %d wide, %d layers of %d expected" % (aux.shape[1], k, hidden.shape[1]))
+    if loss_mask is None:
+        mask = torch.ones(T, dtype=torch.int64)
+    elif len(loss_mask) != T:
+        raise ValueError("loss_mask has %d values for %d tokens" % (len(loss_mask), T))
+    else:
+        mask = torch.tensor(loss_mask, dtype=torch.int64)
+    sample = {"input_ids": ids.clone(), "loss_mask": mask,
+              "hidden_state": hidden.unsqueeze(0).clone(), "aux_hidden_state": aux.unsqueeze(0).clone()}
+    buf = io.BytesIO()
+    torch.save(sample, buf)
+    return buf.getvalue(), int(T), meta
+
+
+def _write_synced(path, data):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def convert_file(dump_path, out_tmp, loss_mask, k=None):
+    """The controller's path: the ckpt of one (already verified) dump file written to `out_tmp`,
+    fsynced; (T, the dump's metadata)."""
+    with open(dump_path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    out, T, meta = ckpt_bytes(data, loss_mask, k)
+    _write_synced(out_tmp, out)
+    return T, meta
+
+
+def _convert_one(root, item, partial, expect, k):
+    """In a worker process: one dump read (inside root), checked and converted to `partial`.
+    {"ok": True, sha256, bytes, tokens, layers} or {"ok": False, status, reason}."""
+    t0 = time.time()
+    try:
+        fd, size = _open_inside(root, item.get("path"))
+    except ValueError as e:
+        return {"ok": False, "status": "refused", "reason": str(e)}
+    except OSError as e:
+        return {"ok": False, "status": "missing" if e.errno == 2 else "unreadable", "reason": e.strerror or str(e)}
+    try:
+        if size != item.get("bytes"):
+            return {"ok": False, "status": "mismatch", "reason": "%d bytes, the journal recorded %s (changed on the "
+                    "host since it was verified)" % (size, item.get("bytes"))}
+        data = bytearray(size)
+        view, got = memoryview(data), 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if not n:
+                break
+            got += n
+    finally:
+        os.close(fd)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != item.get("sha256"):
+        return {"ok": False, "status": "mismatch", "reason": "sha256 %s, the journal recorded %s (changed on the host "
+                "since it was verified)" % (digest, item.get("sha256"))}
+    try:
+        out, T, meta = ckpt_bytes(data, item.get("loss_mask"), k)
+    except Exception as e:  # noqa: BLE001 - this sample's failure only
+        return {"ok": False, "status": "bad dump", "reason": "cannot convert: %s" % e}
+    problems = check_layers(meta, expect) if expect else []
+    if problems:
+        return {"ok": False, "status": "layers mismatch", "reason": "; ".join(problems)}
+    del data
+    _write_synced(partial, out)
+    return {"ok": True, "sha256": hashlib.sha256(out).hexdigest(), "bytes": len(out), "tokens": T,
+            "layers": layer_meta(meta), "seconds": round(time.time() - t0, 3)}
+
+
+def _pool(workers):
+    try:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+class Converter(object):
+    """One host's share of an --on-host collect: samples on stdin, converted by `workers` processes."""
+
+    def __init__(self, state_dir, req, stdin):
+        self.run = req.get("run")
+        self.root = captures_root(state_dir, self.run)
+        self.host = req.get("host") or "host"
+        if not isinstance(self.host, str) or "/" in self.host or self.host.startswith("."):
+            raise AgentError("bad_input", "bad host name %r" % (self.host,))
+        self.out = expand(req.get("out_dir") or "")
+        self.expect = dict((key, (v["ids"], v["from"])) for key, v in (req.get("expect") or {}).items())
+        self.k = req.get("layers")
+        self.stdin = stdin
+        self.workers = max(1, int(req.get("workers") or max(1, (os.cpu_count() or 2) - 1)))
+        self.mark = os.path.join(self.out, MARK)
+        self.record_path = os.path.join(self.mark, self.host + ".jsonl")
+        self.counts = {"converted": 0, "present": 0, "failed": 0, "bytes": 0, "tokens": 0}
+        self.lock = threading.Lock()
+        self.pause = float(req.get("pause_s") or 0)
+
+    # the collection directory -------------------------------------------------------------
+    def open_dir(self, ids):
+        """DIR new, empty, or this run's specforge collection holding nothing else: else refused (bad_input)."""
+        if importlib.util.find_spec("torch") is None:  # imported by the workers only
+            raise AgentError("bad_input", "--on-host needs torch in the host's Python (%s): it writes torch.save files"
+                             % sys.executable)
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise AgentError("bad_input", "--on-host %s: not a directory" % self.out)
+        collection = os.path.join(self.mark, "collection.json")
+        want = {"tool": "patchctl", "run": self.run, "format": "specforge"}
+        if os.path.isdir(self.out) and os.listdir(self.out):
+            try:
+                with open(collection) as f:
+                    have = json.load(f)
+            except (OSError, ValueError):
+                have = None
+            if have != want:
+                raise AgentError("bad_input", "--on-host %s holds %s: choose an empty or new directory" % (
+                    self.out, "the collection of run %r" % have.get("run") if isinstance(have, dict) else
+                    "files patchctl did not write (%s)" % ", ".join(sorted(os.listdir(self.out))[:5])))
+            stray = self._stray(set(target_rel(i, "specforge") for i in ids))
+            if stray:
+                raise AgentError("bad_input", "--on-host %s holds %d file(s) that are not run %s's samples (SpecForge "
+                                 "would train on every *.ckpt below it): %s" % (
+                                     self.out, len(stray), self.run, ", ".join(stray[:10])), stray=stray[:100])
+        try:
+            if not os.path.isdir(self.mark):
+                os.makedirs(self.mark, 0o755)
+            if not os.path.exists(collection):
+                tmp = "%s.%s%s" % (collection, self.host, PARTIAL)
+                _write_synced(tmp, (json.dumps(want, sort_keys=True) + "\n").encode())
+                os.replace(tmp, collection)
+        except OSError as e:
+            raise AgentError("bad_input", "--on-host %s: cannot write there: %s" % (self.out, e.strerror or e))
+
+    def _stray(self, allowed):
+        out = []
+        for dirpath, dirnames, filenames in os.walk(self.out):
+            rel_dir = os.path.relpath(dirpath, self.out)
+            if rel_dir == MARK or rel_dir.startswith(MARK + os.sep):
+                dirnames[:] = []
+                continue
+            for f in filenames:
+                rel = os.path.normpath(os.path.join(rel_dir, f))
+                if rel not in allowed and not f.endswith(PARTIAL):
+                    out.append(rel)
+        return sorted(out)
+
+    def _records(self):
+        """This host's record of the files it finished: rel -> last record."""
+        recs = {}
+        try:
+            with open(self.record_path, "rb") as f:
+                for line in f.read().split(b"\n"):
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue  # a torn last line
+                    if isinstance(r, dict) and "rel" in r:
+                        recs[r["rel"]] = r
+        except OSError:
+            pass
+        return recs
+
+    def _append(self, rec):
+        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
+        with self.lock:
+            fd = os.open(self.record_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    # the loop -------------------------------------------------------------------------------
+    def _items(self):
+        for line in self.stdin:
+            if line.strip():
+                yield json.loads(line.decode("utf-8"))
+
+    def _lock_host(self, wait=LOCK_WAIT_S):
+        """One converter per host and DIR: an earlier one whose controller died finishes its in-flight samples
+        first (it reads EOF), so this one then finds them recorded instead of racing it for the same files."""
+        import fcntl
+
+        self._lockf = open(os.path.join(self.mark, self.host + ".lock"), "a+")
+        deadline = time.time() + wait
+        while True:
+            try:
+                fcntl.flock(self._lockf.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError:
+                if time.time() > deadline:
+                    raise AgentError("locked", "another conversion into %s for host %s is still running" % (
+                        self.out, self.host))
+            heartbeat(step="waiting for an earlier conversion into %s to end" % self.out)
+            time.sleep(0.2)
+
+    def run_all(self, ids):
+        self.open_dir(ids)
+        self._lock_host()
+        records = self._records()
+        t0 = time.time()
+        pool = _pool(self.workers)
+        pending = {}  # future -> (item, rel, partial)
+        try:
+            for item in self._items():
+                rel = target_rel(item["id"], "specforge")
+                dest = os.path.join(self.out, rel)
+                r = records.get(rel)
+                if r and r.get("source_sha256") == item.get("sha256") and _size(dest) == r.get("bytes"):
+                    self._done(item, rel, dict(r, present=True))
+                    continue
+                if os.path.lexists(dest):
+                    self._failed(item, "conflict", "%s exists and this host did not write it; not overwritten" % dest)
+                    continue
+                d = os.path.dirname(dest)
+                if not os.path.isdir(d):
+                    os.makedirs(d, 0o755, exist_ok=True)
+                partial = "%s.%s%s" % (dest, self.host, PARTIAL)
+                args = (self.root, item, partial, self.expect, self.k)
+                if pool is None:
+                    self._finish(item, rel, partial, _convert_one(*args))
+                    continue
+                pending[pool.submit(_convert_one, *args)] = (item, rel, partial)
+                while len(pending) >= 2 * self.workers:
+                    self._reap(pending, block=True)
+            while pending:
+                self._reap(pending, block=True)
+        except ControllerGone:
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True) if sys.version_info >= (3, 9) else pool.shutdown(wait=False)
+        return dict(self.counts, seconds=round(time.time() - t0, 3), out_dir=self.out, workers=self.workers)
+
+    def _reap(self, pending, block):
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        done, _ = wait(list(pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for fut in done:
+            item, rel, partial = pending.pop(fut)
+            try:
+                res = fut.result()
+            except Exception as e:  # noqa: BLE001 - a worker that died fails its sample, loudly
+                res = {"ok": False, "status": "bad dump", "reason": "converter error: %s: %s" % (e.__class__.__name__, e)}
+            self._finish(item, rel, partial, res)
+
+    def _finish(self, item, rel, partial, res):
+        if not res.get("ok"):
+            _unlink(partial)
+            return self._failed(item, res["status"], res["reason"])
+        rec = {"rel": rel, "id": item["id"], "source_sha256": item.get("sha256"), "sha256": res["sha256"],
+               "bytes": res["bytes"], "tokens": res["tokens"], "layers": res["layers"], "t": round(time.time(), 3)}
+        self._append(rec)  # before the link: a file in place is always one this host recorded
+        dest = os.path.join(self.out, rel)
+        try:
+            os.link(partial, dest)
+        except FileExistsError:
+            _unlink(partial)
+            return self._failed(item, "conflict", "%s appeared meanwhile; not overwritten" % dest)
+        _unlink(partial)
+        self._done(item, rel, dict(rec, seconds=res.get("seconds")))
+        if self.pause:  # tests only: a conversion slow enough to be interrupted half way
+            time.sleep(self.pause)
+
+    def _done(self, item, rel, rec):
+        with self.lock:
+            self.counts["present" if rec.get("present") else "converted"] += 1
+            self.counts["bytes"] += int(rec.get("bytes") or 0)
+            self.counts["tokens"] += int(rec.get("tokens") or 0)
+        event("sample_converted", id=item["id"], file=rel, sha256=rec.get("sha256"), bytes=rec.get("bytes"),
+              source_sha256=rec.get("source_sha256"), tokens=rec.get("tokens"), layers=rec.get("layers"),
+              present=bool(rec.get("present")), seconds=rec.get("seconds"))
+
+    def _failed(self, item, status, reason):
+        with self.lock:
+            self.counts["failed"] += 1
+        event("sample_failed", id=item["id"], status=status, reason=reason)
+
+
+def _size(path):
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
