@@ -403,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--on-host", default=None, metavar="DIR",
                     help="with --format specforge: every host converts its own dumps into DIR on that host (its disk, "
                          "or a mount all hosts share); only the index, draft-config.json and a summary come back")
+    cp.add_argument("--streams", type=positive_int, default=None, metavar="N",
+                    help="pulls in flight per host, each over its own SSH connection (default 4)")
     cp.add_argument("--workers", type=positive_int, default=None, metavar="N",
                     help="--on-host: conversion processes per host (default: the host's cores - 1)")
     return p

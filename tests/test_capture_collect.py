@@ -69,7 +69,13 @@ def test_collect_safetensors_is_bit_exact_and_resumable(fleet, tmp_path):
     f = fleet
     run = make_run(f, "st", samples(10), tmp_path)
     dest = tmp_path / "out"
-    ev, p = collect(f, "st", dest)
+    conns = [h.ssh.count_connections() for h in f.hosts]
+    ev, p = collect(f, "st", dest, "--streams", "3")
+    # several pulls in flight per host: one SSH connection per stream that got files (the files are shared out
+    # ceil(n / 3) at a time, all streams claiming at once)
+    per_host = [sum(r["host"] == h.name for r in run["done"].values()) for h in f.hosts]
+    opened = [h.ssh.count_connections() - c for h, c in zip(f.hosts, conns)]
+    assert all(2 <= o <= min(3, n) for o, n in zip(opened, per_host)), (opened, per_host)
     assert ev[0]["event"] == "run_start" and ev[-1]["event"] == "run_end" and ev[-1]["exit_code"] == 0
     assert {e["host"] for e in ev if e["event"] == "host_result"} == {"host0", "host1"}
     idx = index_of(dest)

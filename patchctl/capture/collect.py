@@ -33,6 +33,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ INDEX, SUMMARY, DRAFT = "index.jsonl", "index.json", "draft-config.json"
 PARTIAL = ".patchctl-partial"  # our own temporary names: a crashed collect's leftovers are overwritten
 PULL_BYTES = 32 << 20  # file data per agent round trip (base64 makes the answer 4/3 of that)
 PULL_FILES = 2048
+PULL_STREAMS = 4  # pulls in flight per host by default (--streams)
 SHOWN = 20  # failures listed in human output (--json lists all)
 ALL_ONES = "all ones (no loss_mask in the dataset)"
 OK_STATES = ("collected", "present", "indexed", "converted")
@@ -280,8 +282,9 @@ def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selecte
 # --- collect: pulling -----------------------------------------------------------------------------
 
 class Collector:
-    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter):
+    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter, streams: int = 1):
         self.app, self.run, self.name, self.info, self.out, self.fmt = app, run, name, info, out, fmt
+        self.streams = streams
         self.reporter = reporter
         self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
         self.dataset = None
@@ -312,45 +315,85 @@ class Collector:
             os.fsync(self._index.fileno())
 
     def pull_host(self, host, items: list[Item]) -> tuple[int, str]:
-        """Pull every item of one host; (exit code, message) for the host."""
-        s = self.run.session(host)
-        t0, done, nbytes, pos = time.time(), 0, 0, 0
+        """Pull every item of one host over `streams` SSH connections at once (each its own agent pull per
+        round trip: one stream is bound by one connection's cipher and one agent's reads); (exit code, message)."""
+        from patchctl.session import HostSession
+
+        queue = deque(items)
+        n = max(1, min(self.streams, len(items)))
+        sessions = [self.run.session(host)] + [HostSession(self.run, host) for _ in range(n - 1)]
+        tally = {"bytes": 0, "files": 0, "t0": time.time(), "error": None}
+        threads = [threading.Thread(target=self._stream, args=(host, s, queue, tally, len(items)), daemon=True,
+                                    name=f"pull {host.name} {i}") for i, s in enumerate(sessions)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        secs = max(time.time() - tally["t0"], 1e-6)
+        if tally["error"]:
+            outcome, msg = tally["error"]
+            for it in items:
+                if it.status == "pending":
+                    it.status, it.reason = "host error", f"{outcome}: {msg}"
+            return OUTCOME_EXIT.get(outcome, 3), f"{outcome}: {msg}"
+        done = sum(it.status in OK_STATES for it in items)
+        bad = len(items) - done
+        return (1 if bad else 0), (f"{done} of {len(items)} files, {_mb(tally['bytes'])} in {secs:.1f}s "
+                                   f"({tally['bytes'] / secs / 1e6:.1f} MB/s, {n} stream{'s' if n > 1 else ''})"
+                                   + (f"; {bad} not collected" if bad else ""))
+
+    def _claim(self, queue: deque, most: int) -> list[Item]:
+        """The next files for one stream: up to PULL_BYTES of them (at least one), `most` at most (a host's
+        files shared out over its streams even when they are small)."""
+        out, size = [], 0
+        with self._lock:
+            while queue and len(out) < most and (not out or size + int(queue[0].rec.get("bytes") or 0) <= PULL_BYTES):
+                it = queue.popleft()
+                out.append(it)
+                size += int(it.rec.get("bytes") or 0)
+        return out
+
+    def _stream(self, host, s, queue: deque, tally: dict, total: int) -> None:
         state: dict[str, list] = {}  # host path -> [file object, hasher, offset]
         try:
-            while pos < len(items):
-                batch = items[pos:pos + PULL_FILES]
-                req = [{"path": it.rec["path"], "offset": state[it.rec["path"]][2] if it.rec["path"] in state else 0}
-                       for it in batch]
-                res = s.call("pull", run=self.name, files=req, max_bytes=PULL_BYTES)
-                answers = res.get("files") or []
-                if not answers:
-                    raise RuntimeError("the agent answered no file (no progress)")
-                for it, ans in zip(batch, answers):
-                    if ans.get("path") != it.rec["path"]:
-                        raise RuntimeError(f"answer for {ans.get('path')!r}, expected {it.rec['path']!r}")
-                    finished, n = self._piece(it, ans, state)
-                    nbytes += n
-                    if not finished:
-                        break
-                    pos += 1
-                    done += it.status in OK_STATES
-                secs = max(time.time() - t0, 1e-6)
-                self.reporter.emit({"event": "pulled", "run_id": self.run.run_id, "host": host.name, "files": pos,
-                                    "of": len(items), "bytes": nbytes, "seconds": round(secs, 3)})
-                self.app.info(f"{host.name}: {pos}/{len(items)} files, {_mb(nbytes)} ({nbytes / secs / 1e6:.1f} MB/s)")
+            while tally["error"] is None:
+                batch = self._claim(queue, min(PULL_FILES, -(-total // self.streams)))
+                if not batch:
+                    return
+                pos = 0
+                while pos < len(batch):
+                    part = batch[pos:]
+                    req = [{"path": it.rec["path"], "offset": state[it.rec["path"]][2] if it.rec["path"] in state else 0}
+                           for it in part]
+                    res = s.call("pull", run=self.name, files=req, max_bytes=PULL_BYTES)
+                    answers = res.get("files") or []
+                    if not answers:
+                        raise RuntimeError("the agent answered no file (no progress)")
+                    got = 0
+                    for it, ans in zip(part, answers):
+                        if ans.get("path") != it.rec["path"]:
+                            raise RuntimeError(f"answer for {ans.get('path')!r}, expected {it.rec['path']!r}")
+                        finished, nb = self._piece(it, ans, state)
+                        got += nb
+                        if not finished:
+                            break
+                        pos += 1
+                    with self._lock:
+                        tally["bytes"] += got
+                        tally["files"] += sum(1 for it in part if it.status != "pending")
+                        files, nbytes = tally["files"], tally["bytes"]
+                    secs = max(time.time() - tally["t0"], 1e-6)
+                    self.reporter.emit({"event": "pulled", "run_id": self.run.run_id, "host": host.name, "files": files,
+                                        "of": total, "bytes": nbytes, "seconds": round(secs, 3)})
+                    self.app.info(f"{host.name}: {files}/{total} files, {_mb(nbytes)} ({nbytes / secs / 1e6:.1f} MB/s)")
         except Exception as e:  # noqa: BLE001 - the host's remaining items are reported, the others go on
             for f, _h, _o in state.values():
                 self._drop(f)
-            outcome, msg = host_error(e) if not isinstance(e, RuntimeError) else ("failed", str(e))
-            for it in items[pos:]:
-                it.status, it.reason = "host error", f"{outcome}: {msg}"
-            return OUTCOME_EXIT.get(outcome, 3), f"{outcome}: {msg}"
+            with self._lock:
+                if tally["error"] is None:
+                    tally["error"] = host_error(e) if not isinstance(e, RuntimeError) else ("failed", str(e))
         finally:
             s.close()
-        secs = max(time.time() - t0, 1e-6)
-        bad = len(items) - done
-        return (1 if bad else 0), (f"{done} of {len(items)} files, {_mb(nbytes)} in {secs:.1f}s "
-                                   f"({nbytes / secs / 1e6:.1f} MB/s)" + (f"; {bad} not collected" if bad else ""))
 
     def _drop(self, f) -> None:
         f.close()
@@ -548,7 +591,7 @@ def run_capture_collect(app: App, args) -> int:
             by_host.setdefault(it.host, []).append(it)
     hosts = [h for h in run.hosts if h.name in by_host]
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
-    col = Collector(app, run, name, info, out, fmt, reporter)
+    col = Collector(app, run, name, info, out, fmt, reporter, args.streams or PULL_STREAMS)
     col.dataset = dataset
     codes: list[int] = []
     with reporter:

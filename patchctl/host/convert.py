@@ -340,10 +340,10 @@ class Converter(object):
                     self._reap(pending, block=True)
             while pending:
                 self._reap(pending, block=True)
-        except ControllerGone:
-            raise
-        finally:
             if pool is not None:
+                pool.shutdown(wait=True)  # every worker reaped (their CPU is then the op's own, in rusage)
+        finally:
+            if pool is not None and pending:  # the controller is gone: what runs finishes, nothing new starts
                 pool.shutdown(wait=False, cancel_futures=True) if sys.version_info >= (3, 9) else pool.shutdown(wait=False)
         return dict(self.counts, seconds=round(time.time() - t0, 3), out_dir=self.out, workers=self.workers)
 
