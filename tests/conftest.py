@@ -1,4 +1,11 @@
-"""Shared fixtures: a pristine SGLang 0.5.23 tree unpacked from the PyPI wheel."""
+"""Shared fixtures (a pristine SGLang 0.5.23 tree unpacked from the PyPI wheel) and the test lanes.
+
+Two lanes: the whole suite (`pytest -q`, the README's and CI's test command) and the fast lane
+(`pytest -q -m "not slow"`). The fast lane runs every module's quick tests and, of the modules that
+build fleets of real sshd hosts, start servers or run real SGLang, only the representatives named in
+FAST_LANE (one real-sshd deploy, one real-SGLang scenario, ...); their other tests are marked `slow`
+here. A slow test in any other module says so itself with `@pytest.mark.slow`.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,29 @@ from patchctl.release import fetch_release
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
 SGLANG_VERSION = "0.5.23"
+
+
+# module -> the tests of it that stay in the fast lane (by function name; all their parameters)
+FAST_LANE = {
+    "test_deploy.py": {"test_success_path"},  # a real-sshd deploy: apply, restart, smoke, status
+    "test_hostops.py": {"test_host_keys_are_checked_strictly", "test_unlock_refuses_a_live_holder_and_releases_a_stale_one"},
+    "test_fleet.py": {"test_plan_touches_nothing_and_tells_what_apply_would_do"},
+    "test_real_sglang.py": {"test_multi_request_extend"},  # one real-SGLang scenario, bit for bit
+    "test_operator.py": {"test_help_for_every_command_and_flag_and_global_flags_after_the_command",
+                         "test_bad_rollout_numbers_are_refused_before_anything", "test_rollout_parsers_refuse_the_same_values",
+                         "test_check_latest_is_not_a_version", "test_piped_tables_never_break_words"},
+    "test_capture_run.py": {"test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent"},
+    "test_capture_collect.py": {"test_collect_from_a_local_host_and_through_sudo"},
+    "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        keep = FAST_LANE.get(item.path.name)
+        if keep is not None and getattr(item, "originalname", item.name) not in keep:
+            item.add_marker(slow)
 
 
 @pytest.fixture(scope="session")

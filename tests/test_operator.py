@@ -173,18 +173,20 @@ def fleet(fleet2m):
 def test_first_ctrl_c_finishes_in_flight_units_and_starts_no_new_one(fleet):
     f = fleet
     h0, h1 = f.hosts
-    write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_DELAY": "15"})
+    gate = f.base / f"gate-{os.urandom(4).hex()}"  # the new servers load until the test opens it
+    write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_GATE": str(gate)})
     before, earlier = snapshot(f), run_dirs(f)
     term = Terminal(f.cmd("apply", "slow", "--batch", "1"), fleet_env(f))
-    # host0 (batch 1) is in flight: files applied (manifest pending), its server loading for 15 s, and
-    # the controller knows it (its restart step began)
+    # host0 (batch 1) is in flight: files applied (manifest pending), its server loading until the gate
+    # opens, and the controller knows it (its restart step began)
     wait_for(lambda: controller_saw(f, earlier, "host0", "restart") or term._eof.is_set(), 60,
              what="host0's restart under way, as the controller saw it")
     term.ctrl_c()
     wait_for(lambda: "stopping: no new units; in-flight units finish or roll back" in term.text
-             or term._eof.is_set(), 10, what="the stop message")
+             or term._eof.is_set(), 60, what="the stop message")
     assert "stopping: no new units; in-flight units finish or roll back" in term.text, term.text[-3000:]
     assert manifest(h0)["status"] == "pending", "the message must come at once, while host0 is still in flight"
+    gate.touch()
     rc = term.wait(120)
     out = term.text
     assert rc == 130, out[-3000:]
@@ -204,7 +206,9 @@ def test_first_ctrl_c_finishes_in_flight_units_and_starts_no_new_one(fleet):
 def test_second_ctrl_c_aborts_and_prints_how_to_recover_each_host(fleet):
     f = fleet
     h0, h1 = f.hosts
-    write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_DELAY": "60"})
+    # the new servers load until a gate that never opens: the abort cannot be waiting for them
+    gate = f.base / f"gate-{os.urandom(4).hex()}"
+    write_series(f.patches, "slow", hidden_dump_patches(), smoke_env={"PATCHCTL_SIM_START_GATE": str(gate)})
     before, earlier = snapshot(f), run_dirs(f)
     term = Terminal(f.cmd("apply", "slow", "--batch", "1"), fleet_env(f))
     # wait until the *controller* knows host0's files are applied (its restart step began): the manifest
@@ -212,12 +216,10 @@ def test_second_ctrl_c_aborts_and_prints_how_to_recover_each_host(fleet):
     # abort report may claim is what the controller saw
     wait_for(lambda: controller_saw(f, earlier, "host0", "restart") or term._eof.is_set(), 60,
              what="host0's restart under way, as the controller saw it")
-    t0 = time.monotonic()
     term.ctrl_c()
-    wait_for(lambda: "stopping: no new units" in term.text or term._eof.is_set(), 10, what="the stop message")
+    wait_for(lambda: "stopping: no new units" in term.text or term._eof.is_set(), 60, what="the stop message")
     term.ctrl_c()
-    rc = term.wait(30)
-    assert time.monotonic() - t0 < 20, "the second Ctrl-C must not wait for the 60 s server start"
+    rc = term.wait(120)  # the server never finishes loading: an abort that waited for it would hang here
     out = term.text
     assert rc == 3, out[-3000:]
     m = re.search(r"host0: aborted — (.*?)\n\s+recover: (.*)", out)

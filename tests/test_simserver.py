@@ -73,7 +73,7 @@ def test_help_says_stand_in():
     out = subprocess.run([sys.executable, "-m", "patchctl.simserver", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "stand-in" in out.lower() and "not SGLang" in out
-    for knob in ("PATCHCTL_SIM_START_DELAY", "PATCHCTL_SIM_CRASH_AT_START", "PATCHCTL_SIM_HANG",
+    for knob in ("PATCHCTL_SIM_START_DELAY", "PATCHCTL_SIM_START_GATE", "PATCHCTL_SIM_CRASH_AT_START", "PATCHCTL_SIM_HANG",
                  "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_STALL_AFTER", "PATCHCTL_SIM_NAN_LAYER", "PATCHCTL_SIM_LIGHT"):
         assert knob in out
     # the console script (pyproject: patchctl.simserver:main) is the same program
@@ -339,6 +339,19 @@ def test_knob_hang_and_sigterm_while_starting(sglang_tree, start):
     for s in (hang, slow):  # SIGTERM ends a hung start and a 600 s start delay: exit 0, not a kill
         s.proc.send_signal(signal.SIGTERM)
         assert s.wait_exit() == 0
+
+
+def test_knob_start_gate_holds_loading_until_the_file_exists(sglang_tree, start, tmp_path):
+    gate = tmp_path / "gate"
+    s = start(sglang_tree, env={"PATCHCTL_SIM_START_GATE": str(gate)})
+    s.wait_port()
+    deadline = time.monotonic() + 60  # only catches a hang
+    while "PATCHCTL_SIM_START_GATE" not in s.text():
+        assert time.monotonic() < deadline and s.proc.poll() is None, s.text()
+        time.sleep(0.05)
+    assert s.get("/health")[0] == 503 and "Load weight end" not in s.text()
+    gate.touch()
+    s.wait_ready()
 
 
 def test_knob_die_after(sglang_tree, start):

@@ -282,6 +282,12 @@ def main(argv=None):
         _fatal(traceback.format_exc().rstrip())
     if stop.wait(delay):
         shutdown()
+    gate = knobs.start_gate()
+    if gate:
+        logger.info("stand-in: loading until %s exists (PATCHCTL_SIM_START_GATE)", gate)
+        while not os.path.exists(gate):
+            if stop.wait(0.05):
+                shutdown()
     logger.info("Load weight end")
 
     if knobs.crash_at_start():

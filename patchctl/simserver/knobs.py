@@ -1,6 +1,8 @@
 """The stand-in's knobs: environment variables that make it slow, broken or light (read where they act).
 
   PATCHCTL_SIM_START_DELAY=S   seconds of "weight loading" (port open, /health 503)
+  PATCHCTL_SIM_START_GATE=F    "weight loading" lasts until the file F exists (tests open the gate when
+                               they have seen what they wait for: no guessed delay)
   PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before ready
   PATCHCTL_SIM_HANG=1          never become ready (/health 503 until killed)
   PATCHCTL_SIM_DIE_AFTER=N     os._exit(1) when the N-th client POST /generate arrives
@@ -24,6 +26,7 @@ import os
 
 HELP = """\
   PATCHCTL_SIM_START_DELAY=S     seconds of simulated weight loading (HTTP port open, /health 503)
+  PATCHCTL_SIM_START_GATE=F      simulated weight loading lasts until the file F exists
   PATCHCTL_SIM_CRASH_AT_START=1  exit 1 after loading, before becoming ready
   PATCHCTL_SIM_HANG=1            never become ready (/health answers 503 forever)
   PATCHCTL_SIM_DIE_AFTER=N       os._exit(1) when the N-th client POST /generate arrives
@@ -42,6 +45,10 @@ def _on(name: str) -> bool:
 
 def start_delay() -> float:
     return float(os.environ.get("PATCHCTL_SIM_START_DELAY") or 0)
+
+
+def start_gate() -> str | None:
+    return os.environ.get("PATCHCTL_SIM_START_GATE") or None
 
 
 def crash_at_start() -> bool:
