@@ -3,8 +3,8 @@
 Two lanes: the whole suite (`pytest -q`, the README's and CI's test command) and the fast lane
 (`pytest -q -m "not slow"`). The fast lane runs every module's quick tests and, of the modules that
 build fleets of real sshd hosts, start servers or run real SGLang, only the representatives named in
-FAST_LANE (one real-sshd deploy, one real-SGLang scenario, ...); their other tests are marked `slow`
-here. A slow test in any other module says so itself with `@pytest.mark.slow`.
+FAST_LANE (one real-sshd deploy, one real-SGLang scenario, ...); their other tests that need an SGLang
+tree are marked `slow` here. A slow test in any other module says so itself with `@pytest.mark.slow`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ FAST_LANE = {
 
 
 def pytest_collection_modifyitems(config, items):
+    """In a FAST_LANE module, a test that needs an SGLang tree (a fleet, a server, real SGLang: every
+    fixture of theirs depends on `sglang_tree`) is slow unless named; its quick tests stay fast."""
     slow = pytest.mark.slow
     for item in items:
         keep = FAST_LANE.get(item.path.name)
-        if keep is not None and getattr(item, "originalname", item.name) not in keep:
+        if (keep is not None and getattr(item, "originalname", item.name) not in keep
+                and "sglang_tree" in getattr(item, "fixturenames", ())):
             item.add_marker(slow)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+
+from trees import link_tree
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).resolve().parent / "real_sglang_driver.py"
@@ -75,9 +76,10 @@ def _series() -> dict:
 
 @pytest.fixture(scope="session")
 def real_tree(sglang_tree, tmp_path_factory) -> Path:
-    """A full copy of the pristine 0.5.23 `sglang/` package with the series applied."""
+    """A full copy of the pristine 0.5.23 `sglang/` package with the series applied (hard links to the
+    run's pristine copy: git apply writes each patched file anew, never through a link)."""
     dest = tmp_path_factory.mktemp("real-sglang")
-    shutil.copytree(sglang_tree / "sglang", dest / "sglang", symlinks=True)
+    link_tree(sglang_tree, dest / "sglang", sub="sglang")
     for patch in _series()["patch"]:
         for args in (["--check"], []):
             r = subprocess.run(["git", "apply", *args, "-p1", str(SERIES_DIR / patch["file"])],

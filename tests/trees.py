@@ -66,11 +66,12 @@ def pristine_intact() -> list[str]:
     return changed
 
 
-def link_tree(src: Path, dest: Path) -> Path:
-    """dest: a tree of hard links to the pristine copy of src (`cp -al`: directories are new, files shared)."""
+def link_tree(src: Path, dest: Path, sub: str = "") -> Path:
+    """dest: a tree of hard links to the pristine copy of src, or of its subdirectory `sub`
+    (`cp -al`: directories are new, files shared)."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["cp", "-al", str(pristine(src)), str(dest)], check=True)
+    subprocess.run(["cp", "-al", str(pristine(src) / sub if sub else pristine(src)), str(dest)], check=True)
     return dest
 
 
@@ -80,7 +81,7 @@ def git_checkout(src: Path, dest: Path) -> Path:
     src = Path(src).resolve()
     if src not in _git_templates:
         co = _base() / f"checkout{len(_git_templates)}"
-        link_tree(pristine(src) / "sglang", co / "python" / "sglang")
+        link_tree(src, co / "python" / "sglang", sub="sglang")
         subprocess.run(["git", "init", "-q", str(co)], check=True)
         subprocess.run(["git", "-C", str(co), "add", "-A"], check=True)
         subprocess.run(["git", "-C", str(co), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base"],
