@@ -137,6 +137,7 @@ class Fleet:
                  light: bool = False):
         self.base = Path(base)
         self.sglang_tree = sglang_tree
+        self._popens: list[subprocess.Popen] = []
         self.ssh = start_hosts(n, self.base)
         ports = free_ports("127.0.0.1", n, avoid={h.port for h in self.ssh})
         self.hosts = [TestHost(h, port) for h, port in zip(self.ssh, ports)]
@@ -207,7 +208,18 @@ class Fleet:
         e = dict(os.environ)
         e.update(env or {})
         e.setdefault("XDG_STATE_HOME", str(self.base / "xdg-state"))
-        return subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+        p = subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+        self._popens.append(p)
+        return p
+
+    def reap(self) -> None:
+        """Kill the patchctl runs a test started with popen() and left running (it failed half-way):
+        they would hold the hosts' locks and fail the next test on a shared fleet for no reason of its own."""
+        popens, self._popens = self._popens, []
+        for p in popens:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
 
     def json(self, *args: str, expect: int | None = 0):
         p = self.patchctl("--json", *args)
@@ -296,6 +308,7 @@ def clean_fleet(f: "Fleet"):
     for h in f.hosts:
         assert f.digest(h) == f.pristine[h.name] and f.healthy(h), f"{h.name} not clean before the test"
     yield f
+    f.reap()
     f.write_inventory()
     p = f.patchctl("rollback", "--to", "clean")
     assert p.returncode == 0, p.stdout + p.stderr

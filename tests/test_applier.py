@@ -1,4 +1,4 @@
-"""applier.stage: the stdlib-only plumbing that applies a series to a scratch copy."""
+"""applier.stage: the stdlib-only plumbing that applies a series to a scratch copy (real: git apply, files on disk)."""
 
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ def fleet(fleet3):
             deploy(f, h)
     if any(not (h.state / "trees").exists() for h in f.hosts):
         deploy(f)
-    return f
+    yield f
+    f.reap()  # a run a failed test left going would hold the hosts for the next test
 
 
 def dataset(path: Path, n: int, *, seed: int, lengths=(4, 40), poison: int = 0, host2_only: int = 0) -> dict:

@@ -1,4 +1,4 @@
-"""`patchctl check`: apply + compile + hook presence against a release or a tree; bad input exits 2."""
+"""`patchctl check`: apply + compile + hook presence against a release or a tree; bad input exits 2 (real: the 0.5.23 tree)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The project's design document is docs/design.md, and every reference points at it (issue 13, item 12)."""
+"""The docs against the code: docs/design.md is the design document, every reference points at it (real: the repo's files)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The real capture series `patches/hidden-dump` (issue 2 item 6, issue 8 item 3).
+"""The hidden-dump series' module and hooks on their own (real: the patches, git apply, torch; duck-typed batches).
 
 hidden_dump.py is loaded from a scratch tree patched with `git apply` (the sglang package is
 never imported) and driven with duck-typed batches of CPU bfloat16 tensors.

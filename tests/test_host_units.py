@@ -1,4 +1,4 @@
-"""The host package's pieces on their own: version clauses, command rendering, dump validation, systemd drop-ins."""
+"""The host package's pieces on their own: version clauses, command rendering, dump validation, drop-ins (real: processes, files)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Inventory: resolution and overrides, --limit patterns, errors naming file+line+key (exit 2), the views."""
+"""Inventory: resolution, overrides, --limit patterns, errors naming file+line+key (exit 2), views (real: TOML files)."""
 
 from __future__ import annotations
 

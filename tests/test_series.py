@@ -1,4 +1,4 @@
-"""Series format: loading, validation (file:line errors), `patchctl series`."""
+"""Series format: loading, validation (file:line errors), `patchctl series` (real: the shipped series, files on disk)."""
 
 from __future__ import annotations
 
