@@ -32,6 +32,9 @@ COMMANDS = {
     "smoke": ("patchctl.deploy", "run_smoke"),
     "history": ("patchctl.queries", "run_history"),
     "unlock": ("patchctl.queries", "run_unlock"),
+    "restart": ("patchctl.service", "run_restart"),
+    "start": ("patchctl.service", "run_start"),
+    "stop": ("patchctl.service", "run_stop"),
     "capture prepare": ("patchctl.capture.prepare", "run_prepare"),
     "capture run": ("patchctl.capture.runner", "run_capture"),
     "capture status": ("patchctl.capture.collect", "run_capture_status"),
@@ -88,6 +91,17 @@ in-flight work at once and prints, per host, the state left and the command that
 before any change, apply reads the model architecture each host serves (its config.json) and runs
 the static reachability trace (as `plan` and `trace --arch` do): a hook the model never runs is
 refused with exit 2, nothing touched. --skip-trace deploys anyway and lets the smoke decide."""
+
+
+SERVICE_EPILOG = """the server is started exactly as apply starts it: the inventory's command and env plus the
+flags and env of the series deployed on the host (read from its manifest), with its capture
+layers; then readiness and, by default where a capture series is deployed, the smoke. No file
+changes. The host lock is taken as apply takes it; rollout flags and Ctrl-C are apply's.
+
+exit codes: 0 done (or nothing to do); 2 bad input (--smoke where no capture series is
+deployed), nothing touched; 3 a unit failed to start, get ready or pass its smoke (left as it is,
+files unchanged: the summary names the commands that deal with it), or an unfinished deploy is
+pending; 4 locked; 130 Ctrl-C (no new units started)."""
 
 
 CAPTURE_EPILOG = """exit codes of capture run: 0 every sample done and verified; 1 samples failed (reasons in
@@ -281,6 +295,26 @@ def build_parser() -> argparse.ArgumentParser:
     junit(sp, "one test case per host step")
     sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                     help="where run logs go (default ~/.local/state/patchctl/runs, or $XDG_STATE_HOME/patchctl/runs)")
+
+    for name, what in (("restart", "stop and start the server as configured now, wait until it serves, smoke it"),
+                       ("start", "start the server as configured now where it is down, wait until it serves, smoke it"),
+                       ("stop", "stop the server")):
+        sp = cmd(name, what + "; files unchanged", epilog=SERVICE_EPILOG)
+        limit(sp)
+        hostkeys(sp)
+        if name != "stop":
+            g = sp.add_mutually_exclusive_group()
+            g.add_argument("--smoke", dest="smoke", action="store_true", default=None,
+                           help="smoke after the start (default: where a capture series is deployed)")
+            g.add_argument("--no-smoke", dest="smoke", action="store_false", help="no smoke after the start")
+        sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help="N units first, alone (default 0)")
+        sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
+                        help="batch sizes after the canary, as for apply (default: all at once)")
+        sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
+                        help="failed units tolerated before the run stops, as for apply (default 0)")
+        junit(sp, "one test case per host step")
+        sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                        help="where run logs go (default $XDG_STATE_HOME/patchctl/runs)")
 
     sp = cmd("rollback", "restore hosts to an earlier state, verified")
     limit(sp)

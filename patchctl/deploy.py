@@ -297,6 +297,36 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
     return sizes
 
 
+def rollout(run: Run, args, units: list[list[Host]], sizes: list[int], max_fail: int, make, results: list,
+            workers: list, stopped: str | None = None) -> str | None:
+    """Units in batches (canary first), each batch's units at once (--forks); stops starting batches on
+    Ctrl-C, once more than `max_fail` units failed, or after a halted unit (--on-fail halt). `make(unit)`
+    gives an object whose run_unit() -> UnitResult; results and workers are appended to in unit order.
+    Returns why the run stopped early (or `stopped` as given; None when it ran to the end)."""
+    rep = run.reporter
+    pos = 0
+    for bi, size in enumerate(sizes):
+        if run.stopping.is_set():
+            break
+        batch = units[pos:pos + size]
+        pos += size
+        label = "canary" if (bi == 0 and args.canary) else f"batch {bi + (0 if args.canary else 1)}"
+        rep.emit({"event": "batch_start", "run_id": run.run_id, "batch": label, "hosts": [h.name for u in batch for h in u]})
+        ds = [make(u) for u in batch]
+        workers += ds
+        batch_results = run.parallel(lambda d: d.run_unit(), ds)
+        for r in batch_results:
+            for h in r.hosts:
+                rep.host_result(h, r.outcome, r.exit_code, r.message)
+        results += batch_results
+        failures = sum(1 for r in results if r.failed)
+        if failures > max_fail:
+            return f"{failures} failed unit(s) > --max-fail {args.max_fail} (= {max_fail}) after {label}"
+        if getattr(args, "on_fail", None) == "halt" and any(r.outcome.startswith("halted") for r in batch_results):
+            return f"halted after {label}"
+    return stopped
+
+
 # ---------------------------------------------------------------------------
 # Ctrl-C during a fleet run
 
@@ -356,7 +386,7 @@ def abort_report(run: Run) -> int:
         res = rep.results.get(h)
         steps = [st for st in rep.steps if st.host == h]
         unit = run.unit_of.get(h, [h])
-        recover = app.cmd("rollback", "--limit", ",".join(unit))
+        recover = app.cmd(run.recover_verb, "--limit", ",".join(unit))
         if res is not None:
             codes.append(res["exit_code"])
             line = f"{h}: {res['outcome']}" + (f" — {res['message']}" if res.get("message") else "")
@@ -368,7 +398,7 @@ def abort_report(run: Run) -> int:
             rep.host_result(h, "not reached", 0, "left untouched: the run was aborted before this host")
             lines.append(f"{h}: not reached — untouched, nothing to do")
             continue
-        state = _state_left(steps)
+        state = (run.state_left or _state_left)(steps)
         rep.host_result(h, "unknown", 3, f"aborted: {state}", recover=recover)
         codes.append(3)
         lines.append(f"{h}: aborted — {state}\n    recover: {recover}")
@@ -456,28 +486,8 @@ def run_apply(app: App, args) -> int:
                                                   + "; ".join(why) + ". Nothing was touched; --skip-trace deploys "
                                                   "anyway and lets the smoke decide"))
                 sizes = []
-            pos = 0
-            for bi, size in enumerate(sizes):
-                if run.stopping.is_set():
-                    break
-                batch = units[pos:pos + size]
-                pos += size
-                label = "canary" if (bi == 0 and args.canary) else f"batch {bi + (0 if args.canary else 1)}"
-                rep.emit({"event": "batch_start", "run_id": run.run_id, "batch": label, "hosts": [h.name for u in batch for h in u]})
-                ds = [UnitDeploy(run, series, u, args) for u in batch]
-                deploys += ds
-                batch_results = run.parallel(lambda d: d.run_unit(), ds)
-                for r in batch_results:
-                    for h in r.hosts:
-                        rep.host_result(h, r.outcome, r.exit_code, r.message)
-                results += batch_results
-                failures = sum(1 for r in results if r.failed)
-                if failures > max_fail:
-                    stopped = f"{failures} failed unit(s) > --max-fail {args.max_fail} (= {max_fail}) after {label}"
-                    break
-                if args.on_fail == "halt" and any(r.outcome.startswith("halted") for r in batch_results):
-                    stopped = f"halted after {label}"
-                    break
+            stopped = rollout(run, args, units, sizes, max_fail, lambda u: UnitDeploy(run, series, u, args),
+                              results, deploys, stopped)
             if intr.interrupted:
                 stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
             if stopped:

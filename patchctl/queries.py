@@ -70,7 +70,17 @@ def attention_of(app: App, d: dict) -> list[dict]:
     elif dead:
         out.append({"why": f"lock held by {describe_holder(lock)}, whose process is gone",
                     "run": app.cmd("unlock", "--limit", host)})
-    if d.get("drift"):
+    srv = d.get("server") or {}
+    if state in ("verified", "restarted") and not srv.get("running") and not d.get("interrupted"):
+        out.append({"why": f"{d['series']} {d['version']} is deployed but its server is down",
+                    "run": app.cmd("start", "--limit", host) + "   # starts it as deployed, then smokes it"})
+    j = d.get("interrupted")
+    if j and (not lock or dead):
+        what = {"finish": "finishes it", "undo": "undoes it (the files as before it)", "discard": "discards it (nothing changed yet)"}
+        out.append({"why": f"an interrupted {j['op']} of run {j['run_id']} ({len(j['files'])} files); the next apply or "
+                           f"rollback {what.get(j['recovery'], 'recovers it')} from its journal first",
+                    "run": app.cmd("rollback", "--limit", host) + "   # recovers, then back to the state before"})
+    if d.get("drift") and not j:
         files = ", ".join(x["path"] for x in d["drift"])
         out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
                     "run": app.cmd("rollback", "--limit", host, "--force") + "   # saves the edits beside the backups, then restores"})
@@ -85,7 +95,7 @@ def run_status(app: App, args) -> int:
                 "state": m.get("status") if m else "clean", "when": m.get("when"), "who": m.get("who"),
                 "repo_commit": m.get("repo_commit"), "run_id": m.get("run_id"),
                 "patches": m.get("patches"), "drift": r["drift"], "lock": r["lock"], "server": r["server"],
-                "notes": r.get("notes") or []}
+                "interrupted": r.get("interrupted"), "notes": r.get("notes") or []}
 
     def render(data):
         t = table("status", "host", "series", "state", "applied", "drift", "lock", "server")
@@ -96,12 +106,12 @@ def run_status(app: App, args) -> int:
             srv = d["server"]
             lock = d["lock"]
             t.add_row(d["host"], f"{d['series']} {d['version']}" if d["series"] else "-",
-                      d["state"] + ("".join(f" [{n}]" for n in d["notes"])),
+                      d["state"] + (" (interrupted change pending)" if d.get("interrupted") else "")
+                      + ("".join(f" [{n}]" for n in d["notes"])),
                       f"{d['when']} by {d['who']} @ {d['repo_commit']}" if d["series"] else "",
                       ", ".join(x["path"] for x in d["drift"]) or "none",
                       (("DEAD " if holder_is_stale(lock) else "") + describe_holder(lock)) if lock else "free",
-                      ("running" if srv["running"] else "stopped") + (f", {srv['health']}" if srv.get("health") else "")
-                      + (f", capture {srv['series']}" if srv.get("series") else ""))
+                      server_cell(srv))
         return t
 
     def hints(data):
@@ -121,6 +131,31 @@ def run_status(app: App, args) -> int:
         return d
 
     return _simple(app, args, "status", with_attention, render, exit_of=exit_of, after=hints)
+
+
+def uptime_text(seconds) -> str:
+    """3d4h, 2h5m, 4m12s, 9s."""
+    if seconds is None:
+        return "?"
+    s = int(seconds)
+    for unit, size, sub, subsize in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= size:
+            return f"{s // size}{unit}{(s % size) // subsize}{sub}"
+    return f"{s}s"
+
+
+def server_cell(srv: dict) -> str:
+    """running, pid 1234, up 2h5m, healthy, capture hidden-dump | DOWN."""
+    if not srv.get("running"):
+        return "DOWN (not running)"
+    parts = ["running"]
+    if srv.get("pid"):
+        parts.append(f"pid {srv['pid']}, up {uptime_text(srv.get('uptime_s'))}")
+    if srv.get("health"):
+        parts.append(srv["health"])
+    if srv.get("series"):
+        parts.append(f"capture {srv['series']}")
+    return ", ".join(parts)
 
 
 def _short(text: str, n: int = 100) -> str:

@@ -33,6 +33,7 @@ DEFAULT_FORKS = 256  # units wait on remote restarts (minutes): a wave costs a r
 # Outcome → exit code (docs/design.md "Exit codes"). The run's code is the most severe of its units'.
 OUTCOME_EXIT = {
     "deployed": 0, "unchanged": 0, "applied": 0, "rolled back": 0, "ok": 0, "not reached": 0,
+    "started": 0, "stopped": 0, "restarted": 0, "failed, left as is": 3,
     "failed, rolled back (verified)": 1, "failed": 1, "rolled back (unit member failed)": 1,
     "refused": 2, "locked": 4,
     "rollback failed": 3, "unknown": 3, "unreachable": 3, "needs attention": 3, "halted (left as is)": 3,
@@ -239,6 +240,8 @@ class Run:
         self.stopping = threading.Event()  # first Ctrl-C: start no new unit
         self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
         self.unit_of: dict[str, list[str]] = {}  # host -> the names of its unit (recovery commands)
+        self.recover_verb = "rollback"  # after a second Ctrl-C: the command that recovers a cut-off unit
+        self.state_left = None  # steps -> what a cut-off unit was left in (None: apply's reading)
 
     def session(self, host: Host) -> HostSession:
         if host.name not in self.sessions:

@@ -10,7 +10,9 @@ This module owns the ops (`op_apply`, `op_restart`, `op_smoke`, `op_rollback`,
 `op_status`, ...), each composed from the plumbing of its siblings, the
 one-agent-per-host lock, and `main`: start the beating thread, run one
 request, answer. Nothing is created or deleted outside `state_dir`, except
-the SGLang files a series changes and their stale `__pycache__` entries:
+the SGLang files a series changes and their stale `__pycache__` entries; the
+read-only ops (READ_ONLY_OPS: status, probe, history, ...) create, change and
+lock nothing at all, not even `state_dir` itself:
 
     state_dir/agent.lock        flock held by the one agent working on this host
     state_dir/server.json       the server patchctl started (`server`)
@@ -33,7 +35,7 @@ import time
 from . import applier, capture, convert, tokenizer
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
-from .osutil import expand, now, read_json, sha256_bytes, sha256_file, write_json
+from .osutil import expand, now, proc_uptime, read_json, sha256_bytes, sha256_file, write_json
 from .pull import pull
 from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
 from .smoke import model_arch_of, smoke
@@ -42,15 +44,21 @@ from .tree import locate_tree, tree_version, version_matches
 
 FORMAT = 1
 
+# Ops that only look: no directory, file, lock or mode is created or changed on the host (plan,
+# status, history and apply's preflight are dry runs; a look must not need the state dir's privilege).
+READ_ONLY_OPS = frozenset(["status", "probe", "history", "capture_probe", "pull"])
+
 
 class Agent(object):
     def __init__(self, req):
         self.req = req
         self.run_id = req.get("run_id") or "adhoc"
         self.state_dir = expand(req["state_dir"])
-        if not os.path.isdir(self.state_dir):
+        self.read_only = req.get("op") in READ_ONLY_OPS
+        if not self.read_only and not os.path.isdir(self.state_dir):
             os.makedirs(self.state_dir, 0o700)
-        self._keep_state_dir_private()
+        if os.path.isdir(self.state_dir):
+            self._keep_state_dir_private()
         self.notes = []
         self._tree = None
         self.took_lock = False
@@ -65,14 +73,14 @@ class Agent(object):
                              "the journal and backups that decide what is written into the tree, so it must be "
                              "private to that user: chown it, or set another state_dir" % (
                                  self.state_dir, st.st_uid, os.geteuid()))
-        if st.st_mode & 0o077:
+        if st.st_mode & 0o077 and not self.read_only:
             os.chmod(self.state_dir, 0o700)
 
     @property
     def tree(self):
         if self._tree is None:
             root = locate_tree(self.req.get("sglang_root", "auto"))
-            self._tree = TreeState(self.state_dir, root)
+            self._tree = TreeState(self.state_dir, root, create=not self.read_only)
         return self._tree
 
     def lock_agent(self, wait=30.0):
@@ -143,7 +151,7 @@ class Agent(object):
                 f["stage"] = e.details.get("stage") or {"ok": False, "error": str(e)}
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
-        f["free_bytes"] = shutil.disk_usage(self.state_dir).free
+        f["free_bytes"] = shutil.disk_usage(_existing(self.state_dir)).free
         f["model_arch"] = model_arch_of(cfg["argv"])
         if self.req.get("series"):
             f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke"))
@@ -152,6 +160,10 @@ class Agent(object):
     def _server_status(self, mgr, cfg, probe_health=True):
         cur = mgr.current_config()
         out = {"running": bool(cur.get("running")), "series": cur.get("series"), "port": cfg["port"], "manager": cfg["manager"]}
+        if out["running"]:
+            pid = mgr.running_pid()[0]
+            out["pid"] = pid
+            out["uptime_s"] = proc_uptime(pid) if pid else None
         if probe_health and out["running"]:
             try:
                 status, _ = http_request(cfg["host"], cfg["port"], "GET", "/health", timeout=5)
@@ -161,14 +173,14 @@ class Agent(object):
         return out
 
     def op_status(self):
-        try:  # a deploy may hold the host for a 30-minute restart: report read-only instead of waiting
-            self.lock_agent(wait=0)
-            self.recover()
-        except AgentError as e:
-            if e.kind != "locked":
-                raise
-            self.notes.append("%s; read-only status (no recovery attempted)" % e)
+        """Read-only: no lock, no recovery. A change an earlier run left half done (its journal) is
+        reported, with what the next apply or rollback will do with it, not repaired here."""
         f = self.facts()
+        j = read_json(self.tree.journal_path)
+        if j:
+            f["interrupted"] = {"op": j.get("op"), "run_id": j.get("run_id"), "phase": j.get("phase"),
+                                "files": [c["path"] for c in j.get("changes", [])],
+                                "recovery": {"done": "finish", "committing": "undo"}.get(j.get("phase"), "discard")}
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
         f["history_tail"] = self.tree.history()[-3:]
@@ -324,10 +336,13 @@ class Agent(object):
     def _stage_on_originals(self, series, originals, dry=False):
         """Apply the series to the original contents (not the currently patched ones) in a scratch dir."""
         t = self.tree
-        scratch_base = os.path.join(self.state_dir, "tmp")
-        if not os.path.isdir(scratch_base):
-            os.makedirs(scratch_base)
-        work = tempfile.mkdtemp(prefix="stage.", dir=scratch_base)
+        if dry:  # a look (plan) writes nothing under state_dir: the scratch copy goes to the system's temp dir
+            work = tempfile.mkdtemp(prefix="patchctl-stage.")
+        else:
+            scratch_base = os.path.join(self.state_dir, "tmp")
+            if not os.path.isdir(scratch_base):
+                os.makedirs(scratch_base)
+            work = tempfile.mkdtemp(prefix="stage.", dir=scratch_base)
         try:
             base = os.path.join(work, "base")
             os.makedirs(base)
@@ -396,6 +411,100 @@ class Agent(object):
             event("step", step="finalize", op="finalize", ended="ready after %ss" % out["ready_seconds"])
             self._finalize(None)
         return out
+
+    def _deployed(self):
+        """(manifest, capture profile) the server is configured with now: the deployed series' flags and env
+        as apply started it (manifest), or (None, None) for a tree with no series (the inventory's server)."""
+        m = self.tree.manifest()
+        if not m:
+            return None, None
+        if m.get("status") == "pending" and m.get("run_id") != self.run_id:
+            raise AgentError("attention", "an unfinished deploy of %s %s (run %s): files patched, never verified; "
+                             "roll it back first" % (m["series"], m["version"], m.get("run_id")), pending=True)
+        return m, m.get("profile")
+
+    def op_service(self):
+        """start | stop | restart the server as configured now (inventory + the deployed series' profile),
+        wait until it serves, smoke it (default: where a capture series is deployed). Changes no file.
+        A one-node unit does it all in one command; a multi-node unit's controller calls the phases
+        (`phase`: stop, start, ready) node by node, keeping the lock, then `release`."""
+        action = self.req["action"]
+        if action not in ("start", "stop", "restart"):
+            raise AgentError("bad_input", "unknown service action %r" % action)
+        phase = self.req.get("phase")
+        self._refuse_if_held()
+        self.lock_agent()
+        self._take_lock()
+        keep = bool(self.req.get("keep_lock"))
+        try:
+            self.recover()
+            m, profile = self._deployed()
+            layers = self.req.get("capture_layers") or ((profile or {}).get("layers"))
+            cfg = self.server_cfg(profile, layers)
+            mgr = manager_for(self.state_dir, cfg)
+            want_smoke = self.req.get("smoke")
+            capture = bool(profile and profile.get("dump_dir_env"))
+            if want_smoke is None:
+                want_smoke = capture
+            if want_smoke and action != "stop" and phase in (None, "ready") and not capture:
+                raise AgentError("bad_input", "--smoke: no capture series is deployed here (%s)" % (
+                    "%s %s has no dump directory" % (m["series"], m["version"]) if m else "no series applied"))
+            series = m and {"series": m["series"], "version": m["version"], "status": m.get("status")}
+            cur = mgr.current_config()
+            out = {"action": action, "deployed": series, "running_before": bool(cur.get("running")),
+                   "pid_before": mgr.running_pid()[0] if cur.get("running") else None, "changed": False}
+            if phase in (None, "stop") and action in ("stop", "restart"):
+                if cur.get("running"):
+                    out["stop"] = mgr.stop()
+                    out["changed"] = True
+                elif action == "stop":
+                    out["note"] = "not running"
+            if action == "stop" or phase == "stop":
+                return self._service_done(out, phase)
+            if phase in (None, "start") and action == "start" and cur.get("running"):
+                out["note"] = "already running (pid %s)" % out["pid_before"]
+                return self._service_done(out, phase)
+            try:
+                if phase in (None, "start"):
+                    out["dump_dir"] = prepare_dump_dir(cfg, mgr)
+                    rec = mgr.start(cfg)
+                    out["changed"] = True
+                    out["pid"] = rec.get("pid")
+                    if phase == "start":
+                        return self._service_done(out, phase)
+                out["ready_seconds"] = wait_ready(mgr, cfg)
+                if want_smoke:
+                    if phase is None:
+                        event("step", step="smoke", op="smoke", ended="ready after %ss" % out["ready_seconds"])
+                    cur = mgr.current_config()
+                    out["smoke"] = smoke(self.state_dir, cur, self.run_id, layers, self.req.get("hidden_size"),
+                                         (self.req.get("server") or {}).get("layer_outputs"))
+            except AgentError as e:
+                self._service_history(out, "failed: %s" % e)
+                e.details.setdefault("deployed", series)
+                raise
+            return self._service_done(out, phase)
+        finally:
+            if not keep:
+                self.tree.release(self.run_id)
+
+    def _service_done(self, out, phase):
+        """The history records the unit's outcome once: from the one command, or the phase that ends it."""
+        last = phase is None or phase == "ready" or (phase == "stop" and out["action"] == "stop")
+        if last and (out["changed"] or out.get("ready_seconds") is not None):
+            what = {"stop": "stopped", "start": "started", "restart": "restarted"}[out["action"]]
+            if out.get("ready_seconds") is not None:
+                what += ", ready after %ss" % out["ready_seconds"]
+            if out.get("smoke"):
+                what += ", smoke passed"
+            self._service_history(out, what)
+        return out
+
+    def _service_history(self, out, outcome):
+        d = out.get("deployed") or {}
+        self.tree.append_history({"op": out["action"], "series": d.get("series"), "version": d.get("version"),
+                                  "run_id": self.run_id, "who": (self.req.get("holder") or {}).get("who"),
+                                  "outcome": outcome})
 
     def op_wait_ready(self):
         self.lock_agent()
@@ -574,6 +683,13 @@ class Agent(object):
             out["smoke"] = smoke(self.state_dir, cfg, self.run_id + "-prev")
             out["server"] += ", smoke of %s passed" % state["series"]
         return out
+
+
+def _existing(path):
+    """path, or its nearest existing ancestor (the file system a directory not yet made will be on)."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def handle(req):

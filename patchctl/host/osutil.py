@@ -86,6 +86,19 @@ def proc_start_time(pid):
         return None
 
 
+def proc_uptime(pid):
+    """Seconds since the process started (/proc/<pid>/stat's start time against /proc/uptime), or None."""
+    start = proc_start_time(pid)
+    try:
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    if start is None:
+        return None
+    return max(0.0, round(up - start / float(os.sysconf("SC_CLK_TCK")), 1))
+
+
 def log_tail(path, lines=30):
     try:
         with open(path, "rb") as f:

@@ -321,6 +321,14 @@ class SystemdManager(object):
         cfg["running"] = self.alive()
         return cfg
 
+    def running_pid(self):
+        """(the unit's main pid or None, None): for status's pid and uptime."""
+        try:
+            pid = int(self._ctl("show", "-p", "MainPID", "--value", self.unit).strip() or 0)
+        except (AgentError, ValueError):
+            pid = 0
+        return (pid or None), None
+
     def stop(self):
         self._ctl("stop", self.unit)
         return {"stopped": self.unit}

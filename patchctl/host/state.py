@@ -89,19 +89,23 @@ def makedirs_like_parent(d):
 
 
 class TreeState(object):
-    def __init__(self, state_dir, root):
+    def __init__(self, state_dir, root, create=True):
+        """`create`: make the tree's directories and tree.json; False (a read-only op) reads what is
+        there, and a tree never deployed to reads as clean (no manifest, lock, journal or history)."""
         self.state_dir = state_dir
         self.root = root
         tid = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:16]
         self.dir = os.path.join(state_dir, "trees", tid)
         self.blobs = os.path.join(self.dir, "blobs")
-        for d in (self.dir, self.blobs):
-            if not os.path.isdir(d):
-                os.makedirs(d, 0o700)
         self.manifest_path = os.path.join(self.dir, "manifest.json")
         self.journal_path = os.path.join(self.dir, "journal.json")
         self.lock_path = os.path.join(self.dir, "lock.json")
         self.history_path = os.path.join(self.dir, "history.jsonl")
+        if not create:
+            return
+        for d in (self.dir, self.blobs):
+            if not os.path.isdir(d):
+                os.makedirs(d, 0o700)
         info = os.path.join(self.dir, "tree.json")
         if not os.path.exists(info):
             write_json(info, {"root": root})
