@@ -69,8 +69,10 @@ ENVIRONMENT = """environment:
                             to 10 times as long: a busy host's login shell may be slow to start it)
   PATCHCTL_TRACE_JOBS       worker processes for an every-architecture trace (default: by cores)
   XDG_CACHE_HOME            SGLang wheels, unpacked trees, trace verdicts (default ~/.cache/patchctl)
-  XDG_STATE_HOME            run logs and capture runs (journal, logs), private to you
-                            (default ~/.local/state/patchctl: runs/, captures/)
+  XDG_STATE_HOME            all patchctl keeps on this machine, private to you (default ~/.local/state):
+                            patchctl/runs/ (every run's log and events: apply, rollback, restart, ...)
+                            and patchctl/captures/RUN/ (a capture run's journal, which a resume reads,
+                            and its logs)
 
 exit codes:
   0    ok
@@ -335,9 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--series", default=None, metavar="SERIES", help="profile to validate against (default: the applied series)")
     junit(sp, "one test case per host")
 
-    sp = cmd("history", "deploy history per host")
+    sp = cmd("history", "deploy history per host",
+             "Deploy history per host: applies, deploys, rollbacks, restarts, recoveries, unlocks, oldest first.\n"
+             "On a terminal, a table; piped, aligned columns (host, id, op, series, run, outcome), the reason\n"
+             "for a rollback on an indented line below; --json gives every field.")
     limit(sp)
     hostkeys(sp)
+    sp.add_argument("--last", type=positive_int, default=None, metavar="N", help="only the last N entries of each host")
 
     sp = cmd("unlock", "release a stale lock")
     limit(sp)

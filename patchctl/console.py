@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.pager import Pager
 from rich.table import Table
 
 from patchctl.redact import Masker
@@ -57,13 +58,37 @@ class App:
         if self.verbose:
             self.info(msg)
 
-    def result(self, data, table=None) -> None:
-        """The command's result: JSON when --json, else the table (or any rich renderable, masked by its maker)."""
+    def result(self, data, table=None, page: bool = False) -> None:
+        """The command's result: JSON when --json, else the table (or any rich renderable, masked by its maker).
+        `page`: long output goes through $PAGER (default `less -R`) when stdout is a terminal; piped, it is plain."""
         if self.json:
             sys.stdout.write(json.dumps(self.masker.data(data), indent=2, sort_keys=False, default=str) + "\n")
             sys.stdout.flush()
         elif table is not None:
-            self.out.print(self.masker.table(table) if isinstance(table, Table) else table)
+            shown = self.masker.table(table) if isinstance(table, Table) else table
+            if page and self.out.is_terminal:
+                with self.out.pager(pager=CommandPager(), styles=True):
+                    self.out.print(shown)
+            else:
+                self.out.print(shown)
+
+
+class CommandPager(Pager):
+    """$PAGER, else `less -R` (the diff's colours); printed as is when neither can be run."""
+
+    def show(self, content: str) -> None:
+        import os
+        import shlex
+        import subprocess
+
+        argv = shlex.split(os.environ.get("PAGER") or "") or ["less", "-R"]
+        env = dict(os.environ)
+        env.setdefault("LESS", "FRX")  # quit when it fits on one screen; keep colours; leave the text on screen
+        try:
+            subprocess.run(argv, input=content.encode(), env=env, check=False)
+        except OSError:
+            sys.stdout.write(content)
+            sys.stdout.flush()
 
 
 def _get_inventory_path(self) -> Path:

@@ -26,7 +26,7 @@ from patchctl.series import Series, load_series
 from patchctl.session import HostSession, Run, describe_holder, holder_is_stale, host_error, worst
 
 
-def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=None) -> int:
+def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=None, page: bool = False) -> int:
     """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
     run = Run(app, args, command)
 
@@ -51,7 +51,7 @@ def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=
         else:
             data.append(dict({"host": name, "ok": True}, **res))
             codes.append(exit_of(res) if exit_of else 0)
-    app.result(data, render(data))
+    app.result(data, render(data), page=page)
     if after:
         after(data)
     return worst(codes)
@@ -162,21 +162,63 @@ def _short(text: str, n: int = 100) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def _history_rows(d: dict) -> list[tuple[str, ...]]:
+    """(id, time, op, series, outcome, why, run) per entry of one host."""
+    rows = []
+    for h in d["history"]:
+        what = h if h.get("series") else (h.get("from") or {})  # a rollback: the series it took away
+        rows.append((str(h.get("id", "")), str(h.get("time", "")), str(h.get("op", "")),
+                     f"{what.get('series') or ''} {what.get('version') or ''}".strip(), str(h.get("outcome", "")),
+                     str(h.get("reason") or ""), str(h.get("run_id", ""))))
+    return rows
+
+
+def history_plain(data: list[dict]) -> str:
+    """Piped: aligned columns of short fields (host, id, op, series, run, outcome), one entry a line; the
+    reason a deploy was rolled back, when there is one, on an indented line below. No line is wider than
+    its outcome needs; `--json` has every field."""
+    lines, rows = [], []
+    for d in data:
+        if not d["ok"]:
+            rows.append((d["host"], "-", "-", "-", "-", f"{d['outcome']}: {d['error']}", ""))
+            continue
+        for hid, _time, op, series, outcome, why, run in _history_rows(d):
+            rows.append((d["host"], hid, op, series or "-", run or "-", _short(outcome), why))
+    head = ("HOST", "ID", "OP", "SERIES", "RUN", "OUTCOME")
+    widths = [max([len(head[i])] + [len(r[i]) for r in rows]) for i in range(5)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells[:5], widths)) + "  " + cells[5]
+    lines.append(fmt(head))
+    for r in rows:
+        lines.append(fmt(r))
+        if r[6]:
+            lines.append(" " * (widths[0] + 2) + "why: " + r[6])
+    return "\n".join(lines)
+
+
 def run_history(app: App, args) -> int:
+    last = getattr(args, "last", None)
+
+    def per_host(s: HostSession):
+        r = s.call("history")
+        if last:
+            r["history"] = r["history"][-last:]
+        return r
+
     def render(data):
+        if not app.out.is_terminal:
+            from rich.text import Text
+
+            return Text(app.masker.text(history_plain(data)))
         t = table("history", "host", "id", "time", "op", "series", "outcome", "why", "run")
         for d in data:
             if not d["ok"]:
                 t.add_row(d["host"], "", "", "", "", d["error"], "", "")
                 continue
-            for h in d["history"]:
-                what = h if h.get("series") else (h.get("from") or {})  # a rollback: the series it took away
-                t.add_row(d["host"], h.get("id", ""), h.get("time", ""), h.get("op", ""),
-                          f"{what.get('series') or ''} {what.get('version') or ''}".strip(), _short(str(h.get("outcome", ""))),
-                          _short(str(h.get("reason") or ""), 240), h.get("run_id", ""))
+            for hid, time_, op, series, outcome, why, run in _history_rows(d):
+                t.add_row(d["host"], hid, time_, op, series, _short(outcome), _short(why, 240), run)
         return t
 
-    return _simple(app, args, "history", lambda s: s.call("history"), render)
+    return _simple(app, args, "history", per_host, render)
 
 
 def run_unlock(app: App, args) -> int:
@@ -224,7 +266,8 @@ def run_plan(app: App, args) -> int:
         return render_plan(app, series, data, show_diff=getattr(args, "diff", False))
 
     return _simple(app, args, "plan", per_host, render,
-                   exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2))
+                   exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2),
+                   page=getattr(args, "diff", False))
 
 
 def file_diffs(series: Series) -> dict[str, str]:
@@ -312,10 +355,14 @@ def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
             out.append(Text(f"  {k:<9} {v}"))
     if show_diff:
         diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
-        hosts = [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]
+        groups = [("applies on", [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]),
+                  ("already applied on", [d["host"] for d in data if d["ok"] and d["action"].startswith("nothing")]),
+                  ("not read from", [d["host"] for d in data if not d["ok"]])]
         out.append(Text(""))
-        out.append(Text(f"diff: what {series.name} {series.version} changes, against the unpatched files"
-                        f" (hosts: {', '.join(hosts) or 'none'})", style="bold"))
+        out.append(Text(f"diff: what {series.name} {series.version} changes, against the unpatched files", style="bold"))
+        for what, names in groups:
+            if names:
+                out.append(Text(f"  {what}: {', '.join(names)}"))
         color = app.out.is_terminal
         for path, text in diffs.items():
             out.append(Text(""))

@@ -109,10 +109,12 @@ def test_dead_hook_rolls_back(fleet1):
     _, hist = f.json("history")
     rb = [e for e in hist[0]["history"] if e["op"] == "rollback" and (e.get("from") or {}).get("series") == "hidden-dump-dead-hook"]
     assert len(rb) == 1 and re.match(r"smoke failed: no dump file for (\d+) of \1 prompts", rb[0]["reason"]), rb
-    p = f.patchctl("history")
+    p = f.patchctl("history")  # piped: short columns, the reason on an indented line below its entry
     assert p.returncode == 0, p.stderr
-    row = next(line for line in p.stdout.splitlines() if " rollback " in line and "hidden-dump-dead-hook" in line)
-    assert "hidden-dump-dead-hook" in row and re.search(r"smoke failed: no dump file for (\d+) of \1 prompts", row), p.stdout
+    lines = p.stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if " rollback " in line and "hidden-dump-dead-hook" in line)
+    assert lines[i + 1].lstrip().startswith("why: "), p.stdout
+    assert re.search(r"smoke failed: no dump file for (\d+) of \1 prompts", lines[i + 1]), p.stdout
 
 
 def test_import_error_rolls_back(fleet1, sglang_tree, tmp_path):
