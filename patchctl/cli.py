@@ -63,7 +63,7 @@ ENVIRONMENT = """environment:
                             $XDG_CONFIG_HOME/patchctl/inventory.toml (default ~/.config/...); a command
                             that reads one says on stderr which file it read
   PATCHCTL_CONNECT_TIMEOUT  seconds to connect, complete the SSH handshake and log in (default 10)
-  PATCHCTL_SILENCE_S        seconds without a byte from a host's agent (it reports every second)
+  PATCHCTL_SILENCE_S        seconds without a byte from a host's agent (it beats 4 times as often)
                             before the host is declared lost, state unknown (default 30); until
                             the agent's first word, its sshd answering keepalives counts (for up
                             to 10 times as long: a busy host's login shell may be slow to start it)

@@ -76,7 +76,8 @@ def build_script(request: dict) -> str:
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
          timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None) -> dict:
     """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
-    every second, so `silence` seconds without a byte means a hung link or host (ConnectionLost).
+    every `beat_s` seconds (a quarter of the silence limit), so `silence` seconds without a byte means a hung link or
+    host (ConnectionLost).
     `stream`: more input for a long-running op, after the script (Transport.run_python)."""
     other: list[str] = []
     saw_agent: list[bool] = []

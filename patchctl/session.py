@@ -104,7 +104,8 @@ class HostSession:
     def request(self, op: str, **fields) -> dict:
         h = self.host
         python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
-        req = {"op": op, "run_id": self.run.run_id, "holder": self.run.holder, "state_dir": h.state_dir,
+        req = {"op": op, "run_id": self.run.run_id, "holder": self.run.holder, "beat_s": self.run.beat_s,
+               "state_dir": h.state_dir,
                "sglang_root": h.sglang_root, "python": python,
                "server": {"manager": h.server.manager, "command": h.server.command, "host": h.server.host,
                           "port": h.server.port, "env": dict(h.server.env), "log": h.server.log,
@@ -215,6 +216,11 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def beat_interval(silence: float) -> float:
+    """Seconds between an agent's heartbeats for this silence limit: a quarter of it, 0.5 .. 15 s."""
+    return round(min(max(silence / 4.0, 0.5), 15.0), 3)
+
+
 class Run:
     """Global state of one command over the fleet."""
 
@@ -231,7 +237,10 @@ class Run:
         self.holder = holder_info(self.run_id, " ".join(["patchctl"] + sys.argv[1:]))
         self.accept_new_host_keys = getattr(args, "accept_new_host_keys", False)
         self.connect_timeout = env_seconds("PATCHCTL_CONNECT_TIMEOUT", 10.0)
-        self.silence = env_seconds("PATCHCTL_SILENCE_S", 30.0)  # the agent beats every second
+        self.silence = env_seconds("PATCHCTL_SILENCE_S", 30.0)
+        # the agents' heartbeat interval: 4 beats per silence limit (7.5 s at the default 30 s), bounded
+        # to 0.5 .. 15 s. Each beat costs this controller CPU; a link probe (transport) covers the gaps
+        self.beat_s = beat_interval(self.silence)
         self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
         self.sessions: dict[str, HostSession] = {}
         self.reporter: Reporter | None = None

@@ -226,7 +226,7 @@ def _probe_link(transport, events: queue.Queue, stop: threading.Event, every: fl
 
 
 def _silent_message(who: str, silence: float, what_was_done: str) -> str:
-    return (f"{who}: no word from the command for {silence:g}s (its agent reports every second): the link or "
+    return (f"{who}: no word from the command for {silence:g}s (its agent beats 4 times as often): the link or "
             f"the host is hung; {what_was_done} and the host's state is unknown")
 
 

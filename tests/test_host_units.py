@@ -401,3 +401,25 @@ def test_a_dump_that_never_lands_fails_the_sample_unless_the_server_died_then_it
     evs = events_of(capsys.readouterr().err)
     assert [e["event"] for e in evs] == ["host_stopped", "sample_returned"], evs
     assert evs[1]["id"] == "b" and "died before its dump was written" in evs[1]["reason"]
+
+
+def test_a_closed_controller_is_seen_between_beats():
+    """Beats come every beat_s (a quarter of the controller's silence limit, up to 15 s), yet an agent
+    whose controller went away still notices without waiting for a beat's failed write: the side thread
+    sees the closed end of stderr (POLLERR) and marks the controller gone, with no beat attempted."""
+    import subprocess
+    import sys
+
+    script = ("import sys, threading, time\nfrom patchctl.host import events\n"
+              "calls = []\nevents.event = lambda *a, **k: calls.append(a)\n"
+              "events.set_beat(15)\nevents._last_beat[0] = time.time()\n"
+              "threading.Thread(target=events.keep_beating, daemon=True).start()\n"
+              "sys.stdin.readline()\n"  # the test closes our stderr, then says go
+              "deadline = time.time() + 60\n"
+              "while not events._gone[0] and time.time() < deadline:\n    time.sleep(0.05)\n"
+              "sys.stdout.write('%s %d\\n' % (events._gone[0], len(calls)))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stderr.close()
+    out, _ = proc.communicate("go\n", timeout=120)
+    assert out.split() == ["True", "0"], out

@@ -34,7 +34,7 @@ import time
 
 from . import applier, capture, convert, tokenizer
 from .capture_config import refusals
-from .events import AgentError, ControllerGone, event, keep_beating, stop_beating
+from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
 from .osutil import expand, now, proc_uptime, read_json, sha256_bytes, sha256_file, write_json
 from .pull import pull
 from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
@@ -711,6 +711,7 @@ def handle(req):
 def main(req):
     """Entry point used by the bundle: run one request, print one JSON answer."""
     t0 = time.time()
+    set_beat(req.get("beat_s") or 1.0)
     beater = threading.Thread(target=keep_beating, name="heartbeat")
     beater.daemon = True
     beater.start()

@@ -8,6 +8,7 @@ exit code). Standard library only: shipped to hosts with the rest of this packag
 """
 
 import json
+import select
 import sys
 import threading
 import time
@@ -29,6 +30,18 @@ class ControllerGone(Exception):
 _last_beat = [0.0]
 _gone = [False]  # set once a write to the controller failed (by any thread)
 _emit_lock = threading.Lock()
+# Seconds between heartbeats: the controller sends a quarter of its silence limit with each request
+# (`beat_s`, 7.5 s at the default 30 s). Each beat costs the controller CPU, so a long wait (a
+# 30-minute weight load) beats four times per silence limit, not every second. 1 s without a request.
+BEAT_S = [1.0]
+
+
+def set_beat(seconds):
+    """The interval the controller asked for, bounded to 0.5 .. 15 s."""
+    try:
+        BEAT_S[0] = min(max(float(seconds), 0.5), 15.0)
+    except (TypeError, ValueError):
+        BEAT_S[0] = 1.0
 
 
 def event(kind, **data):
@@ -52,19 +65,34 @@ def heartbeat(**data):
     """Called in every wait loop: raises ControllerGone there (a safe point) once the controller is gone."""
     if _gone[0]:
         raise ControllerGone()
-    if time.time() - _last_beat[0] >= 1.0:
+    if time.time() - _last_beat[0] >= BEAT_S[0]:
         event("heartbeat", **data)
+
+
+def _stderr_closed():
+    """The controller's end of stderr is gone (POLLERR/POLLHUP on our write end): seen without writing."""
+    try:
+        p = select.poll()
+        p.register(sys.stderr.fileno(), select.POLLERR | select.POLLHUP)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in p.poll(0))
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 stop_beating = threading.Event()
 
 
 def keep_beating():
-    """A beat at least every second for the whole op, whatever the main thread is doing: the controller
-    takes a long silence for a hung link or host (PATCHCTL_SILENCE_S). A failed write only marks the
-    controller gone; the main thread stops at its next heartbeat, never in the middle of a file change."""
+    """A beat at least every BEAT_S for the whole op, whatever the main thread is doing: the controller
+    takes a long silence for a hung link or host (PATCHCTL_SILENCE_S). Every half second it also looks
+    whether the controller's end of stderr is closed, so an orphaned agent still stops within a second
+    between beats. A failed write or a closed end only marks the controller gone; the main thread stops
+    at its next heartbeat, never in the middle of a file change."""
     while not _gone[0] and not stop_beating.wait(0.5):
-        if time.time() - _last_beat[0] >= 1.0:
+        if _stderr_closed():
+            _gone[0] = True
+            return
+        if time.time() - _last_beat[0] >= BEAT_S[0]:
             try:
                 event("heartbeat", step="working")
             except ControllerGone:
