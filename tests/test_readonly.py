@@ -83,6 +83,7 @@ def test_dry_runs_leave_every_host_byte_for_byte_the_same(fleet):
     assert not fresh.exists()
 
 
+@pytest.mark.slow
 def test_history_last_and_its_piped_layout(fleet):
     f = fleet
     h0 = f.hosts[0]
@@ -99,6 +100,7 @@ def test_history_last_and_its_piped_layout(fleet):
     assert f.patchctl("history", "--last", "0").returncode == 2
 
 
+@pytest.mark.slow
 def test_plan_diff_names_its_hosts_and_pages_on_a_terminal(fleet, tmp_path):
     f = fleet
     h0, h1 = f.hosts

@@ -66,6 +66,7 @@ def test_killed_server_status_3_then_restart_verified(deployed):
     assert last["op"] == "restart" and last["series"] == "hidden-dump" and "smoke passed" in last["outcome"], last
 
 
+@pytest.mark.slow
 def test_stop_start_and_start_again_is_a_no_op(deployed):
     f, h = deployed, deployed.hosts[0]
     p = f.patchctl("--json", "stop")
@@ -85,6 +86,7 @@ def test_stop_start_and_start_again_is_a_no_op(deployed):
     assert f.digest(h) == f.applied
 
 
+@pytest.mark.slow
 def test_failed_smoke_leaves_the_files_and_names_the_next_commands(deployed):
     f, h = deployed, deployed.hosts[0]
     # the same deployed series, but this host's server now writes NaN into a captured layer
@@ -106,6 +108,7 @@ def test_failed_smoke_leaves_the_files_and_names_the_next_commands(deployed):
     assert p.returncode == 0 and "smoke passed" in p.stdout + p.stderr, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_smoke_refused_where_no_capture_series_is_deployed(tmp_path, sglang_tree):
     f = Fleet(tmp_path, 1, sglang_tree)
     try:
@@ -124,6 +127,7 @@ def test_smoke_refused_where_no_capture_series_is_deployed(tmp_path, sglang_tree
         f.close()
 
 
+@pytest.mark.slow
 def test_two_node_unit_restarts_as_a_unit(tmp_path, sglang_tree):
     from sshhosts import free_ports
 
