@@ -151,6 +151,24 @@ def test_a_changed_host_file_and_a_file_in_the_way_are_refused(fleet, tmp_path):
     assert (dest / target_rel(ids[0], "safetensors")).read_bytes() == original
 
 
+def test_a_file_whose_layers_are_not_the_runs_expectation_is_not_collected(fleet, tmp_path):
+    """The run's expectation for a host changed (as if its server had been started with other layers): its
+    files are refused with both sides named, on the controller (pull) and on the host (--on-host)."""
+    f = fleet
+    run = make_run(f, "lay", samples(6, start=1000), tmp_path)
+    info = json.loads((run["dir"] / "run.json").read_text())
+    info["hosts"]["host0"]["expect"] = {"layer_outputs": {"ids": [2, 30, 58], "from": "layer_outputs"}}
+    write_run_info(run["dir"], info)
+    on0 = {sid for sid, r in run["done"].items() if r["host"] == "host0"}
+    for extra in ((), ("--format", "specforge", "--on-host", str(tmp_path / "shared"))):
+        dest = tmp_path / ("pulled" if not extra else "onhost")
+        ev, p = collect(f, "lay", dest, *extra, expect=1)
+        bad = {e["id"]: e for e in ev if e["event"] == "not_collected"}
+        assert set(bad) == on0 and all(e["status"] == "layers mismatch" for e in bad.values()), bad
+        assert all("layer_outputs [1, 3, 4], expected [2, 30, 58] from layer_outputs" in e["reason"] for e in bad.values())
+        assert {e["id"] for e in index_of(dest)} == set(run["done"]) - on0
+
+
 def test_specforge_ckpt_loads_with_the_shapes_and_dtypes_specforge_expects(fleet, tmp_path):
     import torch
     f = fleet
