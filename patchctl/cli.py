@@ -36,6 +36,7 @@ COMMANDS = {
     "start": ("patchctl.service", "run_start"),
     "stop": ("patchctl.service", "run_stop"),
     "capture prepare": ("patchctl.capture.prepare", "run_prepare"),
+    "capture regenerate": ("patchctl.capture.regenerate", "run_regenerate"),
     "capture run": ("patchctl.capture.runner", "run_capture"),
     "capture status": ("patchctl.capture.collect", "run_capture_status"),
     "capture collect": ("patchctl.capture.collect", "run_capture_collect"),
@@ -369,6 +370,30 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--name", default=None, metavar="RUN",
                             help="the run's name: letters, digits, '.', '_', '-' (default: the dataset file's stem); "
                                  "running the same command again resumes the run")
+
+    cp = ccmd("regenerate", "every assistant turn answered anew by the served model, across the fleet; resumable",
+              "Replace every assistant turn of a conversations file by the served model's own answer, turn by turn\n"
+              "(each turn's context holds the regenerated earlier turns), across every healthy server of the fleet\n"
+              "through the hosts' SSH connections; journalled, resumed by running the same command again.")
+    cp.add_argument("conversations", type=Path, metavar="CONVERSATIONS",
+                    help='JSONL, one conversation a line: {"conversations": [{"from", "value"}, ...]} (ShareGPT) or '
+                         '{"messages": [{"role", "content"}, ...]} (OpenAI); optional "id"')
+    run_name(cp, required=False)
+    cp.add_argument("--out", type=Path, required=True, metavar="FILE",
+                    help="the regenerated conversations (JSONL, the input's shape; `capture prepare` reads it)")
+    limit(cp)
+    hostkeys(cp)
+    cp.add_argument("--max-new-tokens", type=positive_int, default=512, metavar="N",
+                    help="tokens an answer may have (default 512)")
+    cp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
+    cp.add_argument("--in-flight", type=positive_int, default=8, metavar="N",
+                    help="conversations in flight per server (default 8); a faster server finishes more and so gets more")
+    cp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
+                    help="hosts that may stop (server dead, host lost) before the run stops (default 0)")
+    cp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
+                    help="seconds a server may take to answer one turn before it is taken for hung (default 600)")
+    cp.add_argument("--drop-original", action="store_true",
+                    help="do not keep each original turn beside the regenerated one (original_content / original_value)")
 
     cp = ccmd("prepare", "conversations -> a tokenized dataset, with SpecForge's own chat template and loss mask",
               "Tokenize and mask conversations exactly as SpecForge's online preprocessing does (its\n"

@@ -76,6 +76,12 @@ def setup(d: DemoHost) -> None:
     from patchctl.simserver.model import write_model_config
 
     write_model_config(d.model, **DEMO_MODEL)
+    try:  # tokenizer files, so that `capture regenerate` / `capture prepare --from local` work on the demo host
+        from patchctl.simserver.tokenizer import write_tokenizer
+
+        write_tokenizer(d.model, "llama3")
+    except ImportError:  # the `tokenizers` library is not installed: the demo's own steps do not need it
+        pass
     d.state.mkdir(parents=True, exist_ok=True)
     if not healthy(d.host, d.port):
         say(f"starting the demo host's unpatched server (SGLang stand-in) on {d.host}:{d.port}")

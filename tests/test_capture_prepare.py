@@ -237,3 +237,14 @@ def test_the_stand_in_families_are_what_specforge_templates_expect(tokenizers):
         for s in FAMILIES[t]["specials"]:
             assert len(tok.encode(s, add_special_tokens=False)) == 1, (t, s)
         assert os.path.getsize(d / "tokenizer.json") > 0
+
+
+def test_the_shipped_conversations_example_prepares_for_the_demo_model(tokenizers, tmp_path, capsys):
+    src = Path(__file__).resolve().parent.parent / "examples" / "conversations.jsonl"
+    out = tmp_path / "ds.jsonl"
+    prepare(src, "--template", "llama3", "--tokenizer", tokenizers["llama3"], "--out", out, "--workers", "2",
+            capsys=capsys)
+    rows = [json.loads(l) for l in src.read_text().splitlines()]
+    got = read(out)
+    assert [g["id"] for g in got] == [r["id"] for r in rows]  # every conversation has a trainable token
+    assert all(max(g["input_ids"]) < 512 for g in got)  # the demo model's vocabulary

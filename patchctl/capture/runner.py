@@ -137,9 +137,27 @@ class CaptureRun:
             s = it.sample
             lane.outstanding[s.id] = it
             self.journal.append({"rec": "sent", "id": s.id, "host": lane.host.name, "attempt": it.attempt})
-            line = {"id": s.id, "rid": f"{self.prefix}-{s.id}", "input_ids": self.ds.read(s)["input_ids"]}
-            lane.stream.put((json.dumps(line, separators=(",", ":")) + "\n").encode())
+            lane.stream.put((json.dumps(self.work_line(s), separators=(",", ":")) + "\n").encode())
         self._maybe_end()
+
+    # what differs between the fleet jobs built on this one (capture here, capture/regenerate.py) ----------
+    def work_line(self, s) -> dict:
+        """What the host's op reads on stdin for one sample."""
+        return {"id": s.id, "rid": f"{self.prefix}-{s.id}", "input_ids": self.ds.read(s)["input_ids"]}
+
+    def done_record(self, lane: Lane, sid: str, ev: dict) -> dict:
+        """The journal's "done" record for a sample_done event."""
+        return {"rec": "done", "id": sid, "host": lane.host.name, "path": ev["path"], "sha256": ev["sha256"],
+                "bytes": ev["bytes"], "tokens": ev["tokens"]}
+
+    def host_request(self, s) -> dict:
+        """The long-running agent op each taking-part host runs (s: its HostSession)."""
+        host = s.host
+        return s.request("capture", capture_run=self.name, in_flight=self.args.in_flight, keep_free=self.args.keep_free,
+                         request_timeout=self.args.request_timeout, capture_layers=host.server.capture_layers,
+                         hidden_size=host.server.hidden_size,
+                         # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
+                         pool_from_bytes=int(os.environ.get("PATCHCTL_CAPTURE_POOL_FROM_BYTES") or 0) or None)
 
     def _fill_all(self) -> None:
         for lane in self.lanes.values():
@@ -177,13 +195,11 @@ class CaptureRun:
                 return  # not ours to account (already handed back when its host was declared lost)
             sid = it.sample.id
             if kind == "sample_done":
-                rec = {"rec": "done", "id": sid, "host": lane.host.name, "path": ev["path"], "sha256": ev["sha256"],
-                       "bytes": ev["bytes"], "tokens": ev["tokens"]}
-                self.journal.append(rec)
+                self.journal.append(self.done_record(lane, sid, ev))
                 lane.done += 1
                 lane.tokens += ev["tokens"]
-                lane.bytes += ev["bytes"]
-                self.progress.sample_done(lane.host.name, ev["tokens"], ev["bytes"])
+                lane.bytes += ev.get("bytes") or 0
+                self.progress.sample_done(lane.host.name, ev["tokens"], ev.get("bytes") or 0)
             elif kind == "sample_failed":
                 final = it.attempt >= ATTEMPTS
                 self.journal.append({"rec": "failed", "id": sid, "host": lane.host.name, "reason": ev["reason"],
@@ -223,11 +239,7 @@ class CaptureRun:
     # one host ------------------------------------------------------------------------------------
     def drive(self, lane: Lane) -> None:
         s = self.run.session(lane.host)
-        req = s.request("capture", capture_run=self.name, in_flight=self.args.in_flight, keep_free=self.args.keep_free,
-                        request_timeout=self.args.request_timeout, capture_layers=lane.host.server.capture_layers,
-                        hidden_size=lane.host.server.hidden_size,
-                        # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
-                        pool_from_bytes=int(os.environ.get("PATCHCTL_CAPTURE_POOL_FROM_BYTES") or 0) or None)
+        req = self.host_request(s)
         try:
             lane.result = remote.call(s.transport, req, on_event=lambda ev: self.on_event(lane, ev),
                                       silence=self.run.silence, stream=lane.stream)
@@ -347,7 +359,8 @@ def run_capture(app: App, args) -> int:
 
 
 def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
-             skipped: dict[str, str], down: list[str]) -> int:
+             skipped: dict[str, str], down: list[str], job: type = None) -> int:
+    """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass)."""
     journal = Journal(directory)
     done = journal.state().done
     todo = [s for s in ds.samples if s.id not in done]
@@ -359,7 +372,7 @@ def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, la
     if resumed:
         app.info(f"resuming run {name}: {resumed} of {len(ds.samples)} samples already done and verified, "
                  f"{len(todo)} to send")
-    cr = CaptureRun(app, args, run, name, prefix, ds, journal, progress)
+    cr = (job or CaptureRun)(app, args, run, name, prefix, ds, journal, progress)
     for l in lanes:
         l.stream = _Stream()
     interrupted = False

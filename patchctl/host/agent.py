@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 
-from . import applier, capture, convert, tokenizer
+from . import applier, capture, convert, regenerate, tokenizer
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
 from .osutil import expand, now, proc_uptime, read_json, sha256_bytes, sha256_file, write_json
@@ -552,6 +552,20 @@ class Agent(object):
         if not info["ready"]:
             raise AgentError("bad_input", "cannot capture here: %s" % info["why"])
         return capture.Capture(cfg, info, self.req, sys.stdin.buffer).run_all()
+
+    def op_regenerate_probe(self):
+        """Does this host take part in a regeneration (`regenerate.probe`); reads only."""
+        return dict(regenerate.probe(self._capture_server()), hostname=socket.gethostname())
+
+    def op_regenerate(self):
+        """One host's share of a regeneration: conversations on stdin until it closes (`regenerate.Regenerate`).
+        Holds the agent lock throughout: no deploy restarts this server under it."""
+        self.lock_agent(wait=0)
+        cfg = self._capture_server()
+        info = regenerate.probe(cfg)
+        if not info["ready"]:
+            raise AgentError("bad_input", "cannot regenerate here: %s" % info["why"])
+        return regenerate.Regenerate(cfg, self.req, sys.stdin.buffer).run_all()
 
     def op_tokenizer(self):
         """The served model's tokenizer files (`tokenizer.served`), their bytes with `with_data`; reads only."""

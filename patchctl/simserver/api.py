@@ -7,6 +7,10 @@ takes `text` or `input_ids` (one or a batch), `rid`, `sampling_params`, and answ
 with `meta_info.prompt_tokens` as SGLang does. Prompt lengths are checked as SGLang 0.5.23 does
 (patchctl.host.limits): `T >= context` or `T + max_new_tokens > context` refused up front (HTTP 400),
 `T >= max_req_input_len` aborted by the scheduler: a 1-token stub prefill, then HTTP 400. The DIE_AFTER / STALL_AFTER knobs act here.
+Generation is greedy from the tiny model (temperature is ignored), up to max_new_tokens, ending early
+after the tokenizer's eos (finish_reason stop). With tokenizer files in the model directory
+(`chat.ChatTokenizer`) `text` is tokenized and answered with them and `POST /v1/chat/completions`
+renders the chat template, as SGLang's OpenAI endpoint does; only the prompt's prefill is dumped.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
-        if path not in ("/generate",):
+        if path not in ("/generate", "/v1/chat/completions"):
             return self._send(404, {"detail": "Not Found"})
         with app.state.count_lock:
             app.state.generate_count += 1
@@ -118,7 +122,7 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw or b"null")
             if not isinstance(body, dict):
                 raise BadRequest("Request body must be a JSON object.")
-            code, res = 200, app.generate(body)
+            code, res = 200, (app.generate(body) if path == "/generate" else app.chat(body))
         except (BadRequest, json.JSONDecodeError) as e:
             logger.error("[http_server] Error: %s", e)
             code, res = 400, {"error": {"message": str(e)}}
@@ -170,6 +174,74 @@ class App:
         )
         return info
 
+    @property
+    def tokenizer(self):
+        """The model directory's tokenizer (`chat.ChatTokenizer`), or None: the byte tokenizer, no chat."""
+        if not hasattr(self, "_tokenizer"):
+            from patchctl.simserver.chat import ChatTokenizer
+
+            self._tokenizer = ChatTokenizer.of(self.args.tokenizer_path or self.args.model_path)
+        return self._tokenizer
+
+    def _run(self, rid, ids, max_new):
+        w = self._work(rid, ids, max_new)
+        if self.tokenizer is not None:
+            from patchctl.simserver.chat import Chooser
+
+            if not hasattr(self, "_chooser"):
+                self._chooser = Chooser(self.tokenizer, self.engine.vocab)
+            w.stop_ids = frozenset(self.tokenizer.eos_ids)
+            w.choose = self._chooser
+        self.engine.submit(w)
+        return w
+
+    def _finish(self, w):
+        if w.abort is not None:
+            return {"type": "abort", "message": w.abort}
+        if w.output_ids and w.output_ids[-1] in w.stop_ids:
+            return {"type": "stop", "matched": w.output_ids[-1]}
+        return {"type": "length", "length": w.max_new_tokens}
+
+    def _text(self, ids):
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else detokenize(ids)
+
+    def chat(self, body):
+        """POST /v1/chat/completions (non-streaming): the chat template rendered with a generation prompt,
+        tokenized without adding special tokens (as SGLang's serving_chat does), generated greedily."""
+        tok = self.tokenizer
+        if tok is None or not tok.template_text:
+            raise BadRequest("This model has no chat template (no tokenizer files in its model directory).")
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise BadRequest("messages must be a non-empty list of objects")
+        max_new = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_new = 128 if max_new is None else max_new
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 0:
+            raise BadRequest(f"max_tokens must be a non-negative integer, got {max_new!r}")
+        try:
+            prompt = tok.render(msgs, add_generation_prompt=True, tools=body.get("tools"))
+        except Exception as e:  # noqa: BLE001 - the template's raise_exception and any render error: the request's
+            raise BadRequest(f"The chat template refused the messages: {e}") from None
+        ids = tok.encode(prompt, add_special_tokens=False)
+        if not ids or max(ids) >= self.engine.vocab:
+            raise BadRequest("The rendered prompt is empty or holds ids outside the model's vocabulary.")
+        rid = body.get("rid") or f"chatcmpl-{uuid.uuid4().hex}"
+        w = self._run(str(rid), ids, max_new)
+        w.done.wait()
+        if w.error is not None:
+            raise RuntimeError(f"{type(w.error).__name__}: {w.error}")
+        if w.abort is not None:
+            raise BadRequest(w.abort)
+        out = [t for t in w.output_ids if t not in w.stop_ids]
+        fin = self._finish(w)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.args.served_model_name or self.args.model_path,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": tok.decode(out),
+                                                     "reasoning_content": None, "tool_calls": None},
+                             "finish_reason": fin["type"], "matched_stop": fin.get("matched")}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(w.output_ids),
+                          "total_tokens": len(ids) + len(w.output_ids)}}
+
     def _work(self, rid, ids, max_new):
         """The scheduler's prompt-length check (validate_input_length): a prompt of max_req_input_len tokens or
         more is aborted, its request turned into a 1-token stub that is still prefilled."""
@@ -201,7 +273,7 @@ class App:
             texts = [text] if single else text
             if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
                 raise BadRequest("text must be a string or a non-empty list of strings")
-            prompts = [tokenize(t, vocab) for t in texts]
+            prompts = [tokenize(t, vocab) if self.tokenizer is None else self.tokenizer.encode(t) for t in texts]
         else:
             single = isinstance(ids, list) and all(isinstance(t, int) for t in ids)
             prompts = [ids] if single else ids
@@ -236,9 +308,7 @@ class App:
             raise BadRequest("The rid should be a list with the same length as the prompts for a batch request.")
         if not all(isinstance(r, str) for r in rids):
             raise BadRequest("rid must be a string")
-        works = [self._work(r, p, max_new) for r, p in zip(rids, prompts)]
-        for w in works:
-            self.engine.submit(w)
+        works = [self._run(r, p, max_new) for r, p in zip(rids, prompts)]
         results = []
         for w in works:
             w.done.wait()
@@ -247,11 +317,11 @@ class App:
             if w.abort is not None:
                 raise BadRequest(w.abort)
             results.append({
-                "text": detokenize(w.output_ids),
+                "text": self._text([t for t in w.output_ids if t not in w.stop_ids]),
                 "output_ids": list(w.output_ids),
                 "meta_info": {
                     "id": w.rid,
-                    "finish_reason": {"type": "length", "length": w.max_new_tokens},
+                    "finish_reason": self._finish(w),
                     "prompt_tokens": len(w.input_ids),
                     "completion_tokens": len(w.output_ids),
                     "cached_tokens": 0,

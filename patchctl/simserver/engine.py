@@ -28,10 +28,12 @@ MAX_BATCH = 32
 
 
 class Work:
-    def __init__(self, rid, input_ids, max_new_tokens, abort: str | None = None):
+    def __init__(self, rid, input_ids, max_new_tokens, abort: str | None = None, stop_ids=()):
         self.rid = rid
         self.input_ids = input_ids
         self.max_new_tokens = max_new_tokens
+        self.stop_ids = frozenset(stop_ids)  # the tokenizer's eos: generation ends after it (finish_reason stop)
+        self.choose = None  # (work, the model's greedy token) -> the token generated (chat.Chooser), or None
         # SGLang's Req.set_finish_with_abort: the prompt replaced by the 1-token stub [0], `to_finish` set;
         # the stub is still prefilled (and the request answered with the abort's message, HTTP 400)
         self.abort = abort
@@ -120,14 +122,15 @@ class Engine:
         nexts = self._forward("EXTEND", batch, [w.input_ids for w in batch])
         for w, t in zip(batch, nexts):
             if w.max_new_tokens > 0 and w.abort is None:
-                w.output_ids.append(t)
+                w.output_ids.append(w.choose(w, t) if w.choose else t)
         while True:
-            active = [w for w in batch if 0 < len(w.output_ids) < w.max_new_tokens and w.abort is None]
+            active = [w for w in batch if 0 < len(w.output_ids) < w.max_new_tokens and w.abort is None
+                      and w.output_ids[-1] not in w.stop_ids]
             if not active:
                 break
             nexts = self._forward("DECODE", active, [[w.output_ids[-1]] for w in active])
             for w, t in zip(active, nexts):
-                w.output_ids.append(t)
+                w.output_ids.append(w.choose(w, t) if w.choose else t)
 
     def _forward(self, mode, batch, seqs):
         self.forward_pass_id += 1

@@ -1,0 +1,219 @@
+"""`patchctl capture regenerate` over 3 real sshd hosts, each serving the stand-in with tokenizer files
+built here (patchctl.simserver.tokenizer) in its model directory.
+
+The reference for every regenerated turn is computed apart from the command and from the stand-in's
+chat endpoint: transformers renders the conversation so far (the regenerated earlier turns included)
+with the model's chat template, the ids go to a server's plain `/generate`, and the answer's ids are
+decoded. Generation is deterministic and the same on every host, so a turn must equal that whichever
+host answered it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import urllib.request
+
+import pytest
+from transformers import AutoTokenizer
+
+from fleet import Fleet, wait_for
+from patchctl.simserver.tokenizer import write_tokenizer
+
+MAX_NEW = 10
+WORDS = "hello world how are you the quick brown fox jumps over lazy dog what is capital of France".split()
+
+
+@pytest.fixture(scope="module")
+def fleet3(tmp_path_factory, sglang_tree):
+    f = Fleet(tmp_path_factory.mktemp("regen"), 3, sglang_tree)
+    for h in f.hosts:
+        write_tokenizer(h.dir / "model", "qwen")
+    f.start_servers()
+    # the same files apart from the model directory (whose config.json would make transformers build the model's
+    # config class): the reference tokenizer
+    tok_dir = write_tokenizer(f.base / "reference-tokenizer", "qwen")
+    assert (tok_dir / "tokenizer.json").read_bytes() == (f.hosts[0].dir / "model" / "tokenizer.json").read_bytes()
+    f.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def fleet(fleet3):
+    for h in fleet3.hosts:
+        if not fleet3.healthy(h):
+            fleet3.start_server(h)
+    return fleet3
+
+
+def conversations(path, n: int, seed: int) -> list[dict]:
+    r = random.Random(seed)
+    rows = []
+    for i in range(n):
+        turns = r.randrange(1, 4)
+        msgs = [{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []
+        for _ in range(turns):
+            msgs.append({"role": "user", "content": " ".join(r.choice(WORDS) for _ in range(r.randrange(2, 8)))})
+            msgs.append({"role": "assistant", "content": "old answer " + str(r.random())})
+        if i % 2:  # ShareGPT
+            row = {"id": f"c{seed}-{i}", "conversations": [
+                {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+                for m in msgs]}
+        else:
+            row = {"id": f"c{seed}-{i}", "messages": msgs}
+        rows.append(row)
+    path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return rows
+
+
+def generate(port: int, ids: list[int]) -> list[int]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", method="POST", data=json.dumps(
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())["output_ids"]
+
+
+def expected_turns(f, row: dict, regenerated: list[dict]) -> list[str]:
+    """Each assistant turn as the stand-in answers exactly its context (earlier turns as regenerated)."""
+    tok = f.tokenizer
+    src = row.get("messages") or row.get("conversations")
+    context, want = [], []
+    for m, got in zip(src, regenerated):
+        role = {"human": "user", "gpt": "assistant"}.get(m.get("role", m.get("from")), m.get("role", m.get("from")))
+        if role == "assistant":
+            prompt = tok.apply_chat_template(context, add_generation_prompt=True, tokenize=False)
+            out = generate(f.hosts[0].server_port, tok.encode(prompt, add_special_tokens=False))
+            want.append(tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=True))
+            context.append({"role": "assistant", "content": got.get("content", got.get("value"))})
+        else:
+            context.append({"role": role, "content": m.get("content", m.get("value"))})
+    return want
+
+
+def regenerated_turns(row: dict) -> list[str]:
+    msgs = row.get("messages") or row.get("conversations")
+    return [m.get("content", m.get("value")) for m in msgs if m.get("role", m.get("from")) in ("assistant", "gpt")]
+
+
+def journal(f, name: str) -> list[dict]:
+    p = f.base / "xdg-state" / "patchctl" / "regenerations" / name / "journal.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+
+
+def done_once(recs) -> dict[str, dict]:
+    out = {}
+    for r in recs:
+        if r["rec"] == "done":
+            assert r["id"] not in out, f"{r['id']} done twice"
+            out[r["id"]] = r
+    return out
+
+
+def check_output(f, rows, out_path, originals=True):
+    got = [json.loads(l) for l in out_path.read_text().splitlines()]
+    assert [g["id"] for g in got] == [r["id"] for r in rows]  # input order
+    for row, g in zip(rows, got):
+        msgs = g.get("messages") or g.get("conversations")
+        want = expected_turns(f, row, msgs)
+        assert regenerated_turns(g) == want, g["id"]
+        olds = [m.get("original_content", m.get("original_value")) for m in msgs
+                if m.get("role", m.get("from")) in ("assistant", "gpt")]
+        assert olds == (regenerated_turns(row) if originals else [None] * len(want))
+    return got
+
+
+def test_every_turn_is_the_servers_answer_to_its_regenerated_context(fleet, tmp_path):
+    f = fleet
+    rows = conversations(tmp_path / "conv.jsonl", 30, seed=1)
+    p = f.patchctl("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "main", "--out",
+                   str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "2")
+    assert p.returncode == 0, p.stdout + p.stderr
+    got = check_output(f, rows, tmp_path / "regen.jsonl")
+    assert {g["regenerated"]["host"] for g in got} == {"host0", "host1", "host2"}
+    assert any(len(regenerated_turns(r)) > 1 for r in rows)  # multi-turn: later turns saw regenerated ones
+    done = done_once(journal(f, "main"))
+    assert set(done) == {r["id"] for r in rows}
+    # prepare reads the output as it is
+    p = f.patchctl("capture", "prepare", str(tmp_path / "regen.jsonl"), "--template", "qwen", "--tokenizer",
+                   str(f.hosts[0].dir / "model"), "--out", str(tmp_path / "ds.jsonl"), "--workers", "1",
+                   env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert p.returncode == 0, p.stderr
+    assert len((tmp_path / "ds.jsonl").read_text().splitlines()) == len(rows)
+    # the same command again: nothing is sent, the output is the same
+    before, recs = (tmp_path / "regen.jsonl").read_bytes(), journal(f, "main")
+    p = f.patchctl("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "main", "--out",
+                   str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW))
+    assert p.returncode == 0, p.stderr
+    assert not [r for r in journal(f, "main")[len(recs):] if r["rec"] == "sent"]
+    assert (tmp_path / "regen.jsonl").read_bytes() == before
+
+
+def test_a_server_killed_mid_run_its_conversations_finish_elsewhere_none_twice(fleet, tmp_path):
+    f = fleet
+    rows = conversations(tmp_path / "conv.jsonl", 90, seed=2)
+    proc = f.popen("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "killed", "--out",
+                   str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "1",
+                   "--max-fail", "1", "--drop-original")
+    wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 3
+             or proc.poll() is not None, 120, what="host1 at work")
+    assert proc.poll() is None, "the run ended before host1's server could be killed"
+    os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    recs = journal(f, "killed")
+    done = done_once(recs)
+    assert set(done) == {r["id"] for r in rows}
+    assert [r["host"] for r in recs if r["rec"] == "host"] == ["host1"]
+    returned = [r for r in recs if r["rec"] == "returned"]
+    assert returned and all(done[r["id"]]["host"] != "host1" for r in returned)
+    check_output(f, rows, tmp_path / "regen.jsonl", originals=False)
+
+
+def test_the_controller_killed_then_resumed_redoes_no_finished_conversation(fleet, tmp_path):
+    f = fleet
+    rows = conversations(tmp_path / "conv.jsonl", 120, seed=3)
+    args = ("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "crash", "--out",
+            str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "1")
+    proc = f.popen(*args)
+    wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 15 or proc.poll() is not None,
+             120, what="15 conversations done")
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    first = journal(f, "crash")
+    finished = set(done_once(first))
+    assert 15 <= len(finished) < len(rows)
+    p = f.patchctl(*args)
+    assert p.returncode == 0, p.stdout + p.stderr
+    again = journal(f, "crash")[len(first):]
+    assert not {r["id"] for r in again if r["rec"] == "sent"} & finished
+    assert set(done_once(first + again)) == {r["id"] for r in rows}
+    assert f"resuming run crash: {len(finished)} of {len(rows)}" in p.stderr
+    check_output(f, rows, tmp_path / "regen.jsonl")
+
+
+def test_bad_lines_all_named_nothing_sent(fleet, tmp_path):
+    f = fleet
+    src = tmp_path / "bad.jsonl"
+    src.write_text("\n".join([
+        json.dumps({"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}),
+        "[1, 2",
+        json.dumps({"id": "no-answer", "messages": [{"role": "user", "content": "hi"}]}),
+        json.dumps({"id": "first", "conversations": [{"from": "gpt", "value": "hello"}]}),
+        json.dumps({"id": "robot", "messages": [{"role": "robot", "content": "beep"}]}),
+        json.dumps({"id": "ok", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
+        json.dumps({"text": "plain"}),
+    ]) + "\n")
+    out = tmp_path / "regen.jsonl"
+    p = f.patchctl("capture", "regenerate", str(src), "--name", "bad", "--out", str(out))
+    assert p.returncode == 2, p.stdout + p.stderr
+    for line, what in [(2, "not valid JSON"), (3, "messages: no assistant turn to regenerate"),
+                       (4, "conversations: message 1: an assistant turn after nothing"),
+                       (5, "messages: message 1: role 'robot'"), (6, "id 'ok' again (first on line 1)"),
+                       (7, 'no "conversations" (ShareGPT) or "messages" (OpenAI) list')]:
+        assert f"{src}:{line}: {what}" in p.stderr, (line, p.stderr)
+    assert "6 problems" in p.stderr and "nothing was sent" in p.stderr
+    assert not out.exists() and journal(f, "bad") == []
