@@ -762,6 +762,7 @@ def test_failed_snapshot_gives_its_budget_back(hd, monkeypatch):
     assert "hook_failed" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
 
+@pytest.mark.slow  # a whole benchmark run (two sizes, sustained and hook phases)
 def test_capture_cost_bench_runs_on_cpu(tmp_path):
     """bench/capture_cost.py --cpu --quick: the GPU benchmark must not rot on CPU-only CI."""
     out = tmp_path / "cost.json"

@@ -26,6 +26,7 @@ abort stubs are written as `patchctl-too-long.safetensors` and `patchctl-client-
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import socket
@@ -138,16 +139,40 @@ class Run:
         return p.read_text() if p.is_file() else ""
 
 
-@pytest.fixture(scope="session")
-def scenario(real_tree, models, tmp_path_factory):
-    """run(name, ...) -> Run; each named scenario runs once per session."""
-    cache: dict = {}
-    smoke = _series()["smoke"]
+def _planned_scenarios(items) -> list[tuple[tuple, dict]]:
+    """The literal scenario(...) calls of the selected tests of this file, in run order (what the
+    scenario fixture may start ahead of the test that asks for it)."""
+    calls: dict[str, list] = {}
+    for fn in ast.parse(Path(__file__).read_text()).body:
+        if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "scenario":
+                    try:
+                        call = (tuple(ast.literal_eval(a) for a in node.args),
+                                {k.arg: ast.literal_eval(k.value) for k in node.keywords})
+                    except ValueError:
+                        continue
+                    calls.setdefault(fn.name, []).append(call)
+    here = Path(__file__).resolve()
+    return [c for item in items if Path(item.path).resolve() == here for c in calls.get(item.originalname, [])]
 
-    def run(name: str, driver_scenario: str, *, flags=(), ranks: int = 1, prefix=PREFIX,
-            capture: bool = True, model: str = "llama", timeout: float = 420) -> Run:
-        if name in cache:
-            return cache[name]
+
+@pytest.fixture(scope="session")
+def scenario(real_tree, models, tmp_path_factory, request):
+    """run(name, ...) -> Run; each named scenario runs once per session.
+
+    Each scenario's processes are CPU-bound and single-threaded: while a test waits for its own, the
+    scenarios the next selected tests ask for are started beside it, up to one rank per core (a
+    scenario with more ranks than cores runs alone). Results are the same: each scenario still has
+    its own processes, directory, port and dump directory."""
+    cache: dict = {}
+    started: dict = {}
+    smoke = _series()["smoke"]
+    plan = _planned_scenarios(request.session.items)
+    cores = os.cpu_count() or 1
+
+    def start(name: str, driver_scenario: str, *, flags=(), ranks: int = 1, prefix=PREFIX,
+              capture: bool = True, model: str = "llama", timeout: float = 420) -> dict:
         base = tmp_path_factory.mktemp("scn-" + name)
         dump = base / "dumps"
         server_args = list(smoke["server_args"])
@@ -163,11 +188,9 @@ def scenario(real_tree, models, tmp_path_factory):
         if prefix:
             env["SGLANG_HIDDEN_DUMP_RID_PREFIX"] = prefix
         if ranks > 1:  # SGLang's CPU path binds each rank to cores: give each rank one
-            ncpu = os.cpu_count() or 1
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % ncpu) for i in range(ranks))
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(ranks))
         port = _free_port()
         procs, logs = [], []
-        t0 = time.monotonic()
         for rank in range(ranks):
             spec = {"scenario": driver_scenario, "model_dir": str(models[model]),
                     "dump_dir": str(dump), "out_dir": str(base / f"out{rank}"),
@@ -178,29 +201,63 @@ def scenario(real_tree, models, tmp_path_factory):
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, str(DRIVER), str(sp)], env=env,
                                           stdout=log, stderr=subprocess.STDOUT, cwd=str(base)))
+        return {"base": base, "dump": dump, "procs": procs, "logs": logs, "ranks": ranks,
+                "timeout": timeout, "t0": time.monotonic()}
+
+    def running_ranks() -> int:
+        return sum(st["ranks"] for st in started.values() if any(p.poll() is None for p in st["procs"]))
+
+    def top_up() -> None:
+        """Start planned scenarios while a core is free (never one that would share cores)."""
+        for args, kwargs in plan:
+            name = args[0]
+            if name in started or name in cache:
+                continue
+            ranks = kwargs.get("ranks", 1)
+            if running_ranks() + ranks > cores:
+                return
+            started[name] = start(*args, **kwargs)
+
+    def finish(name: str, st: dict) -> Run:
         try:
-            for p in procs:
-                p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            for p in st["procs"]:
+                p.wait(timeout=max(1.0, st["timeout"] - (time.monotonic() - st["t0"])))
         finally:
-            for p in procs:
+            for p in st["procs"]:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-            for log in logs:
+            for log in st["logs"]:
                 log.close()
+        base = st["base"]
         results = []
-        for rank in range(ranks):
+        for rank in range(st["ranks"]):
             out = base / f"out{rank}" / "result.json"
             tail = (base / f"log{rank}.txt").read_text()[-4000:]
             assert out.is_file(), f"scenario {name} rank {rank} wrote no result; log:\n{tail}"
             res = json.loads(out.read_text())
             assert res["ok"], f"scenario {name} rank {rank}: {res['error']}\n{res['traceback']}\nlog:\n{tail}"
             results.append(res)
-        run_ = cache[name] = Run(base, results, dump)
-        run_.seconds = round(time.monotonic() - t0, 1)
+        run_ = cache[name] = Run(base, results, st["dump"])
+        run_.seconds = round(time.monotonic() - st["t0"], 1)
         return run_
 
-    return run
+    def run(name: str, *args, **kwargs) -> Run:
+        if name in cache:
+            return cache[name]
+        if name not in started:
+            started[name] = start(name, *args, **kwargs)
+        top_up()
+        return finish(name, started.pop(name))
+
+    yield run
+    for st in started.values():  # started ahead for a test that did not get to ask
+        for p in st["procs"]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in st["logs"]:
+            log.close()
 
 
 # --------------------------------------------------------------------------- checks
