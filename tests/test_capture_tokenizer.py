@@ -42,6 +42,7 @@ def journal(f, name: str) -> list[dict]:
     return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
 
 
+@pytest.mark.slow  # a prepare over SSH and a capture run on two hosts
 def test_prepare_from_a_host_then_capture_run_refuses_another_tokenizer(fleet2, tmp_path):
     f = fleet2
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}

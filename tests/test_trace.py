@@ -147,6 +147,7 @@ def _deepseek_series(tree, server_args=()):
     return FakeSeries((FakePatch("0001.patch", deepseek_hook_patch(tree)),), FakeSmoke(tuple(server_args)))
 
 
+@pytest.mark.slow  # traces into DeepseekV2Model across the 0.5.23 tree: tens of seconds of CPU
 def test_hook_in_deepseek_model_warns_about_prefill_cuda_graph(sglang_tree):
     report = tr.check_series(sglang_tree, _deepseek_series(sglang_tree), [KIMI, "DeepseekV3ForCausalLM"])
     for r in report["_results"]:
@@ -157,6 +158,7 @@ def test_hook_in_deepseek_model_warns_about_prefill_cuda_graph(sglang_tree):
     assert not report["ok"] and "--disable-prefill-cuda-graph" in report["detail"]
 
 
+@pytest.mark.slow  # traces into DeepseekV2Model across the 0.5.23 tree: tens of seconds of CPU
 @pytest.mark.parametrize("args", [["--disable-prefill-cuda-graph"], ["--cuda-graph-backend-prefill", "disabled"],
                                   ["--cuda-graph-backend-prefill=disabled"], ["--disable-cuda-graph"]])
 def test_prefill_flag_in_profile_silences_the_warning(sglang_tree, args):
@@ -189,6 +191,7 @@ def test_model_runner_layer_and_construction_rules(tracer):
     assert not r_ds.reached
 
 
+@pytest.mark.slow  # traces into DeepseekV2Model across the 0.5.23 tree: tens of seconds of CPU
 def test_parallel_sweep_matches_serial(sglang_tree, monkeypatch):
     archs = sorted(tr.entry_classes(sglang_tree))[:6] + [KIMI, "LlamaForCausalLM", "DeepseekV3ForCausalLM"]
     series = _deepseek_series(sglang_tree)
@@ -312,6 +315,7 @@ def _cli(*argv) -> int:
     return main([str(a) for a in argv])
 
 
+@pytest.mark.slow  # traces into DeepseekV2Model across the 0.5.23 tree: tens of seconds of CPU
 def test_cli_trace_exit_codes_and_json(sglang_tree, tmp_path, capsys):
     pd = tmp_path / "patches"
     write_series(pd, "ds-hook", [("0001-ds.patch", deepseek_hook_patch(sglang_tree))])
@@ -347,6 +351,7 @@ def test_cli_trace_exit_codes_and_json(sglang_tree, tmp_path, capsys):
     assert KIMI in capsys.readouterr().err
 
 
+@pytest.mark.slow  # traces into DeepseekV2Model across the 0.5.23 tree: tens of seconds of CPU
 def test_check_reachability_for_check_command(sglang_tree, tmp_path):
     from patchctl.console import App
     from patchctl.series import load_series
