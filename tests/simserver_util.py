@@ -195,7 +195,7 @@ class Server:
     def post(self, path, body, timeout=30):
         return request(self.url + path, body, timeout=timeout)
 
-    def wait_port(self, deadline=30.0):
+    def wait_port(self, deadline=120.0):  # deadlines only catch a hang (a loaded machine starts torch slowly)
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()}"
@@ -206,7 +206,7 @@ class Server:
                 time.sleep(0.02)
         raise AssertionError(f"port never opened:\n{self.text()}")
 
-    def wait_ready(self, deadline=30.0):
+    def wait_ready(self, deadline=120.0):
         end = time.monotonic() + deadline
         while time.monotonic() < end:
             assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.text()}"
@@ -218,7 +218,7 @@ class Server:
             time.sleep(0.05)
         raise AssertionError(f"server never became ready:\n{self.text()}")
 
-    def wait_exit(self, deadline=30.0) -> int:
+    def wait_exit(self, deadline=120.0) -> int:
         try:
             return self.proc.wait(deadline)
         except subprocess.TimeoutExpired:

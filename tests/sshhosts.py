@@ -93,7 +93,7 @@ def free_ports(address: str, n: int, avoid: set[int] = frozenset()) -> list[int]
             s.close()
 
 
-def _wait_port(address: str, port: int, proc: subprocess.Popen | None, log: Path, timeout: float = 15.0):
+def _wait_port(address: str, port: int, proc: subprocess.Popen | None, log: Path, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
