@@ -30,11 +30,11 @@ WORDS = "hello world how are you the quick brown fox jumps over lazy dog what is
 def fleet3(tmp_path_factory, sglang_tree):
     f = Fleet(tmp_path_factory.mktemp("regen"), 3, sglang_tree)
     for h in f.hosts:
-        write_tokenizer(h.dir / "model", "qwen")
+        write_tokenizer(h.dir / "model", "llama3")  # its chat template refuses roles that do not alternate
     f.start_servers()
     # the same files apart from the model directory (whose config.json would make transformers build the model's
     # config class): the reference tokenizer
-    tok_dir = write_tokenizer(f.base / "reference-tokenizer", "qwen")
+    tok_dir = write_tokenizer(f.base / "reference-tokenizer", "llama3")
     assert (tok_dir / "tokenizer.json").read_bytes() == (f.hosts[0].dir / "model" / "tokenizer.json").read_bytes()
     f.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     yield f
@@ -128,26 +128,35 @@ def check_output(f, rows, out_path, originals=True):
 def test_every_turn_is_the_servers_answer_to_its_regenerated_context(fleet, tmp_path):
     f = fleet
     rows = conversations(tmp_path / "conv.jsonl", 30, seed=1)
+    # valid input, but the served model's chat template refuses it: that conversation fails, with the reason
+    refused = {"id": "two-users", "messages": [{"role": "user", "content": "hello"}, {"role": "user", "content": "world"},
+                                               {"role": "assistant", "content": "hi"}]}
+    with open(tmp_path / "conv.jsonl", "a") as fh:
+        fh.write(json.dumps(refused) + "\n")
     p = f.patchctl("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "main", "--out",
                    str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "2")
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == 1, p.stdout + p.stderr
+    fails = [r for r in journal(f, "main") if r["rec"] == "failed"]
+    assert [r["id"] for r in fails] == ["two-users", "two-users"] and fails[0]["host"] != fails[1]["host"]
+    assert fails[1]["final"] and "Conversation roles must alternate" in fails[1]["reason"]
+    assert f"{len(rows)} of {len(rows) + 1} conversations regenerated" in p.stderr
     got = check_output(f, rows, tmp_path / "regen.jsonl")
     assert {g["regenerated"]["host"] for g in got} == {"host0", "host1", "host2"}
     assert any(len(regenerated_turns(r)) > 1 for r in rows)  # multi-turn: later turns saw regenerated ones
     done = done_once(journal(f, "main"))
-    assert set(done) == {r["id"] for r in rows}
+    assert set(done) == {r["id"] for r in rows}  # all but the refused one
     # prepare reads the output as it is
-    p = f.patchctl("capture", "prepare", str(tmp_path / "regen.jsonl"), "--template", "qwen", "--tokenizer",
+    p = f.patchctl("capture", "prepare", str(tmp_path / "regen.jsonl"), "--template", "llama3", "--tokenizer",
                    str(f.hosts[0].dir / "model"), "--out", str(tmp_path / "ds.jsonl"), "--workers", "1",
                    env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert p.returncode == 0, p.stderr
     assert len((tmp_path / "ds.jsonl").read_text().splitlines()) == len(rows)
-    # the same command again: nothing is sent, the output is the same
+    # the same command again: only the failed conversation is sent again; the output is the same
     before, recs = (tmp_path / "regen.jsonl").read_bytes(), journal(f, "main")
     p = f.patchctl("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "main", "--out",
                    str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW))
-    assert p.returncode == 0, p.stderr
-    assert not [r for r in journal(f, "main")[len(recs):] if r["rec"] == "sent"]
+    assert p.returncode == 1, p.stderr
+    assert {r["id"] for r in journal(f, "main")[len(recs):] if r["rec"] == "sent"} == {"two-users"}
     assert (tmp_path / "regen.jsonl").read_bytes() == before
 
 
