@@ -30,9 +30,23 @@ _tmp: Path | None = None
 def _base() -> Path:
     global _tmp
     if _tmp is None:
+        _remove_stale()
         _tmp = Path(tempfile.mkdtemp(prefix="patchctl-tests-trees."))
-        atexit.register(shutil.rmtree, _tmp, True)
+        owner = os.getpid()
+        (_tmp / "pid").write_text(str(owner))
+        atexit.register(lambda: os.getpid() == owner and shutil.rmtree(_tmp, True))  # never from a forked child
     return _tmp
+
+
+def _remove_stale() -> None:
+    """Pristine copies of test runs that were killed (no atexit): their process is gone."""
+    for d in Path(tempfile.gettempdir()).glob("patchctl-tests-trees.*"):
+        try:
+            os.kill(int((d / "pid").read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, True)
+        except (OSError, ValueError):
+            continue  # no pid file yet (being made), or not ours to judge
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:
