@@ -307,6 +307,51 @@ def test_transition_keeps_owner_group_mode_and_an_interrupted_one_restores_them(
     assert (root / "sglang" / "sub" / "b.py").exists()
 
 
+def test_a_transition_killed_after_its_manifest_was_written_is_undone_manifest_included(tmp_path, monkeypatch):
+    """The new manifest is written after the files and before the journal says done: a run killed between
+    the two leaves files and manifest that the journal must put back together (the old manifest, or none)."""
+    from patchctl.host import state as hstate
+
+    root = tmp_path / "tree"
+    (root / "sglang").mkdir(parents=True)
+    a = root / "sglang" / "a.py"
+    a.write_bytes(b"v1\n")
+    ts = hstate.TreeState(str(tmp_path / "state"), str(root))
+    v2, v3 = ts.put_blob(b"v2\n"), ts.put_blob(b"v3\n")
+    ts.transition("apply", {"sglang/a.py": v2}, {"series": "s", "version": "1"}, "r1")
+    before = json.loads(open(ts.manifest_path).read())
+
+    real_write, phases = hstate.write_json, []
+
+    def dying_write(path, data):
+        if os.path.basename(path) == "journal.json" and data.get("phase") == "done":
+            raise KeyboardInterrupt("killed after the manifest was written")
+        real_write(path, data)
+        phases.append(path)
+
+    monkeypatch.setattr(hstate, "write_json", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        ts.transition("apply", {"sglang/a.py": v3}, {"series": "s", "version": "2"}, "r2")
+    monkeypatch.setattr(hstate, "write_json", real_write)
+    assert ts.manifest_path in phases and a.read_bytes() == b"v3\n"  # the kill landed where it must
+    assert json.loads(open(ts.manifest_path).read())["version"] == "2"
+
+    assert ts.recover()["action"] == "undone"
+    assert a.read_bytes() == b"v2\n"
+    assert json.loads(open(ts.manifest_path).read()) == before  # not the manifest of the undone change
+
+    # the first deploy of a tree killed the same way: no manifest at all afterwards
+    fresh = hstate.TreeState(str(tmp_path / "state2"), str(root))
+    fresh.put_blob(b"v3\n")
+    monkeypatch.setattr(hstate, "write_json", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        fresh.transition("apply", {"sglang/a.py": v3}, {"series": "s", "version": "3"}, "r3")
+    monkeypatch.setattr(hstate, "write_json", real_write)
+    assert os.path.exists(fresh.manifest_path)
+    assert fresh.recover()["action"] == "undone"
+    assert not os.path.exists(fresh.manifest_path) and a.read_bytes() == b"v2\n"
+
+
 def test_an_agent_that_is_not_root_refuses_to_take_a_file_from_its_owner():
     """Without become, a change that would hand a root-owned file to the SSH user is refused before any change;
     and a state_dir that belongs to another user is refused (it steers what the agent writes)."""

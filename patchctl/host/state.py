@@ -216,23 +216,29 @@ class TreeState(object):
                 self._check_may_own(rel, after_meta)
             changes.append({"path": rel, "before": before, "after": after, "mode": before_meta and before_meta["mode"],
                             "before_meta": before_meta, "after_meta": after_meta})
+        # the manifest in force before: an undo puts it back too (the new one may be written already)
         journal = {"op": op, "run_id": run_id, "phase": "prepared", "changes": changes,
-                   "manifest": new_manifest, "started": now(), "note": note}
+                   "manifest": new_manifest, "manifest_before": read_json(self.manifest_path),
+                   "started": now(), "note": note}
         write_json(self.journal_path, journal)
         journal["phase"] = "committing"
         write_json(self.journal_path, journal)
         for ch in changes:
             self._put(ch["path"], ch["after"], ch["after_meta"])
-        if new_manifest is None:
-            if os.path.exists(self.manifest_path):
-                os.unlink(self.manifest_path)
-        else:
-            write_json(self.manifest_path, new_manifest)
+        self._set_manifest(new_manifest)
         journal["phase"] = "done"
         write_json(self.journal_path, journal)
         os.unlink(self.journal_path)
         fsync_dir(self.dir)
         return changes
+
+    def _set_manifest(self, manifest):
+        """The tree's manifest becomes `manifest` (None: the tree has no series)."""
+        if manifest is None:
+            if os.path.exists(self.manifest_path):
+                os.unlink(self.manifest_path)
+        else:
+            write_json(self.manifest_path, manifest)
 
     def _check_may_own(self, rel, meta):
         """Refused before anything changes: a file this agent could not give its owner and group."""
@@ -270,15 +276,13 @@ class TreeState(object):
             return None
         phase = j.get("phase")
         if phase == "done":
-            if j.get("manifest") is None:
-                if os.path.exists(self.manifest_path):
-                    os.unlink(self.manifest_path)
-            else:
-                write_json(self.manifest_path, j["manifest"])
+            self._set_manifest(j.get("manifest"))
             action = "finished"
         elif phase == "committing":
             for ch in j["changes"]:
                 self._put(ch["path"], ch["before"], ch.get("before_meta") or ch.get("mode"))
+            if "manifest_before" in j:  # a journal of an older patchctl has none: its manifest was not yet written
+                self._set_manifest(j["manifest_before"])
             action = "undone"
         else:
             action = "discarded"  # nothing had been changed yet
