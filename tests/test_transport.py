@@ -477,6 +477,7 @@ def _kill(pidfile: Path) -> None:
             pass
 
 
+@pytest.mark.slow  # starves the command for 3 silence limits and then 12 beats on purpose
 def test_cpu_starved_host_is_waited_for_until_its_agent_speaks(tmp_path, hosts):
     """The command's process is stopped 90% of the time (SIGSTOP/SIGCONT bursts: a starved CPU, never a
     frozen one) and needs 3 silence limits before its first word, then keeps being starved while it beats."""
