@@ -293,10 +293,11 @@ class Fleet:
         stop_hosts(self.ssh)
 
 
-def started_fleet(base: Path, n: int, sglang_tree: Path) -> "Fleet":
+def started_fleet(base: Path, n: int, sglang_tree: Path, *, light: bool = False) -> "Fleet":
     """A fleet of n hosts with their unpatched servers running and each tree's pristine digest
-    recorded (for module-scoped fixtures shared by many tests)."""
-    f = Fleet(base, n, sglang_tree)
+    recorded (for module-scoped fixtures shared by many tests). `light`: those first servers start
+    without torch (PATCHCTL_SIM_LIGHT); a deploy still starts full stand-ins with the hook."""
+    f = Fleet(base, n, sglang_tree, light=light)
     f.start_servers()
     f.pristine = {h.name: f.digest(h) for h in f.hosts}
     return f

@@ -17,7 +17,9 @@ CRASH = {"server": {"env": {"PATCHCTL_SIM_CRASH_AT_START": "1"}}}
 
 @pytest.fixture(scope="module")
 def fleet8(tmp_path_factory, sglang_tree):
-    f = started_fleet(tmp_path_factory.mktemp("fleet8"), 8, sglang_tree)
+    # the operator's servers before any deploy need no torch: 8 light stand-ins start in a fraction
+    # of the time; every deploy starts full ones (the hook, real dumps) and a rollback the light ones again
+    f = started_fleet(tmp_path_factory.mktemp("fleet8"), 8, sglang_tree, light=True)
     yield f
     f.close()
 
