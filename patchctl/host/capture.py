@@ -14,20 +14,19 @@ library only (the dump check uses numpy when the host's Python has it: dumpscan)
 
 import hashlib
 import http.client
-import json
 import os
 import re
 import shutil
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import limits
-from .events import AgentError, ControllerGone, event
+from .events import AgentError, ControllerGone
 from .osutil import expand
 from .server import http_once, http_request
 from .smoke import FORMAT_VERSION, check_dump, expected_layers, model_facts
+from .streamed import Streamed
 from .tokenizer import served as served_tokenizer
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
@@ -173,30 +172,22 @@ def server_limits(cfg):
     return dict(limits.from_server_info(None), server_info_error=why)
 
 
-class Capture(object):
+class Capture(Streamed):
     """One host's share of a run: a reader of stdin, `in_flight` workers, one disk guard."""
 
     def __init__(self, cfg, info, req, stdin):
+        Streamed.__init__(self, int(req.get("in_flight") or 8), stdin, {"bytes": 0, "tokens": 0})
         self.cfg = cfg
         self.info = info
         self.run = req["capture_run"]
-        self.in_flight = int(req.get("in_flight") or 8)
         self.keep_free = int(req.get("keep_free") or 0)
         self.request_timeout = float(req.get("request_timeout") or 600)
-        self.stdin = stdin
         self.expect = dict((k, (v["ids"], v["from"])) for k, v in info["expect"].items())
         self.hidden = info["hidden_size"]
         self.bpt = info["bytes_per_token"]
         self.dump_dir = info["dump_dir"]
         self.run_dir = os.path.join(self.dump_dir, "captures", self.run)
-        self.lock = threading.Lock()
-        self.work = []
-        self.work_ready = threading.Condition(self.lock)
-        self.eof = False
         self.inflight_tokens = 0
-        self.stopped = None  # why this host takes no more work
-        self.gone = False
-        self.counts = {"done": 0, "failed": 0, "returned": 0, "bytes": 0, "tokens": 0}
         self.checkers = None  # threads that await, check and move answered samples' dumps
         self.pool = None  # worker processes that check big dumps off this process's GIL
         self.pool_from = int(req.get("pool_from_bytes") or POOL_FROM_BYTES)
@@ -212,16 +203,7 @@ class Capture(object):
             workers = checker_workers()
             self.pool = _checker_pool(workers)
         self.checkers = ThreadPoolExecutor(max_workers=max(self.in_flight, workers))  # every process kept busy
-        reader = threading.Thread(target=self._read, name="capture-stdin")
-        reader.daemon = True  # blocked on stdin when the op ends: the process exit ends it
-        reader.start()
-        workers = [threading.Thread(target=self._work, name="capture-%d" % i) for i in range(self.in_flight)]
-        for w in workers:
-            w.daemon = True  # a worker stuck on a hung server must not keep an orphaned agent alive
-            w.start()
-        for w in workers:
-            while w.is_alive() and not self.gone:
-                w.join(0.5)
+        self._run_workers("capture")
         self.checkers.shutdown(wait=not self.gone)
         if self.pool is not None:
             self.pool.shutdown(wait=not self.gone)
@@ -229,75 +211,21 @@ class Capture(object):
             raise ControllerGone()
         return dict(self.counts, stopped=self.stopped, seconds=round(time.time() - t0, 3), run_dir=self.run_dir)
 
-    def _read(self):
-        """Samples from the controller until it closes stdin (no more work, or stop)."""
-        try:
-            for line in self.stdin:
-                if not line.strip():
-                    continue
-                sample = json.loads(line.decode("utf-8"))
-                with self.lock:
-                    self.work.append(sample)
-                    self.work_ready.notify()
-        except (OSError, ValueError):
-            pass  # a broken stream is the controller gone: in-flight samples finish, nothing new starts
-        finally:
-            with self.lock:
-                self.eof = True
-                self.work_ready.notify_all()
-
-    def _next(self):
-        with self.lock:
-            while not self.work and not self.eof:
-                self.work_ready.wait()
-            return self.work.pop(0) if self.work else None
-
-    def _work(self):
+    def _take(self, s):
         """A sender: keeps one request in flight at the server; the dump of an answered one is left to a
         checker thread, so the server never waits on this host's checking."""
+        if not self._reserve(s):
+            return
+        handed = False
         try:
-            while not self.gone:
-                s = self._next()
-                if s is None:
-                    return
-                if self.stopped:
-                    self._emit("sample_returned", id=s["id"], reason=self.stopped)
-                    continue
-                if not self._reserve(s):
-                    continue
-                handed = False
-                try:
-                    handed = self._post(s)
-                finally:
-                    if not handed:
-                        self._release(s)
-        except ControllerGone:
-            self.gone = True
+            handed = self._post(s)
+        finally:
+            if not handed:
+                self._release(s)
 
     def _release(self, s):
         with self.lock:
             self.inflight_tokens -= len(s["input_ids"])
-
-    def _emit(self, kind, **data):
-        key = {"sample_done": "done", "sample_failed": "failed", "sample_returned": "returned"}.get(kind)
-        if key:
-            with self.lock:
-                self.counts[key] += 1
-        try:
-            event(kind, **data)
-        except ControllerGone:
-            self.gone = True
-            raise
-
-    def _stop(self, reason, server_down=False):
-        """This host takes no more work; `server_down`: because its server does not answer (a restart is what
-        brings it back, and the controller says so)."""
-        with self.lock:
-            first = self.stopped is None
-            if first:
-                self.stopped = reason
-        if first:
-            self._emit("host_stopped", reason=reason, server_down=server_down)
 
     def _reserve(self, s):
         """The disk guard: this sample starts only if the dumps of everything in flight, this one included,

@@ -29,7 +29,7 @@ import threading
 import time
 
 from .capture import safe_name
-from .events import AgentError, ControllerGone, event, heartbeat
+from .events import AgentError, event, heartbeat
 from .osutil import expand
 from .pull import _open_inside, captures_root
 from .smoke import check_layers, parse_safetensors

@@ -12,11 +12,11 @@ Standard library only.
 
 import http.client
 import json
-import threading
 import time
 
-from .events import ControllerGone, event
+from .events import ControllerGone
 from .server import http_once
+from .streamed import Streamed
 from .tokenizer import served as served_tokenizer
 
 
@@ -40,95 +40,28 @@ def probe(cfg):
     return out
 
 
-class Regenerate(object):
+class Regenerate(Streamed):
     def __init__(self, cfg, req, stdin):
+        Streamed.__init__(self, int(req.get("in_flight") or 8), stdin, {"tokens": 0})
         self.cfg = cfg
-        self.in_flight = int(req.get("in_flight") or 8)
         self.request_timeout = float(req.get("request_timeout") or 600)
         self.max_new_tokens = int(req.get("max_new_tokens") or 512)
         self.temperature = float(req.get("temperature") or 0.0)
-        self.stdin = stdin
-        self.lock = threading.Lock()
-        self.work = []
-        self.ready = threading.Condition(self.lock)
-        self.eof = False
-        self.stopped = None
-        self.gone = False
-        self.counts = {"done": 0, "failed": 0, "returned": 0, "tokens": 0}
 
     def run_all(self):
         t0 = time.time()
-        reader = threading.Thread(target=self._read, name="regenerate-stdin")
-        reader.daemon = True
-        reader.start()
-        workers = [threading.Thread(target=self._work, name="regenerate-%d" % i) for i in range(self.in_flight)]
-        for w in workers:
-            w.daemon = True
-            w.start()
-        for w in workers:
-            while w.is_alive() and not self.gone:
-                w.join(0.5)
+        self._run_workers("regenerate")
         if self.gone:
             raise ControllerGone()
         return dict(self.counts, stopped=self.stopped, seconds=round(time.time() - t0, 3))
 
-    def _read(self):
+    def _take(self, s):
         try:
-            for line in self.stdin:
-                if line.strip():
-                    item = json.loads(line.decode("utf-8"))
-                    with self.lock:
-                        self.work.append(item)
-                        self.ready.notify()
-        except (OSError, ValueError):
-            pass
-        finally:
-            with self.lock:
-                self.eof = True
-                self.ready.notify_all()
-
-    def _next(self):
-        with self.lock:
-            while not self.work and not self.eof:
-                self.ready.wait()
-            return self.work.pop(0) if self.work else None
-
-    def _emit(self, kind, **data):
-        key = {"sample_done": "done", "sample_failed": "failed", "sample_returned": "returned"}.get(kind)
-        if key:
-            with self.lock:
-                self.counts[key] += 1
-        try:
-            event(kind, **data)
+            self._one(s)
         except ControllerGone:
-            self.gone = True
             raise
-
-    def _stop(self, reason):
-        with self.lock:
-            first = self.stopped is None
-            if first:
-                self.stopped = reason
-        if first:
-            self._emit("host_stopped", reason=reason)
-
-    def _work(self):
-        try:
-            while not self.gone:
-                s = self._next()
-                if s is None:
-                    return
-                if self.stopped:
-                    self._emit("sample_returned", id=s["id"], reason=self.stopped)
-                    continue
-                try:
-                    self._one(s)
-                except ControllerGone:
-                    raise
-                except Exception as e:  # an agent bug fails this conversation loudly, never silently
-                    self._emit("sample_failed", id=s["id"], reason="agent error: %s: %s" % (e.__class__.__name__, e))
-        except ControllerGone:
-            self.gone = True
+        except Exception as e:  # an agent bug fails this conversation loudly, never silently
+            self._emit("sample_failed", id=s["id"], reason="agent error: %s: %s" % (e.__class__.__name__, e))
 
     def _one(self, s):
         t0 = time.time()
