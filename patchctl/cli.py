@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
               "Tokenize and mask conversations exactly as SpecForge's online preprocessing does (its\n"
               "preprocess_conversations and TEMPLATE_REGISTRY), with the served model's tokenizer; record the\n"
               "tokenizer, template and source in DATASET.meta.json (`capture run` refuses another tokenizer).\n"
-              "Needs: pip install 'patchctl[prepare]' && pip install --no-deps specforge==0.2.0")
+              "Needs: pip install -e '.[prepare]' (from the repository) && pip install --no-deps specforge==0.2.0")
     cp.add_argument("conversations", type=Path, metavar="CONVERSATIONS",
                     help='JSONL, one conversation a line: {"conversations": [{"from", "value"}, ...]} (ShareGPT) or '
                          '{"messages": [{"role", "content"}, ...]} (OpenAI); optional "id", "tools"')

@@ -36,7 +36,7 @@ from patchctl.capture.dataset import MAX_PROBLEMS, _Problems, _short
 from patchctl.errors import BadInput
 
 SPECFORGE_VERSION = "0.2.0"
-INSTALL_HINT = (f"pip install 'patchctl[prepare]' && pip install --no-deps specforge=={SPECFORGE_VERSION} "
+INSTALL_HINT = (f"pip install -e '.[prepare]' (from patchctl's repository) && pip install --no-deps specforge=={SPECFORGE_VERSION} "
                 "(SpecForge's own requirements pin torch and GPU packages; its data code needs none of them)")
 BATCH = 16  # conversations per task handed to a worker
 PROGRESS_EVERY_S = 5.0
