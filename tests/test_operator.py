@@ -339,8 +339,8 @@ def test_plan_shows_arch_trace_restart_command_env_and_diff(fleet):
     _, data = f.json("plan", "hidden-dump", "--limit", "host0", "--diff")
     assert data[0]["restart_config"]["argv"] == argv and data[0]["reachability"]["ok"]
     assert "sglang/srt/hidden_dump.py" in data[0]["file_diffs"]
-    # on a terminal the diff is coloured
-    term = Terminal(f.cmd("plan", "hidden-dump", "--limit", "host0", "--diff"), fleet_env(f))
+    # on a terminal the diff is coloured (and paged: cat, so the test needs no keys; the pager: test_readonly)
+    term = Terminal(f.cmd("plan", "hidden-dump", "--limit", "host0", "--diff"), dict(fleet_env(f), PAGER="cat"))
     assert term.wait(120) == 0, term.text[-2000:]
     assert re.search(r"\x1b\[[0-9;]*32m\+", term.raw), "added lines in green"
     assert re.search(r"\x1b\[[0-9;]*36m@@", term.raw), "hunk headers in cyan"
