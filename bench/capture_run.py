@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from fleet import Fleet, wait_for  # noqa: E402
 
-from patchctl.release import fetch_release  # noqa: E402
+from patchctl.core.release import fetch_release  # noqa: E402
 
 
 def make_dataset(path: Path, n: int, tag: str, seed: int = 7) -> list[tuple[str, list[int]]]:

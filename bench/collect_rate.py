@@ -123,7 +123,7 @@ def bench_convert(args) -> dict:
 def bench_pull(args) -> dict:
     from fleet import Fleet
 
-    from patchctl.capture.journal import Journal, write_run_info
+    from patchctl.commands.capture.journal import Journal, write_run_info
 
     base = Path(tempfile.mkdtemp(prefix="collect-pull-", dir=args.dir))
     fleet = Fleet(base, args.hosts, _tree(), light=True)
@@ -179,7 +179,7 @@ def bench_pull(args) -> dict:
 
 
 def _tree() -> Path:
-    from patchctl.release import fetch_release
+    from patchctl.core.release import fetch_release
 
     return fetch_release("0.5.23")
 

@@ -55,7 +55,7 @@ from sshhosts import _children, free_port, inventory_toml, known_hosts_for, star
 
 from patchctl.host.server import pid_on_port  # noqa: E402
 from patchctl.host.applier import touched_paths  # noqa: E402
-from patchctl.release import fetch_release  # noqa: E402
+from patchctl.core.release import fetch_release  # noqa: E402
 from patchctl.simserver.model import write_model_config  # noqa: E402
 
 SGLANG_VERSION = "0.5.23"

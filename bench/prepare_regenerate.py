@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from fleet import Fleet  # noqa: E402
 
-from patchctl.release import fetch_release  # noqa: E402
+from patchctl.core.release import fetch_release  # noqa: E402
 from patchctl.simserver.tokenizer import write_tokenizer  # noqa: E402
 
 WORDS = ("hello world how are you today the quick brown fox jumps over lazy dog what is capital of France "

@@ -51,7 +51,7 @@ import fleet_bench as fb  # noqa: E402  (also puts tests/ on sys.path)
 
 from scale_report import plot, table_md  # noqa: E402
 
-from patchctl.release import fetch_release  # noqa: E402
+from patchctl.core.release import fetch_release  # noqa: E402
 
 REPO = fb.REPO
 CLK = os.sysconf("SC_CLK_TCK")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from patchctl import trace as tr  # noqa: E402
-from patchctl.release import fetch_release  # noqa: E402
+from patchctl.core import trace as tr  # noqa: E402
+from patchctl.core.release import fetch_release  # noqa: E402
 from test_trace import HOOK_MODULE, KIMI, MR, _deepseek_series, runner_hook_patch  # noqa: E402
 from trace_util import FakeHook, FakePatch, FakeSeries, FakeSmoke  # noqa: E402
 

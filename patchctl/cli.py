@@ -13,33 +13,33 @@ import sys
 from pathlib import Path
 
 from patchctl import __version__
-from patchctl.console import App
-from patchctl.errors import EXIT_BAD_INPUT, PatchctlError
+from patchctl.core.console import App
+from patchctl.core.errors import EXIT_BAD_INPUT, PatchctlError
 
 # command -> (module, function). Modules are imported on use so that `patchctl series`
 # does not pay for Fabric, and a missing optional dependency only breaks its own command.
 COMMANDS = {
-    "series": ("patchctl.series", "run_series"),
-    "check": ("patchctl.check", "run_check"),
-    "new": ("patchctl.authoring", "run_new"),
-    "refresh": ("patchctl.authoring", "run_refresh"),
-    "trace": ("patchctl.trace", "run_trace"),
-    "inventory": ("patchctl.inventory", "run_inventory"),
-    "plan": ("patchctl.queries", "run_plan"),
-    "apply": ("patchctl.deploy", "run_apply"),
-    "rollback": ("patchctl.deploy", "run_rollback"),
-    "status": ("patchctl.queries", "run_status"),
-    "smoke": ("patchctl.deploy", "run_smoke"),
-    "history": ("patchctl.queries", "run_history"),
-    "unlock": ("patchctl.queries", "run_unlock"),
-    "restart": ("patchctl.service", "run_restart"),
-    "start": ("patchctl.service", "run_start"),
-    "stop": ("patchctl.service", "run_stop"),
-    "capture prepare": ("patchctl.capture.prepare", "run_prepare"),
-    "capture regenerate": ("patchctl.capture.regenerate", "run_regenerate"),
-    "capture run": ("patchctl.capture.runner", "run_capture"),
-    "capture status": ("patchctl.capture.collect", "run_capture_status"),
-    "capture collect": ("patchctl.capture.collect", "run_capture_collect"),
+    "series": ("patchctl.core.series", "run_series"),
+    "check": ("patchctl.commands.check", "run_check"),
+    "new": ("patchctl.commands.authoring", "run_new"),
+    "refresh": ("patchctl.commands.authoring", "run_refresh"),
+    "trace": ("patchctl.core.trace", "run_trace"),
+    "inventory": ("patchctl.core.inventory", "run_inventory"),
+    "plan": ("patchctl.commands.queries", "run_plan"),
+    "apply": ("patchctl.commands.deploy", "run_apply"),
+    "rollback": ("patchctl.commands.deploy", "run_rollback"),
+    "status": ("patchctl.commands.queries", "run_status"),
+    "smoke": ("patchctl.commands.deploy", "run_smoke"),
+    "history": ("patchctl.commands.queries", "run_history"),
+    "unlock": ("patchctl.commands.queries", "run_unlock"),
+    "restart": ("patchctl.commands.service", "run_restart"),
+    "start": ("patchctl.commands.service", "run_start"),
+    "stop": ("patchctl.commands.service", "run_stop"),
+    "capture prepare": ("patchctl.commands.capture.prepare", "run_prepare"),
+    "capture regenerate": ("patchctl.commands.capture.regenerate", "run_regenerate"),
+    "capture run": ("patchctl.commands.capture.runner", "run_capture"),
+    "capture status": ("patchctl.commands.capture.collect", "run_capture_status"),
+    "capture collect": ("patchctl.commands.capture.collect", "run_capture_collect"),
 }
 
 
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     app = App(
         patches_dir=args.patches or _default_patches_dir(),
-        inventory_path=args.inventory,  # None: patchctl.inventory.find_inventory, on first use
+        inventory_path=args.inventory,  # None: patchctl.core.inventory.find_inventory, on first use
         json=args.json,
         verbose=args.verbose,
         command_prefix=_command_prefix(args),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from patchctl.release import fetch_release
+from patchctl.core.release import fetch_release
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"

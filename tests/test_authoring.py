@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from patchctl.cli import main
-from patchctl.errors import BadInput
-from patchctl.series import load_series
+from patchctl.core.errors import BadInput
+from patchctl.core.series import load_series
 from test_check import ANCHOR, HOOK_LINES, RUNNER, SMALL_FILES, reason_line
 from test_series import snapshot
 

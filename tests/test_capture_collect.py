@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from fleet import started_fleet, wait_for
-from patchctl.capture.dataset import file_name
-from patchctl.capture.journal import Journal, write_run_info
+from patchctl.commands.capture.dataset import file_name
+from patchctl.commands.capture.journal import Journal, write_run_info
 
 SGLANG_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 
@@ -127,7 +127,7 @@ def test_a_changed_host_file_and_a_file_in_the_way_are_refused(fleet, tmp_path):
     shorter = Path(done[ids[1]]["path"])
     shorter.write_bytes(shorter.read_bytes()[:-8])
     dest = tmp_path / "out"
-    from patchctl.capture.collect import target_rel
+    from patchctl.commands.capture.collect import target_rel
 
     in_the_way = dest / target_rel(ids[2], "safetensors")
     in_the_way.parent.mkdir(parents=True)
@@ -312,7 +312,7 @@ print(json.dumps(out))
 def test_draft_config_ids_map_back_through_sglangs_own_function(sglang_tree):
     """For each architecture convention, draft-config.json's ids, handed to the real SGLang 0.5.23
     set_eagle3_layers_to_capture of that architecture, give back exactly the files' layers_to_capture."""
-    from patchctl.capture.draftconfig import draft_config
+    from patchctl.commands.capture.draftconfig import draft_config
 
     cases, want = [], []
     for arch, n, layers in [("LlamaForCausalLM", 8, [2, 4, 5]), ("LlamaForCausalLM", 32, [3, 17, 30]),
@@ -466,8 +466,8 @@ def test_specforge_refuses_a_run_of_four_layers_before_any_work(fleet, tmp_path)
 
 def _pull(f, host, run, paths):
     """The agent's pull op over the host's real SSH connection, as collect calls it."""
-    from patchctl.console import App
-    from patchctl.session import Run
+    from patchctl.core.console import App
+    from patchctl.core.session import Run
 
     class Args:
         limit = host.name
@@ -506,7 +506,7 @@ def test_pull_serves_only_files_inside_the_runs_captures_directory(fleet, tmp_pa
     assert [a.get("error") for a in ans[1:]] == ["refused"] * 6 + ["missing", "refused"], ans
     assert all("data" not in a for a in ans[1:])
     for bad in ("..", "a/b", ""):
-        from patchctl.remote import AgentFailure
+        from patchctl.core.remote import AgentFailure
 
         with pytest.raises(AgentFailure, match="bad capture run name"):
             _pull(f, h, bad, [good])

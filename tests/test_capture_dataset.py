@@ -1,4 +1,4 @@
-"""The capture run's dataset (patchctl/capture/dataset.py): every bad input refused with exit 2 naming the
+"""The capture run's dataset (patchctl/commands/capture/dataset.py): every bad input refused with exit 2 naming the
 file and line, all problems (up to 20) in one error; file names as the capture module makes them."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from hidden_dump_util import MODULE, load_module, patched_tree
-from patchctl.capture import dataset as dsmod
-from patchctl.capture.dataset import MAX_PROBLEMS, check_against_model, load_dataset, safe_name
-from patchctl.errors import BadInput
+from patchctl.commands.capture import dataset as dsmod
+from patchctl.commands.capture.dataset import MAX_PROBLEMS, check_against_model, load_dataset, safe_name
+from patchctl.core.errors import BadInput
 
 
 def write(tmp_path: Path, lines: list) -> Path:

@@ -19,7 +19,7 @@ from specforge.data.template import TEMPLATE_REGISTRY
 from transformers import AutoTokenizer
 
 from patchctl import cli
-from patchctl.capture.dataset import load_dataset
+from patchctl.commands.capture.dataset import load_dataset
 from patchctl.host.tokenizer import listing
 from patchctl.simserver.tokenizer import FAMILIES, write_tokenizer
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from patchctl.capture import dataset as datasets
-from patchctl.capture.journal import Journal
-from patchctl.capture.runner import CaptureRun, Item, Lane, _Stream
+from patchctl.commands.capture import dataset as datasets
+from patchctl.commands.capture.journal import Journal
+from patchctl.commands.capture.runner import CaptureRun, Item, Lane, _Stream
 
 
 class Progress:

@@ -447,7 +447,7 @@ def test_an_empty_run_name_is_refused_before_anything_is_read(tmp_path):
 
 
 def test_sizes_are_printed_in_the_unit_that_reads():
-    from patchctl.capture.progress import human_size
+    from patchctl.commands.capture.progress import human_size
 
     assert [human_size(n) for n in (0, 950, 1_600_000, 1_234_567_890, 12_300_000_000, 115_000_000, 2_500_000_000_000)] \
         == ["0 B", "950 B", "1.60 MB", "1.23 GB", "12.3 GB", "115 MB", "2.50 TB"]

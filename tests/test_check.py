@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import PATCHES
-from patchctl.check import find_hook, tree_root, tree_version
+from patchctl.commands.check import find_hook, tree_root
+from patchctl.core.release import tree_version
 from patchctl.cli import main
-from patchctl.release import release_dir
-from patchctl.series import Hook
+from patchctl.core.release import release_dir
+from patchctl.core.series import Hook
 from test_series import MODULE_PATCH, snapshot, write_series
 
 RUNNER = "sglang/srt/model_executor/model_runner.py"
@@ -335,7 +336,7 @@ def test_tree_facts(sglang_tree, tmp_path):
 
 
 def test_write_junit_all_statuses(tmp_path):
-    from patchctl.junit import write_junit
+    from patchctl.core.junit import write_junit
 
     cases = [{"name": "a", "classname": "c", "time": 0.5, "status": "passed", "output": "fine"},
              {"name": "b", "classname": "c", "time": 1, "status": "failed", "message": "bad\x01hunk", "output": "@@ -1 +1 @@"},

@@ -117,7 +117,7 @@ def test_every_repository_path_the_readme_names_exists():
 def test_readme_inventory_examples_load(tmp_path):
     """Every TOML block of the README is an inventory patchctl accepts (a typo there would cost a new
     user an exit 2 on their first command)."""
-    from patchctl.inventory import load_inventory
+    from patchctl.core.inventory import load_inventory
 
     blocks = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
     assert blocks
@@ -135,9 +135,9 @@ def test_example_dataset_validates_against_the_demo_model(tmp_path):
 
     import pytest
 
-    from patchctl.capture.dataset import check_against_model, load_dataset
-    from patchctl.demo import DEMO_MODEL, EXAMPLE_DATASET
-    from patchctl.errors import BadInput
+    from patchctl.commands.capture.dataset import check_against_model, load_dataset
+    from patchctl.commands.demo import DEMO_MODEL, EXAMPLE_DATASET
+    from patchctl.core.errors import BadInput
     from patchctl.simserver.model import write_model_config
 
     assert EXAMPLE_DATASET == REPO / "examples" / "dataset.jsonl"

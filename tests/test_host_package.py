@@ -1,5 +1,5 @@
 """The host package (`patchctl/host/`): standard library and siblings only, Python 3.8 syntax, and the
-bundle `patchctl.remote` pipes to a host runs there with nothing but the interpreter."""
+bundle `patchctl.core.remote` pipes to a host runs there with nothing but the interpreter."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import patchctl.host
-from patchctl import remote
+from patchctl.core import remote
 
 HOST = Path(patchctl.host.__file__).resolve().parent
 MODULES = sorted(HOST.glob("*.py"))
@@ -47,10 +47,10 @@ def foreign_imports(source: str) -> list[str]:
 def test_the_import_rule_catches_what_it_must():
     assert foreign_imports("import os, json\nfrom . import applier\nfrom .events import event\n"
                            "from patchctl.host import state\nfrom patchctl.host.tree import locate_tree\n") == []
-    assert foreign_imports("import unidiff\nfrom patchctl import series\nfrom patchctl.errors import BadInput\n"
+    assert foreign_imports("import unidiff\nfrom patchctl import series\nfrom patchctl.core.errors import BadInput\n"
                            "from .. import deploy\nfrom .nope import x\nfrom patchctl.host import nope\n"
                            "def f():\n    import torch\n") == [
-        "unidiff", "patchctl.series", "patchctl.errors", "..", "patchctl.host.nope", "patchctl.host.nope", "torch"]
+        "unidiff", "patchctl.series", "patchctl.core.errors", "..", "patchctl.host.nope", "patchctl.host.nope", "torch"]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)

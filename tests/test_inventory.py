@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from patchctl.cli import main
-from patchctl.errors import BadInput
-from patchctl.inventory import Inventory, load_inventory
+from patchctl.core.errors import BadInput
+from patchctl.core.inventory import Inventory, load_inventory
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -346,8 +346,8 @@ def test_become_in_defaults_and_per_host(tmp_path):
 
 
 def test_become_wraps_the_agent_command_in_sudo_n_with_quoted_words(tmp_path):
-    from patchctl.become import argv_prefix, shell_prefix
-    from patchctl.transport import _remote_python_argv0
+    from patchctl.core.become import argv_prefix, shell_prefix
+    from patchctl.core.transport import _remote_python_argv0
 
     text = ("[hosts.a]\nbecome = \"sudo\"\n[hosts.b]\nbecome = \"sudo\"\nbecome_user = \"#1001\"\n"
             "python = \"/opt/my venv/bin/python\"\n[hosts.c]\n")

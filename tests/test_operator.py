@@ -441,8 +441,8 @@ def test_bad_rollout_numbers_are_refused_before_anything(tmp_path, argv, needle)
 
 
 def test_rollout_parsers_refuse_the_same_values():
-    from patchctl.deploy import parse_max_fail, plan_batches
-    from patchctl.errors import BadInput
+    from patchctl.core.rollout import parse_max_fail, plan_batches
+    from patchctl.core.errors import BadInput
 
     for batch in ("0%", "1,,2", "0", "150%"):
         with pytest.raises(BadInput):
@@ -487,7 +487,7 @@ def test_demo_with_xdg_cache_home_says_what_it_left_running(tmp_path, sglang_tre
     env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(xdg), XDG_STATE_HOME=str(tmp_path / "state"))
     pid = None
     try:
-        p = subprocess.run([sys.executable, "-m", "patchctl.demo"], capture_output=True, text=True, env=env,
+        p = subprocess.run([sys.executable, "-m", "patchctl.commands.demo"], capture_output=True, text=True, env=env,
                            timeout=900, cwd=tmp_path)
         out = p.stdout + p.stderr
         pid = pid_on_port(30000)

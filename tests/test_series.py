@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from patchctl.cli import main
-from patchctl.errors import BadInput
-from patchctl.series import load_series, list_series
+from patchctl.core.errors import BadInput
+from patchctl.core.series import load_series, list_series
 
 MODULE_PATCH = """\
 diff --git a/sglang/srt/tiny_mod.py b/sglang/srt/tiny_mod.py
@@ -194,7 +194,7 @@ def test_reference_to_another_series_patch(tmp_path, capsys, monkeypatch):
     assert s.touched_files() == ["sglang/srt/tiny_mod.py", "sglang/srt/tiny_hook.py"]
     assert s.to_json()["patches"][0]["series"] == "tiny" and "series" not in s.to_json()["patches"][1]
     assert not (tmp_path / "user" / "0001-mod.patch").exists()
-    from patchctl.deploy import series_request  # the request bundle sent to hosts carries the owner's text
+    from patchctl.core.series import series_request  # the request bundle sent to hosts carries the owner's text
     assert [p["text"] for p in series_request(s)["patches"]] == [MODULE_PATCH, HOOK_PATCH]
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["--patches", str(tmp_path), "series"]) == 0

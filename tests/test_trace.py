@@ -1,4 +1,4 @@
-"""patchctl.trace: static reachability of a series' changes from a model's entry class (real: the 0.5.23 tree's source)."""
+"""patchctl.core.trace: static reachability of a series' changes from a model's entry class (real: the 0.5.23 tree's source)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from patchctl import trace as tr
-from patchctl.errors import BadInput
+from patchctl.core import trace as tr
+from patchctl.core.errors import BadInput
 from trace_util import FakeHook, FakePatch, FakeSeries, FakeSmoke, add_file, insert_after, write_series
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,7 +131,7 @@ def test_model_runner_hook_reached_for_every_architecture(sglang_tree):
 
 
 def test_real_hidden_dump_series_reached_for_every_architecture(sglang_tree):
-    from patchctl.series import load_series
+    from patchctl.core.series import load_series
 
     sdir = REPO / "patches" / "hidden-dump"
     assert any(sdir.glob("*.patch")), "patches/hidden-dump has no patch files: the shipped series is missing"
@@ -353,8 +353,8 @@ def test_cli_trace_exit_codes_and_json(sglang_tree, tmp_path, capsys):
 
 @pytest.mark.slow  # traces into DeepseekV2Model across the 0.5.23 tree: tens of seconds of CPU
 def test_check_reachability_for_check_command(sglang_tree, tmp_path):
-    from patchctl.console import App
-    from patchctl.series import load_series
+    from patchctl.core.console import App
+    from patchctl.core.series import load_series
 
     pd = tmp_path / "patches"
     write_series(pd, "ds-hook", [("0001-ds.patch", deepseek_hook_patch(sglang_tree))])

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from patchctl.errors import EXIT_ATTENTION, EXIT_BAD_INPUT
-from patchctl.inventory import load_inventory
-from patchctl.transport import (
+from patchctl.core.errors import EXIT_ATTENTION, EXIT_BAD_INPUT
+from patchctl.core.inventory import load_inventory
+from patchctl.core.transport import (
     CommandTimeout,
     ConnectionLost,
     HostKeyRefused,

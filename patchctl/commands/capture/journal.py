@@ -1,0 +1,183 @@
+"""The controller's record of one extraction run: `<state>/patchctl/captures/<RUN>/`.
+
+    run.json        what the run is: name, rid prefix, the dataset (path, sha256, samples, tokens),
+                    and per host the model facts its dumps were checked against (written once,
+                    atomically; a resume with another dataset is refused)
+    journal.jsonl   append-only, one JSON record per line, written before the sample's fate is acted
+                    on, fsynced in groups (Journal.append); a torn last line (a crash mid-write) is ignored
+    events.jsonl    the progress events of each invocation (like a deploy's run log)
+
+Records (every one has "rec" and "t"):
+
+    {"rec": "sent",   "id", "host", "attempt"}                  handed to a host (attempt 1, 2, ...)
+    {"rec": "done",   "id", "host", "path", "sha256", "bytes", "tokens"}
+                                                                verified on the host; `path` is the
+                                                                file's absolute path on that host
+    {"rec": "failed", "id", "host", "reason", "final"}          final: no attempt left, recorded failed
+    {"rec": "returned", "id", "host", "reason"}                 back to the queue, not an attempt
+                                                                (server died, host lost, disk reserve)
+    {"rec": "host",   "host", "state", "reason"}                a host stopped taking work
+    {"rec": "run",    "event": "start"|"end", ...}              one invocation's start and end
+
+A sample is done once a "done" record exists for it (the first one counts; a later one for the same id
+is a duplicate the summary reports). Everything else about it is derived from the last record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from patchctl.core.errors import BadInput
+from patchctl.core.report import private_dir
+
+SYNC_EVERY_S = 0.05
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def captures_root() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "patchctl" / "captures"
+
+
+def check_run_name(name: str) -> str:
+    if not RUN_NAME.fullmatch(name or ""):
+        raise BadInput(f"run name {name!r}: expected 1-64 characters of letters, digits, '.', '_' or '-', "
+                       "starting with a letter or digit (it becomes part of every sample's rid and file name)")
+    return name
+
+
+def run_dir(name: str, create: bool = False) -> Path:
+    check_run_name(name)
+    if create:
+        return private_dir(captures_root(), name, tighten_root=True)
+    return captures_root() / name
+
+
+@dataclass
+class RunState:
+    """The journal folded: what happened to every sample, as far as the controller knows."""
+    done: dict[str, dict] = field(default_factory=dict)       # id -> first "done" record
+    failed: dict[str, dict] = field(default_factory=dict)     # id -> last final "failed" (not done since)
+    attempts: dict[str, int] = field(default_factory=dict)    # id -> attempts used (failed ones)
+    last_sent: dict[str, dict] = field(default_factory=dict)  # id -> last "sent" record
+    duplicates: list[dict] = field(default_factory=list)      # "done" records after the first for an id
+    hosts: dict[str, dict] = field(default_factory=dict)      # host -> last "host" record
+    invocations: int = 0
+
+    def in_flight(self) -> set[str]:
+        """Sent and neither done nor finally failed nor returned since (for a crashed invocation:
+        what may have been sent twice)."""
+        return {i for i in self.last_sent if i not in self.done and i not in self.failed}
+
+
+class Journal:
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.path = self.dir / "journal.jsonl"
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._synced = 0.0
+
+    # writing -------------------------------------------------------------------------------
+    def append(self, rec: dict) -> None:
+        """One record, in the file when this returns (a killed controller loses nothing), fsynced within
+        SYNC_EVERY_S (group commit: a power loss costs at most the last moment's results, which a resume
+        sends again) and at close()."""
+        rec = dict(rec)
+        rec.setdefault("t", round(time.time(), 3))
+        data = (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                self._heal_torn_tail()
+            os.write(self._fd, data)
+            now = time.monotonic()
+            if now - self._synced >= SYNC_EVERY_S:
+                os.fsync(self._fd)
+                self._synced = now
+
+    def _heal_torn_tail(self) -> None:
+        """A crash mid-write leaves a last line without its newline: end it, so the next record starts
+        on a line of its own (the torn line is then skipped by records())."""
+        size = os.fstat(self._fd).st_size
+        if size:
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    os.write(self._fd, b"\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = None
+
+    # reading -------------------------------------------------------------------------------
+    def records(self) -> list[dict]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in raw.split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn line from a crash: the record was never acted on
+            if isinstance(rec, dict) and "rec" in rec:
+                out.append(rec)
+        return out
+
+    def state(self) -> RunState:
+        st = RunState()
+        for r in self.records():
+            kind, sid = r["rec"], r.get("id")
+            if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
+                st.last_sent[sid] = r
+                st.failed.pop(sid, None)
+            elif kind == "done":
+                if sid in st.done:
+                    st.duplicates.append(r)
+                else:
+                    st.done[sid] = r
+                    st.failed.pop(sid, None)
+            elif kind == "failed":
+                st.attempts[sid] = st.attempts.get(sid, 0) + 1
+                if r.get("final") and sid not in st.done:
+                    st.failed[sid] = r
+                st.last_sent.pop(sid, None)
+            elif kind == "returned":
+                st.last_sent.pop(sid, None)
+            elif kind == "host":
+                st.hosts[r["host"]] = r
+            elif kind == "run" and r.get("event") == "start":
+                st.invocations += 1
+        return st
+
+
+def write_run_info(directory: Path, info: dict) -> None:
+    tmp = Path(directory) / "run.json.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(directory) / "run.json")
+
+
+def read_run_info(name: str) -> dict:
+    path = run_dir(name) / "run.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"no capture run named {name!r} (looked for {path}); `patchctl capture run DATASET --name "
+                       f"{name}` starts one") from None

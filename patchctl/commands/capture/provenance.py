@@ -1,0 +1,105 @@
+"""Where a prepared dataset came from: the sidecar `DATASET.meta.json` beside `DATASET`, and the check
+`capture run` makes with it.
+
+A sidecar, not a header line: the dataset stays plain `{id, input_ids, loss_mask}` JSONL that every
+reader (capture/dataset.py, SpecForge, jq) takes as it is, and a dataset made by hand simply has no
+sidecar. The sidecar names the dataset's own sha256, so a dataset edited after `prepare` is noticed
+(its provenance no longer holds and is not used).
+
+    {"format": "patchctl-prepare/1", "template", "max_length", "train_only_last_turn", "truncate",
+     "tokenizer": {"digest", "files": {name: sha256}, "source"},
+     "source": {"path", "sha256", "lines"},               the conversations file
+     "dataset": {"sha256", "samples", "tokens", "trainable_tokens"},
+     "left_out": {"no_trainable_token": N}, "specforge", "transformers", "created"}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from patchctl.core.errors import BadInput
+
+FORMAT = "patchctl-prepare/1"
+
+
+def meta_path(dataset) -> Path:
+    p = Path(dataset)
+    return p.with_name(p.name + ".meta.json")
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read(dataset, sha256: str | None = None) -> dict | None:
+    """The sidecar of `dataset` when there is one and it describes this file (by sha256), else None."""
+    try:
+        meta = json.loads(meta_path(dataset).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return None
+    if (meta.get("dataset") or {}).get("sha256") != (sha256 or sha256_file(dataset)):
+        return None
+    return meta
+
+
+def check_writable(out: Path) -> None:
+    """`prepare` overwrites only what `prepare` wrote (a dataset its sidecar describes); anything else is refused."""
+    if out.is_dir():
+        raise BadInput(f"--out {out}: a directory; expected a file name for the dataset")
+    if out.exists() and read(out) is None:
+        raise BadInput(f"--out {out}: exists and was not written by `capture prepare` (no matching {meta_path(out).name}); "
+                       "choose another name or move it away: nothing written")
+    if not out.parent.is_dir():
+        raise BadInput(f"--out {out}: no directory {out.parent}")
+
+
+def publish(tmp: Path, out: Path, meta: dict) -> None:
+    """The sidecar first, then the dataset, each renamed into place (a crash between leaves a sidecar that
+    describes no file, which `read` ignores)."""
+    mp = meta_path(out)
+    mtmp = mp.with_name(f".{mp.name}.tmp-{os.getpid()}")
+    with open(mtmp, "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(mtmp, mp)
+    os.replace(tmp, out)
+
+
+def check_tokenizer(dataset_path, dataset_sha256: str, servers: dict[str, dict], allow_mismatch: bool, info) -> dict | None:
+    """`capture run`: refuse (BadInput, exit 2) a prepared dataset whose tokenizer is not the one each taking-part
+    server serves, unless `allow_mismatch` (then say so). servers: {host: probe's "tokenizer" entry}.
+    Returns the provenance used (None for a dataset without a sidecar)."""
+    meta = read(dataset_path, dataset_sha256)
+    if meta is None:
+        if meta_path(dataset_path).exists():
+            info(f"{meta_path(dataset_path).name} does not describe {Path(dataset_path).name} (the dataset changed since "
+                 "`capture prepare`): its tokenizer is not checked")
+        return None
+    want = meta["tokenizer"]["digest"]
+    bad = []
+    for host, tok in sorted(servers.items()):
+        tok = tok or {}
+        if tok.get("digest") != want:
+            got = (f"tokenizer {tok['digest'][:12]} in {tok.get('path')}" if tok.get("digest")
+                   else (tok.get("why") or "no tokenizer files found"))
+            bad.append(f"{host} serves {got}")
+    if not bad:
+        return meta
+    msg = (f"{dataset_path} was prepared with tokenizer {want[:12]} ({meta['tokenizer'].get('source')}), but "
+           + "; ".join(bad))
+    if allow_mismatch:
+        info(f"warning: {msg} (--allow-tokenizer-mismatch: capturing anyway)")
+        return meta
+    raise BadInput(msg + ": the ids would mean other tokens there; prepare the dataset with that server's tokenizer "
+                   "(`capture prepare --from HOST`) or pass --allow-tokenizer-mismatch: nothing sent")

@@ -1,0 +1,329 @@
+"""Porcelain that changes hosts: apply / rollback / smoke over the inventory's hosts.
+
+A *unit* is what is deployed as one: a single host, or the nodes of a
+`[servers.X]` entry (head first). Each unit goes through
+apply files → restart → ready → smoke → verified; any failure after the first
+change puts the unit back (files, then the server config in force before, proven
+healthy). The fleet runs units concurrently (`--forks`), in canary and batches,
+and stops when more than `--max-fail` units failed (the rollout is `core.rollout`). `apply` first runs the
+reachability preflight (`preflight`; `--skip-trace` skips it); a first Ctrl-C
+starts no new unit (exit 130), a second aborts and prints each host's recovery
+command. The run and its host sessions are `session`; the read-only commands
+(status, history, plan) and unlock are `queries`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from patchctl.core.console import App
+from patchctl.core.errors import PatchctlError
+from patchctl.core.inventory import Host
+from patchctl.core.remote import AgentFailure, AgentLost
+from patchctl.core.preflight import preflight
+from patchctl.core.report import Reporter
+from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
+from patchctl.core.series import Series, load_series, profile_of, series_request
+from patchctl.core.session import HostSession, Run, UnitResult, host_error
+
+
+def repo_commit(patches_dir: Path) -> str | None:
+    try:
+        import git
+
+        repo = git.Repo(patches_dir, search_parent_directories=True)
+        sha = repo.head.commit.hexsha[:12]
+        return sha + ("-dirty" if repo.is_dirty(path=str(patches_dir.resolve())) else "")
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# deploy one unit
+
+
+class UnitDeploy:
+    def __init__(self, run: Run, series: Series | None, nodes: list[Host], opts):
+        self.run = run
+        self.series = series
+        self.nodes = nodes
+        self.opts = opts
+        self.sessions = [run.session(h) for h in nodes]
+        self.head = self.sessions[0]
+        self.names = [h.name for h in nodes]
+        self.profile = profile_of(series) if series else None
+
+    def layers(self, host: Host):
+        return host.server.capture_layers or (list(self.series.smoke.layers) if self.series.smoke.layers else None)
+
+    def hidden(self, host: Host):
+        return host.server.hidden_size or self.series.smoke.hidden_size
+
+    def run_unit(self) -> UnitResult:
+        if self.run.stopping.is_set():  # Ctrl-C came before this unit started: leave it alone
+            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        for s in self.sessions:  # unreachable during the preflight: do not wait for its timeout twice
+            e = self.run.preflight_errors.get(s.host.name)
+            if e is not None:
+                outcome, msg = host_error(e)
+                return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
+        restart = not self.opts.no_restart
+        sreq, commit = self.run.series_req, self.run.repo_commit
+        applied: list[HostSession] = []
+        results: dict[str, dict] = {}
+
+        def apply_one(s: HostSession):
+            try:
+                r = s.call("apply", "apply", series=sreq, restart=restart, keep_lock=restart, repo_commit=commit)
+                return s, r, None
+            except Exception as e:  # noqa: BLE001 - reported per host
+                return s, None, e
+
+        outs = self.run.parallel(apply_one, self.sessions) if len(self.sessions) > 1 else [apply_one(self.head)]
+        errors = [(s, e) for s, r, e in outs if e]
+        for s, r, e in outs:
+            if r is not None:
+                results[s.host.name] = r
+                if r.get("changed"):
+                    applied.append(s)
+        if errors:
+            s, e = errors[0]
+            outcome, msg = host_error(e)
+            if isinstance(e, (AgentLost,)) or outcome == "unknown":
+                applied.append(s)  # we cannot know: treat as touched
+            if applied:  # the server was not touched yet: putting the files back is the whole rollback
+                if not self.rollback(applied, failure_reason(e, msg, s.host.name), restart_server=False):
+                    return UnitResult(self.names, "rollback failed", f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
+                if outcome in ("failed", "unknown"):
+                    outcome = "failed, rolled back (verified)"
+                return UnitResult(self.names, outcome, msg, touched=True)
+            self.release_all()
+            return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
+        changed = bool(applied)
+        if not changed:
+            self.release_all()
+            notes = "; ".join(sorted({r.get("note", "") for r in results.values()}))
+            return UnitResult(self.names, "unchanged", notes)
+        if not restart:
+            return UnitResult(self.names, "applied", "files applied; server not restarted (--no-restart)", touched=True)
+        try:
+            smoke = dict(profile=self.profile, finalize=True, capture_layers=self.layers(self.head.host),
+                         hidden_size=self.hidden(self.head.host))
+            if len(self.sessions) == 1:  # restart, then smoke (or finalize) in the same command
+                res = self.head.call("restart", "restart", then="finalize" if self.opts.no_smoke else "smoke", **smoke)
+            else:
+                self.restart()
+                res = None if self.opts.no_smoke else self.head.call("smoke", "smoke", **smoke)
+                for s in (self.sessions if self.opts.no_smoke else self.sessions[1:]):
+                    s.call("finalize", "finalize")
+            if self.opts.no_smoke:
+                return UnitResult(self.names, "deployed", "restarted; smoke skipped (--no-smoke)", touched=True)
+            sm = res["smoke"]
+            return UnitResult(self.names, "deployed",
+                              f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
+                              touched=True)
+        except Exception as e:  # noqa: BLE001
+            outcome, msg = host_error(e)
+            if self.opts.on_fail == "halt":
+                self.release_all(record={"outcome": "failed, left patched for inspection (--on-fail halt)",
+                                         "reason": failure_reason(e, msg)})
+                return UnitResult(self.names, "halted (left as is)", f"{msg} — left patched for inspection (--on-fail halt)", touched=True)
+            ok = self.rollback(self.sessions, failure_reason(e, msg), restart_server=True)
+            return UnitResult(self.names, "failed, rolled back (verified)" if ok else "rollback failed",
+                              msg if ok else f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
+
+    def restart(self):
+        """A multi-node unit: stop every node, start the head, then the others, then wait on the head."""
+        profile = self.profile
+        self.run.parallel(lambda s: s.call("restart", "stop", profile=profile, stop_only=True), self.sessions)
+        for s in self.sessions:
+            s.call("restart", "start", profile=profile, capture_layers=self.layers(s.host), no_wait=True)
+        self.head.call("wait_ready", "ready", profile=profile, capture_layers=self.layers(self.head.host))
+
+    rollback_error = ""
+
+    def rollback(self, sessions: list[HostSession], reason: str, restart_server: bool) -> bool:
+        """Put the unit back: files, then the previous server config, proven healthy. True if verified."""
+        try:
+            for s in sessions:
+                s.note(f"rolling back: {reason}")
+            self._rollback(sessions, reason, restart_server)
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.rollback_error = str(e)
+            return False
+
+    def rollback_requested(self, to, force, restart_server: bool) -> tuple[bool, str]:
+        """`patchctl rollback`: errors propagate (drift → exit 3 naming the files)."""
+        res = self._rollback(self.sessions, "rollback requested", restart_server, to=to, force=force)
+        msgs = []
+        for r in res:
+            msgs.append(r.get("note") or f"{len(r.get('files', []))} files restored" + (f"; {r['server']}" if r.get("server") else ""))
+        return any(r.get("changed") for r in res), "; ".join(msgs)
+
+    def _rollback(self, sessions, reason, restart_server, to=None, force=False) -> list[dict]:
+        extra = {"to": to, "force": force}
+        if len(self.sessions) == 1 or not restart_server:
+            return [self._rollback_call(s, reason, restart=restart_server, **extra) for s in sessions]
+        befores, out = {}, []
+        for s in self.sessions:
+            r = self._rollback_call(s, reason, restart="stop", keep_lock=True, **extra)
+            out.append(r)
+            befores[s.host.name] = r.get("server_before")
+        for s in self.sessions:
+            cfg = befores.get(s.host.name)
+            if cfg and cfg.get("running"):
+                s.call("restart", "restart previous", config=cfg, no_wait=True)
+        head_cfg = befores.get(self.head.host.name)
+        if head_cfg and head_cfg.get("running"):
+            self.head.call("wait_ready", "ready previous", config=head_cfg)
+            if head_cfg.get("profile"):
+                self.head.call("smoke", "smoke previous")
+        for s in self.sessions:
+            s.call("release")
+        return out
+
+    def _rollback_call(self, s: HostSession, reason: str, restart, keep_lock=False, **extra):
+        try:
+            return s.call("rollback", "rollback", reason=reason, restart=restart, keep_lock=keep_lock, **extra)
+        except PatchctlError as e:
+            if isinstance(e, AgentFailure):
+                raise
+            s.note(f"connection problem during rollback ({e}); reconnecting once")
+            s.reconnect()
+            return s.call("rollback", "rollback (retry)", reason=reason, restart=restart, keep_lock=keep_lock, **extra)
+
+    def release_all(self, record: dict | None = None):
+        """Give the locks back; `record`: the outcome of a failed deploy, for the hosts' history."""
+        for s in self.sessions:
+            try:
+                s.call("release", **({"record": record} if record else {}))
+            except Exception:
+                pass
+
+    def rollback_verified(self, reason: str) -> bool:
+        """rollback-all: return a deployed unit to its previous state, verified."""
+        return self.rollback(self.sessions, reason, restart_server=not self.opts.no_restart)
+
+
+def failure_reason(e: Exception, msg: str, host: str | None = None) -> str:
+    """Why a deploy is rolled back, as its history records it: the failed step and its message
+    ("smoke failed: no dump file for 3 of 3 prompts ...")."""
+    step = getattr(e, "step", None) or "deploy"
+    said = msg if msg.startswith(f"{step} failed") else f"{step} failed: {msg}"
+    return (f"{host}: " if host else "") + said
+
+
+def run_apply(app: App, args) -> int:
+    series = load_series(app.patches_dir, args.series)
+    run = Run(app, args, "apply")
+    app.masker = app.masker.with_public(series.smoke.env)
+    run.series_req, run.repo_commit = series_request(series), repo_commit(app.patches_dir)
+    units = run.units()
+    for u in units:
+        for h in u:
+            run.unit_of[h.name] = [n.name for n in u]
+    sizes = plan_batches(len(units), args.canary, args.batch)
+    max_fail = parse_max_fail(args.max_fail, len(units))
+    rep = Reporter(app, run.run_id, f"apply {series.name} {series.version}", [h.name for u in units for h in u],
+                   log_dir=args.log_dir)
+    run.reporter = rep
+    results: list[UnitResult] = []
+    deploys: list[UnitDeploy] = []
+    stopped = None
+    try:
+        with rep, Interrupts(run) as intr:
+            blocked = {} if getattr(args, "skip_trace", False) else preflight(run, series, run.hosts)
+            if blocked:  # refuse the whole run before any change: nothing touched anywhere
+                stopped = "refused by the reachability preflight (nothing touched; --skip-trace deploys anyway)"
+                for u in units:
+                    why = [f"{h.name}: {blocked[h.name]}" if len(u) > 1 else blocked[h.name] for h in u if h.name in blocked]
+                    if why:
+                        results.append(UnitResult([h.name for h in u], "refused",
+                                                  "the series' changes do not run for the model served here: "
+                                                  + "; ".join(why) + ". Nothing was touched; --skip-trace deploys "
+                                                  "anyway and lets the smoke decide"))
+                sizes = []
+            stopped = rollout(run, args, units, sizes, max_fail, lambda u: UnitDeploy(run, series, u, args),
+                              results, deploys, stopped)
+            if intr.interrupted:
+                stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
+            if stopped:
+                rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
+                app.info(f"run stopped: {stopped}")
+                if args.on_fail == "rollback-all" and intr.interrupted:
+                    app.info("--on-fail rollback-all is not applied after Ctrl-C: units this run deployed stay "
+                             f"deployed (return them with: {app.cmd('rollback', '--limit', ','.join(h for r in results if r.touched and not r.failed for h in r.hosts) or 'HOSTS')})")
+                elif args.on_fail == "rollback-all":
+                    ok_units = [(d, r) for d, r in zip(deploys, results) if r.touched and not r.failed]
+
+                    def undo(pair):
+                        d, r = pair
+                        ok = d.rollback_verified(f"rollback-all: {stopped}")
+                        r.outcome = "rolled back" if ok else "rollback failed"
+                        r.message = ("returned to its previous state (verified) by --on-fail rollback-all" if ok
+                                     else f"rollback-all failed: {d.rollback_error}")
+                        for h in r.hosts:
+                            rep.host_result(h, r.outcome, r.exit_code, r.message)
+
+                    run.parallel(undo, ok_units)
+            code = finish(app, run, rep, results, args.junit, {"stopped": stopped, "interrupted": intr.interrupted})
+            if stopped and code == 0:
+                code = 1
+            return code
+    finally:
+        run.close()
+
+
+def run_rollback(app: App, args) -> int:
+    run = Run(app, args, "rollback")
+    units = run.units()
+    rep = Reporter(app, run.run_id, "rollback", [h.name for u in units for h in u])
+    run.reporter = rep
+
+    def one(nodes: list[Host]) -> UnitResult:
+        d = UnitDeploy(run, None, nodes, args)
+        try:
+            changed, msg = d.rollback_requested(args.to, args.force, restart_server=not args.no_restart)
+            return UnitResult(d.names, "rolled back" if changed else "unchanged", msg, touched=changed)
+        except PatchctlError as e:
+            outcome, msg = host_error(e)
+            return UnitResult(d.names, outcome if outcome != "failed" else "rollback failed", msg)
+
+    try:
+        with rep:
+            results = run.parallel(one, units)
+            return finish(app, run, rep, results, None)
+    finally:
+        run.close()
+
+
+def run_smoke(app: App, args) -> int:
+    series = load_series(app.patches_dir, args.series) if args.series else None
+    run = Run(app, args, "smoke")
+    rep = Reporter(app, run.run_id, "smoke", [h.name for h in run.hosts])
+    run.reporter = rep
+
+    def one(h: Host) -> UnitResult:
+        s = run.session(h)
+        try:
+            fields = {}
+            if series:
+                fields["profile"] = profile_of(series)
+            if h.server.capture_layers:
+                fields["capture_layers"] = h.server.capture_layers
+            if h.server.hidden_size:
+                fields["hidden_size"] = h.server.hidden_size
+            r = s.call("smoke", "smoke", **fields)
+            sm = r["smoke"]
+            return UnitResult([h.name], "ok", f"{sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s")
+        except PatchctlError as e:
+            outcome, msg = host_error(e)
+            return UnitResult([h.name], outcome, msg)
+
+    try:
+        with rep:
+            results = run.parallel(one, run.hosts)
+            return finish(app, run, rep, results, args.junit)
+    finally:
+        run.close()

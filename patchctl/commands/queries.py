@@ -1,0 +1,421 @@
+"""Porcelain for questions and housekeeping, host by host: status, history, plan, unlock.
+
+Facts in pyinfra's sense: each command asks every selected host one agent op
+concurrently (one reused connection per host), collects one JSON answer per
+host and prints a table; nothing is deployed. `status` exits 3 when a host
+needs attention and says what to run. `plan` also runs the static trace of the
+series for the architecture each host serves (`preflight`) and shows the exact
+restart command line and env, and with --diff the diff per file. `unlock` is the one
+that changes something: a lock whose holder is gone (or, with --force, any).
+The steps that change hosts (apply, rollback, smoke) are in `deploy`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from patchctl.core.console import App, table
+from patchctl.core.series import series_request
+from patchctl.core.inventory import CONTROLLER_PYTHON, Host
+from patchctl.core.preflight import Reachability
+from patchctl.core.redact import MASK
+from patchctl.core.remote import AgentFailure
+from patchctl.core.series import Series, load_series
+from patchctl.core.session import HostSession, Run, describe_holder, holder_is_stale, host_error, worst
+
+
+def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=None, page: bool = False) -> int:
+    """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
+    run = Run(app, args, command)
+
+    def one(h: Host):
+        s = run.session(h)
+        try:
+            return h.name, per_host(s), None
+        except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
+            return h.name, None, e
+
+    try:
+        outs = run.parallel(one, run.hosts)
+    finally:
+        run.close()
+    data, codes = [], []
+    for name, res, err in outs:
+        if err is not None:
+            outcome, msg = host_error(err)
+            data.append({"host": name, "ok": False, "outcome": outcome, "error": msg})
+            app.info(f"{name}: {outcome}: {msg}")
+            codes.append(getattr(err, "exit_code", 3))
+        else:
+            data.append(dict({"host": name, "ok": True}, **res))
+            codes.append(exit_of(res) if exit_of else 0)
+    app.result(data, render(data), page=page)
+    if after:
+        after(data)
+    return worst(codes)
+
+
+def attention_of(app: App, d: dict) -> list[dict]:
+    """What on a host needs the operator, each with the command that deals with it."""
+    host, out = d["host"], []
+    lock, state = d.get("lock"), d.get("state")
+    dead = bool(lock) and holder_is_stale(lock)
+    if state == "pending" and (not lock or dead):
+        who = f"run {d.get('run_id')}" if d.get("run_id") else "an earlier run"
+        out.append({"why": f"unfinished deploy of {d['series']} {d['version']} by {who}: files patched, never verified "
+                           f"({'its process is gone' if lock else 'halted or cut off'})",
+                    "run": app.cmd("rollback", "--limit", host) + "   # back to the state before it"})
+    elif dead:
+        out.append({"why": f"lock held by {describe_holder(lock)}, whose process is gone",
+                    "run": app.cmd("unlock", "--limit", host)})
+    srv = d.get("server") or {}
+    if state in ("verified", "restarted") and not srv.get("running") and not d.get("interrupted"):
+        out.append({"why": f"{d['series']} {d['version']} is deployed but its server is down",
+                    "run": app.cmd("start", "--limit", host) + "   # starts it as deployed, then smokes it"})
+    j = d.get("interrupted")
+    if j and (not lock or dead):
+        what = {"finish": "finishes it", "undo": "undoes it (the files as before it)", "discard": "discards it (nothing changed yet)"}
+        out.append({"why": f"an interrupted {j['op']} of run {j['run_id']} ({len(j['files'])} files); the next apply or "
+                           f"rollback {what.get(j['recovery'], 'recovers it')} from its journal first",
+                    "run": app.cmd("rollback", "--limit", host) + "   # recovers, then back to the state before"})
+    if d.get("drift") and not j:
+        files = ", ".join(x["path"] for x in d["drift"])
+        out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
+                    "run": app.cmd("rollback", "--limit", host, "--force") + "   # saves the edits beside the backups, then restores"})
+    return out
+
+
+def run_status(app: App, args) -> int:
+    def per_host(s: HostSession):
+        r = s.call("status")
+        m = r.get("manifest") or {}
+        return {"root": r["root"], "sglang_version": r["version"], "series": m.get("series"), "version": m.get("version"),
+                "state": m.get("status") if m else "clean", "when": m.get("when"), "who": m.get("who"),
+                "repo_commit": m.get("repo_commit"), "run_id": m.get("run_id"),
+                "patches": m.get("patches"), "drift": r["drift"], "lock": r["lock"], "server": r["server"],
+                "interrupted": r.get("interrupted"), "notes": r.get("notes") or []}
+
+    def render(data):
+        t = table("status", "host", "series", "state", "applied", "drift", "lock", "server")
+        for d in data:
+            if not d["ok"]:
+                t.add_row(d["host"], "?", d["outcome"], "", "", "", d["error"])
+                continue
+            srv = d["server"]
+            lock = d["lock"]
+            t.add_row(d["host"], f"{d['series']} {d['version']}" if d["series"] else "-",
+                      d["state"] + (" (interrupted change pending)" if d.get("interrupted") else "")
+                      + ("".join(f" [{n}]" for n in d["notes"])),
+                      f"{d['when']} by {d['who']} @ {d['repo_commit']}" if d["series"] else "",
+                      ", ".join(x["path"] for x in d["drift"]) or "none",
+                      (("DEAD " if holder_is_stale(lock) else "") + describe_holder(lock)) if lock else "free",
+                      server_cell(srv))
+        return t
+
+    def hints(data):
+        for d in data:
+            if d["ok"] and d["attention"]:
+                for a in d["attention"]:
+                    app.info(f"{d['host']} needs attention: {a['why']}\n    run: {a['run']}")
+            elif d["ok"] and d["state"] == "pending" and d["lock"]:
+                app.info(f"{d['host']}: deploy in progress ({describe_holder(d['lock'])})")
+
+    def exit_of(r):
+        return 3 if r["attention"] else 0
+
+    def with_attention(s: HostSession):
+        d = per_host(s)
+        d["attention"] = attention_of(app, dict(d, host=s.host.name))
+        return d
+
+    return _simple(app, args, "status", with_attention, render, exit_of=exit_of, after=hints)
+
+
+def uptime_text(seconds) -> str:
+    """3d4h, 2h5m, 4m12s, 9s."""
+    if seconds is None:
+        return "?"
+    s = int(seconds)
+    for unit, size, sub, subsize in (("d", 86400, "h", 3600), ("h", 3600, "m", 60), ("m", 60, "s", 1)):
+        if s >= size:
+            return f"{s // size}{unit}{(s % size) // subsize}{sub}"
+    return f"{s}s"
+
+
+def server_cell(srv: dict) -> str:
+    """running, pid 1234, up 2h5m, healthy, capture hidden-dump | DOWN."""
+    if not srv.get("running"):
+        return "DOWN (not running)"
+    parts = ["running"]
+    if srv.get("pid"):
+        parts.append(f"pid {srv['pid']}, up {uptime_text(srv.get('uptime_s'))}")
+    if srv.get("health"):
+        parts.append(srv["health"])
+    if srv.get("series"):
+        parts.append(f"capture {srv['series']}")
+    return ", ".join(parts)
+
+
+def _short(text: str, n: int = 100) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _history_rows(d: dict) -> list[tuple[str, ...]]:
+    """(id, time, op, series, outcome, why, run) per entry of one host."""
+    rows = []
+    for h in d["history"]:
+        what = h if h.get("series") else (h.get("from") or {})  # a rollback: the series it took away
+        rows.append((str(h.get("id", "")), str(h.get("time", "")), str(h.get("op", "")),
+                     f"{what.get('series') or ''} {what.get('version') or ''}".strip(), str(h.get("outcome", "")),
+                     str(h.get("reason") or ""), str(h.get("run_id", ""))))
+    return rows
+
+
+def history_plain(data: list[dict]) -> str:
+    """Piped: aligned columns of short fields (host, id, op, series, run, outcome), one entry a line; the
+    reason a deploy was rolled back, when there is one, on an indented line below. No line is wider than
+    its outcome needs; `--json` has every field."""
+    lines, rows = [], []
+    for d in data:
+        if not d["ok"]:
+            rows.append((d["host"], "-", "-", "-", "-", f"{d['outcome']}: {d['error']}", ""))
+            continue
+        for hid, _time, op, series, outcome, why, run in _history_rows(d):
+            rows.append((d["host"], hid, op, series or "-", run or "-", _short(outcome), why))
+    head = ("HOST", "ID", "OP", "SERIES", "RUN", "OUTCOME")
+    widths = [max([len(head[i])] + [len(r[i]) for r in rows]) for i in range(5)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells[:5], widths)) + "  " + cells[5]
+    lines.append(fmt(head))
+    for r in rows:
+        lines.append(fmt(r))
+        if r[6]:
+            lines.append(" " * (widths[0] + 2) + "why: " + r[6])
+    return "\n".join(lines)
+
+
+def run_history(app: App, args) -> int:
+    last = getattr(args, "last", None)
+
+    def per_host(s: HostSession):
+        r = s.call("history")
+        if last:
+            r["history"] = r["history"][-last:]
+        return r
+
+    def render(data):
+        if not app.out.is_terminal:
+            from rich.text import Text
+
+            return Text(app.masker.text(history_plain(data)))
+        t = table("history", "host", "id", "time", "op", "series", "outcome", "why", "run")
+        for d in data:
+            if not d["ok"]:
+                t.add_row(d["host"], "", "", "", "", d["error"], "", "")
+                continue
+            for hid, time_, op, series, outcome, why, run in _history_rows(d):
+                t.add_row(d["host"], hid, time_, op, series, _short(outcome), _short(why, 240), run)
+        return t
+
+    return _simple(app, args, "history", per_host, render)
+
+
+def run_unlock(app: App, args) -> int:
+    def per_host(s: HostSession):
+        r = s.call("status")
+        h = r.get("lock")
+        if not h:
+            return {"unlocked": None, "message": "not locked"}
+        if not args.force and not holder_is_stale(h):
+            raise AgentFailure("locked", f"held by {describe_holder(h)}, which may still be alive; use --force to release it", {"holder": h})
+        s.call("unlock", expect_run_id=h.get("run_id"))
+        return {"unlocked": h, "message": f"released lock of {describe_holder(h)}"}
+
+    def render(data):
+        t = table("unlock", "host", "result")
+        for d in data:
+            t.add_row(d["host"], d.get("message") or d.get("error", ""))
+        return t
+
+    return _simple(app, args, "unlock", per_host, render)
+
+
+def run_plan(app: App, args) -> int:
+    series = load_series(app.patches_dir, args.series)
+    sreq = series_request(series)
+    reach = Reachability(series)
+
+    def per_host(s: HostSession):
+        r = s.call("probe", series=sreq)
+        d = plan_host(series, s.host, r)
+        d["restart_config"] = restart_preview(s, series, r) if d["restart"] != "no" else None
+        arch = d.get("model_arch")
+        if arch:
+            v = reach.verdict(arch)
+            if v is not None:
+                d["reachability"] = dict(v, arch=arch)
+                if not v["ok"]:
+                    d["blockers"].append(f"{arch}: {v['detail']}")
+        if getattr(args, "diff", False):
+            d["file_diffs"] = file_diffs(series)
+        return d
+
+    def render(data):
+        app.masker = app.masker.with_public(series.smoke.env)
+        return render_plan(app, series, data, show_diff=getattr(args, "diff", False))
+
+    return _simple(app, args, "plan", per_host, render,
+                   exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2),
+                   page=getattr(args, "diff", False))
+
+
+def file_diffs(series: Series) -> dict[str, str]:
+    """The series' unified diff, per file (a file several patches touch shows each patch's hunks in order)."""
+    import unidiff
+
+    out: dict[str, list[str]] = {}
+    for p in series.patches:
+        for pf in unidiff.PatchSet(p.text):
+            path = pf.path
+            out.setdefault(path, []).append(str(pf) if len(series.patches) == 1 else f"# {p.file}\n{pf}")
+    return {path: "".join(parts) for path, parts in out.items()}
+
+
+def restart_preview(s: HostSession, series: Series, probe: dict) -> dict:
+    """The server command line and env a restart would run, rendered as the agent renders them
+    (placeholders as single shell words, then split into argv; the series' flags and env added).
+    A `~` in a remote host's paths is left for the host (its login user's home)."""
+    h, srv = s.host, s.host.server
+    local = h.connection == "local"
+
+    def here(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path)) if local or not path.startswith("~") else path
+
+    python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
+    values = {"python": here(python) if python.startswith("~") else python, "port": srv.port, "host": srv.host,
+              "state_dir": here(h.state_dir)}
+    if "{sglang_root}" in srv.command:
+        values["sglang_root"] = probe.get("root") or h.sglang_root
+    try:
+        argv = shlex.split(srv.command.format(**{k: shlex.quote(str(v)) for k, v in values.items()})) if srv.command else []
+    except (KeyError, IndexError, ValueError) as e:
+        argv = [f"<server command {srv.command!r}: unknown placeholder {e}>"]
+
+    def fill(text: str) -> str:
+        for k, v in values.items():
+            text = text.replace("{" + k + "}", str(v))
+        return text
+
+    extra = list(series.smoke.server_args)
+    layers = srv.capture_layers or (list(series.smoke.layers) if series.smoke.layers else None)
+    if layers:
+        extra += [series.smoke.layers_arg] + [str(x) for x in layers]
+    env = {k: fill(str(v)) for k, v in srv.env.items()}
+    env.update({k: fill(str(v)) for k, v in series.smoke.env.items()})
+    return {"manager": srv.manager, "unit": srv.unit, "argv": argv + extra, "env": env, "log": here(srv.log),
+            "host_expands_home": any("~" in str(x) for x in [*argv, *env.values()])}
+
+
+def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
+    """Per host: the action, what was read from it, the trace verdict, the exact restart; then the diff."""
+    from rich.console import Group
+    from rich.text import Text
+
+    m = app.masker
+    out: list = [Text(f"plan: apply {series.name} {series.version} ({len(series.patches)} patches) — plan changes nothing",
+                      style="bold")]
+    for d in data:
+        out.append(Text(""))
+        if not d["ok"]:
+            out.append(Text(f"{d['host']}: {d['outcome']}: {m.text(d['error'])}", style="red"))
+            continue
+        rows = [("sglang", f"{d['sglang_version']} at {d['root']}")]
+        arch = d.get("model_arch")
+        rows.append(("model", f"{arch} (architectures[0] of config.json under the server's --model-path)" if arch
+                     else "unknown (no config.json under the server command's --model-path)"))
+        r = d.get("reachability")
+        rows.append(("trace", ("ok — " if r["ok"] else "BLOCKED — ") + r["detail"] if r
+                     else "not run (architecture unknown or no single pinned SGLang release)"))
+        rows.append(("files", "\n".join(f"{f['action']:<7} {f['path']}" for f in d["files"])))
+        rows.append(("restart", d["restart"]))
+        rc = d.get("restart_config")
+        if rc:
+            rows.append(("command", shlex.join(rc["argv"]) if rc["argv"] else f"(none: {rc['manager']} unit {rc['unit']})"))
+            env = m.env(rc["env"])
+            rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
+            if rc["manager"] == "systemd":
+                rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
+            if rc["host_expands_home"]:
+                rows.append(("", "(~ is the home directory of the login user on the host)"))
+        rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
+        out.append(Text(f"{d['host']}: {d['action']}", style="bold red" if d["blockers"] else "bold"))
+        for k, v in rows:
+            v = m.text(str(v)).replace("\n", "\n" + " " * 12)
+            out.append(Text(f"  {k:<9} {v}"))
+    if show_diff:
+        diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
+        groups = [("applies on", [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]),
+                  ("already applied on", [d["host"] for d in data if d["ok"] and d["action"].startswith("nothing")]),
+                  ("not read from", [d["host"] for d in data if not d["ok"]])]
+        out.append(Text(""))
+        out.append(Text(f"diff: what {series.name} {series.version} changes, against the unpatched files", style="bold"))
+        for what, names in groups:
+            if names:
+                out.append(Text(f"  {what}: {', '.join(names)}"))
+        color = app.out.is_terminal
+        for path, text in diffs.items():
+            out.append(Text(""))
+            out.append(Text(f"=== {path}", style="bold"))
+            for line in text.rstrip("\n").split("\n"):
+                style = None
+                if color:
+                    if line.startswith(("+++", "---", "diff ", "index ", "new file", "deleted file")):
+                        style = "bold"
+                    elif line.startswith("@@"):
+                        style = "cyan"
+                    elif line.startswith("+"):
+                        style = "green"
+                    elif line.startswith("-"):
+                        style = "red"
+                out.append(Text(line, style=style or ""))
+    return Group(*out)
+
+
+def plan_host(series: Series, host: Host, probe: dict) -> dict:
+    from packaging.specifiers import SpecifierSet
+
+    m = probe.get("manifest")
+    blockers = []
+    if probe.get("lock") and not holder_is_stale(probe["lock"]):
+        blockers.append(f"locked by {describe_holder(probe['lock'])}")
+    if probe.get("drift"):
+        blockers.append("drift: " + ", ".join(d["path"] for d in probe["drift"]))
+    ver = probe.get("version")
+    if ver is None or ver not in SpecifierSet(series.sglang):
+        blockers.append(f"SGLang {ver} is not targeted by {series.name} ({series.sglang})")
+    stage = probe.get("stage") or {}
+    if stage and not stage.get("ok"):
+        failed = [p for p in stage.get("patches", []) if p.get("status") == "failed"]
+        blockers.append("does not apply: " + (f"{failed[0]['name']}: {failed[0].get('detail')}" if failed else str(stage.get("error"))))
+    blockers += [f"cannot capture: {r}" for r in probe.get("capture_refusals") or []]
+    same = m and m["series"] == series.name and m["version"] == series.version and \
+        [p["sha256"] for p in m["patches"]] == [p.sha256 for p in series.patches]
+    if same:
+        action = "nothing (already applied)"
+    elif m:
+        action = f"replace {m['series']} {m['version']} with {series.name} {series.version}"
+    else:
+        action = f"apply {series.name} {series.version} ({len(series.patches)} patches)"
+    if probe.get("journal"):
+        action += " — first undo an interrupted change"
+    files = [{"path": f.path, "action": f.action} for p in series.patches for f in p.files]
+    srv = probe.get("server") or {}
+    restart = "no" if same else (f"yes: {host.server.manager} on port {host.server.port} with {' '.join(series.smoke.server_args)}"
+                                 + (", then smoke" if series.smoke.hook or series.smoke.prompts else ""))
+    if not same and not srv.get("running"):
+        restart += " (server not running now)"
+    return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
+            "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")),
+            "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),
+            "diff": {p.file: p.text for p in series.patches}}

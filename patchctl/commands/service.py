@@ -1,0 +1,153 @@
+"""Porcelain for the server alone: start / stop / restart over the inventory's hosts, files untouched.
+
+Each unit's server is (re)started as configured now: the inventory's command and env plus the
+deployed series' flags and env, exactly as `apply` starts it (the agent reads the series' profile
+from the host's manifest). Then readiness and, by default where a capture series is deployed, the
+smoke. The rollout is apply's (`core.rollout.rollout`: canary, batches, --max-fail, --forks) with its
+Ctrl-C semantics (`core.rollout.Interrupts`); the host lock is taken as apply takes it. A unit that fails
+(start-up, readiness or smoke) is left as it is, files unchanged, with the commands that deal with
+it: there is nothing to roll back, since no file changed.
+"""
+
+from __future__ import annotations
+
+from patchctl.core.console import App
+from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
+from patchctl.core.errors import PatchctlError
+from patchctl.core.inventory import Host
+from patchctl.core.report import Reporter
+from patchctl.core.session import Run, UnitResult, host_error
+
+PAST = {"start": "started", "stop": "stopped", "restart": "restarted"}
+
+
+class ServiceUnit:
+    """One unit's server: one agent command for a one-node unit; a multi-node unit stops every node,
+    starts the head, then the others, waits on (and smokes through) the head, then gives the locks back."""
+
+    def __init__(self, run: Run, nodes: list[Host], args, action: str):
+        self.run, self.nodes, self.args, self.action = run, nodes, args, action
+        self.sessions = [run.session(h) for h in nodes]
+        self.head = self.sessions[0]
+        self.names = [h.name for h in nodes]
+
+    def fields(self, host: Host) -> dict:
+        smoke = getattr(self.args, "smoke", None)  # None: where a capture series is deployed
+        f = {"action": self.action, "smoke": smoke}
+        if host.server.capture_layers:
+            f["capture_layers"] = host.server.capture_layers
+        if host.server.hidden_size:
+            f["hidden_size"] = host.server.hidden_size
+        return f
+
+    def run_unit(self) -> UnitResult:
+        if self.run.stopping.is_set():
+            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        step = self.action
+        try:
+            if len(self.sessions) == 1:
+                res = self.head.call("service", step, **self.fields(self.head.host))
+            else:
+                res = self._multi_node()
+        except PatchctlError as e:
+            return self._failed(e)
+        if not res.get("changed"):
+            return UnitResult(self.names, "unchanged", res.get("note") or "nothing to do")
+        msg = PAST[self.action]
+        if res.get("ready_seconds") is not None:
+            msg += f", ready after {res['ready_seconds']}s"
+        sm = res.get("smoke")
+        if sm:
+            msg += f"; smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s"
+        elif self.action != "stop":
+            msg += "; no smoke (" + ("--no-smoke" if getattr(self.args, "smoke", None) is False
+                                     else "no capture series deployed") + ")"
+        return UnitResult(self.names, PAST[self.action], msg, touched=True)
+
+    def _multi_node(self) -> dict:
+        out = {"changed": False}
+        try:
+            for s in self.sessions if self.action != "start" else []:  # every node stopped before any starts
+                r = s.call("service", "stop", phase="stop", keep_lock=True, **self.fields(s.host))
+                out["changed"] |= bool(r.get("changed"))
+            if self.action == "stop":
+                return out
+            for s in self.sessions:
+                r = s.call("service", "start", phase="start", keep_lock=True, **self.fields(s.host))
+                out["changed"] |= bool(r.get("changed"))
+            if not out["changed"]:
+                return dict(out, note="already running")
+            r = self.head.call("service", "ready", phase="ready", keep_lock=True, **self.fields(self.head.host))
+            return dict(r, changed=True)
+        finally:
+            for s in self.sessions:
+                try:
+                    s.call("release")
+                except Exception:  # noqa: BLE001 - a node we cannot reach keeps its lock; status says so
+                    pass
+
+    def _failed(self, e: Exception) -> UnitResult:
+        """Nothing to roll back (no file changed): say what was left and the exact next commands."""
+        outcome, msg = host_error(e)
+        app, limit = self.run.app, ",".join(self.names)
+        step = getattr(e, "step", None) or self.action
+        if outcome == "failed":
+            outcome = "failed, left as is"
+            deployed = (getattr(e, "details", None) or {}).get("deployed")
+            nxt = [f"{app.cmd('restart', '--limit', limit)}   # once the cause is fixed"]
+            if deployed:
+                nxt.insert(0, f"{app.cmd('rollback', '--limit', limit)}   # back to the state before "
+                              f"{deployed['series']} {deployed['version']}, verified")
+            msg = (f"{step} failed: {msg} — files unchanged ({self.action} changes none); next: " + "; or ".join(nxt))
+        elif outcome == "needs attention" and (getattr(e, "details", None) or {}).get("pending"):
+            msg = f"{msg}: {app.cmd('rollback', '--limit', limit)}"
+        return UnitResult(self.names, outcome, msg, touched=outcome not in ("refused", "locked", "unreachable"))
+
+
+def _state_left(action: str):
+    def describe(steps) -> str:
+        cur = next((st.step for st in reversed(steps) if st.ok is None), None)
+        doing = f"cut off during '{cur}'" if cur else "cut off between steps"
+        return f"{doing}: files unchanged; the server may be stopped, starting or serving"
+    return describe
+
+
+def run_service(app: App, args, action: str) -> int:
+    run = Run(app, args, action)
+    units = run.units()
+    for u in units:
+        for h in u:
+            run.unit_of[h.name] = [n.name for n in u]
+    run.recover_verb = "stop" if action == "stop" else "restart"
+    run.state_left = _state_left(action)
+    sizes = plan_batches(len(units), args.canary, args.batch)
+    max_fail = parse_max_fail(args.max_fail, len(units))
+    rep = Reporter(app, run.run_id, action, [h.name for u in units for h in u], log_dir=args.log_dir)
+    run.reporter = rep
+    results: list[UnitResult] = []
+    try:
+        with rep, Interrupts(run) as intr:
+            stopped = rollout(run, args, units, sizes, max_fail, lambda u: ServiceUnit(run, u, args, action), results, [])
+            if intr.interrupted:
+                stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
+            if stopped:
+                rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
+                app.info(f"run stopped: {stopped}")
+            code = finish(app, run, rep, results, args.junit, {"stopped": stopped, "interrupted": intr.interrupted})
+            if stopped and code == 0:
+                code = 1
+            return code
+    finally:
+        run.close()
+
+
+def run_restart(app: App, args) -> int:
+    return run_service(app, args, "restart")
+
+
+def run_start(app: App, args) -> int:
+    return run_service(app, args, "start")
+
+
+def run_stop(app: App, args) -> int:
+    return run_service(app, args, "stop")

@@ -1,0 +1,665 @@
+"""The inventory: which hosts exist, how to reach them, where SGLang and patchctl's state live on each.
+
+Values are data, never shell: names and paths are kept verbatim (spaces, quotes, `$()` and all);
+`~` is left for the on-host agent to expand. Every error names the file, the line and the key,
+because a typo in a fleet file should cost a second, not a deploy.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import json
+import os
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from patchctl.core.errors import BadInput
+
+CONNECTIONS = ("ssh", "local")
+BECOME_METHODS = ("sudo",)  # `become = ""` in a host table: none (overrides [defaults])
+MANAGERS = ("process", "systemd")
+
+# `python = "controller"` on a `connection = "local"` host: the interpreter running patchctl.
+CONTROLLER_PYTHON = "controller"
+
+
+@dataclass
+class ServerConfig:
+    """How the host's SGLang server is run. `command` may use {python} {port} {host} {state_dir} {sglang_root}."""
+
+    manager: str = "process"
+    command: str = ""  # empty: no server configured (restart/smoke steps refuse)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    env: dict[str, str] = field(default_factory=dict)
+    # env names whose values may be shown in logs and output; every other env value is masked
+    public_env: list[str] = field(default_factory=list)
+    log: str = "~/sglang-server.log"
+    start_timeout: float = 1800.0
+    stop_timeout: float = 60.0
+    unit: str | None = None
+    capture_layers: list[int] | None = None
+    layer_outputs: list[int] | None = None
+    hidden_size: int | None = None
+
+
+@dataclass
+class Host:
+    name: str
+    address: str
+    port: int = 22
+    user: str | None = None  # None: ~/.ssh/config or the local user
+    identity_file: str | None = None  # None: ~/.ssh/config, agent and default keys
+    known_hosts: str = "~/.ssh/known_hosts"  # expanded on the controller
+    python: str = "python3"
+    sglang_root: str = "auto"
+    state_dir: str = "~/.patchctl"
+    gateway: str | None = None  # a host name of this inventory, or user@host:port
+    connection: str = "ssh"
+    server: ServerConfig = field(default_factory=ServerConfig)
+    groups: list[str] = field(default_factory=list)
+    ssh_config: bool = True  # honour ~/.ssh/config (inventory values win)
+    become: str | None = None  # "sudo": the agent runs through `sudo -n` as become_user (patchctl.core.become)
+    become_user: str | None = None  # None: root
+    # Resolved by load_inventory: the gateway's Host (an inventory host, or one built from user@host:port).
+    gateway_host: Host | None = field(default=None, repr=False, compare=False)
+    # Keys set explicitly by the inventory (defaults or host table); others may come from ~/.ssh/config.
+    explicit: frozenset[str] = field(default_factory=frozenset, repr=False, compare=False)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "address": self.address,
+            "port": self.port,
+            "user": self.user,
+            "identity_file": self.identity_file,
+            "known_hosts": self.known_hosts,
+            "python": self.python,
+            "sglang_root": self.sglang_root,
+            "state_dir": self.state_dir,
+            "gateway": self.gateway,
+            "connection": self.connection,
+            "ssh_config": self.ssh_config,
+            "become": self.become,
+            "become_user": (self.become_user or "root") if self.become else None,
+            "groups": list(self.groups),
+            "server": {
+                "manager": self.server.manager,
+                "command": self.server.command,
+                "host": self.server.host,
+                "port": self.server.port,
+                "env": dict(self.server.env),
+                "public_env": list(self.server.public_env),
+                "log": self.server.log,
+                "start_timeout": self.server.start_timeout,
+                "stop_timeout": self.server.stop_timeout,
+                "unit": self.server.unit,
+                "capture_layers": self.server.capture_layers,
+                "layer_outputs": self.server.layer_outputs,
+                "hidden_size": self.server.hidden_size,
+            },
+        }
+
+
+@dataclass
+class ServerGroup:
+    """One model served across nodes; head node first."""
+
+    name: str
+    nodes: list[str]
+
+
+@dataclass
+class Inventory:
+    path: Path
+    hosts: dict[str, Host]  # file order
+    groups: dict[str, list[str]]  # resolved to host names
+    servers: dict[str, ServerGroup]
+
+    def select(self, pattern: str | None) -> list[Host]:
+        """Hosts matching a --limit pattern, in inventory order.
+
+        Comma-separated terms; a term is a host name, a group name, a server name or an fnmatch glob
+        over host names; `!term` excludes. Only exclusions: all hosts minus those. A name that matches
+        nothing is an error (a typo must not silently select fewer hosts), and so is an empty selection.
+        """
+        if pattern is None:
+            return list(self.hosts.values())
+        terms = [t.strip() for t in pattern.split(",")]
+        terms = [t for t in terms if t]
+        if not terms:
+            raise BadInput(f"--limit {pattern!r}: no host, group or glob given")
+        include: set[str] = set()
+        exclude: set[str] = set()
+        any_include = False
+        for term in terms:
+            negate = term.startswith("!")
+            if negate:
+                term = term[1:].strip()
+                if not term:
+                    raise BadInput(f"--limit {pattern!r}: '!' without a name")
+            else:
+                any_include = True
+            (exclude if negate else include).update(self._expand_term(term))
+        chosen = include if any_include else set(self.hosts)
+        chosen -= exclude
+        selected = [h for name, h in self.hosts.items() if name in chosen]
+        if not selected:
+            raise BadInput(f"--limit {pattern!r} selects no hosts")
+        return selected
+
+    def _expand_term(self, term: str) -> set[str]:
+        if term in self.hosts:
+            return {term}
+        if term in self.groups:
+            return set(self.groups[term])
+        if term in self.servers:
+            return set(self.servers[term].nodes)
+        if any(c in term for c in "*?["):
+            return {n for n in self.hosts if fnmatch.fnmatchcase(n, term)}
+        names = list(self.hosts) + list(self.groups) + list(self.servers)
+        raise BadInput(f"--limit: no host, group or server named {term!r}{_suggest(term, names)}")
+
+    def server_of(self, host_name: str) -> ServerGroup | None:
+        for sg in self.servers.values():
+            if host_name in sg.nodes:
+                return sg
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+
+_TOP_KEYS = ("defaults", "hosts", "groups", "servers")
+_HOST_KEYS = (
+    "address", "port", "user", "identity_file", "known_hosts", "python", "sglang_root",
+    "state_dir", "gateway", "connection", "ssh_config", "become", "become_user", "server",
+)
+_DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
+_SERVER_KEYS = (
+    "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
+    "unit", "capture_layers", "layer_outputs", "hidden_size",
+)
+_SERVERS_KEYS = ("nodes",)
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _dotted(path: tuple[str, ...]) -> str:
+    return ".".join(p if _BARE_KEY.match(p) else json.dumps(p) for p in path)
+
+
+class _Locator:
+    """Line numbers for key paths, found by scanning the text (tomllib gives no positions)."""
+
+    _KEY = re.compile(
+        r"""^\s*((?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*'))*)\s*="""
+    )
+    _HEADER = re.compile(r"^\s*\[(?!\[)(.*)\]\s*(#.*)?$")
+
+    def __init__(self, text: str):
+        self.lines: dict[tuple[str, ...], int] = {}
+        table: tuple[str, ...] = ()
+        in_multiline: str | None = None
+        for no, line in enumerate(text.splitlines(), start=1):
+            if in_multiline:
+                if line.count(in_multiline) % 2 == 1:
+                    in_multiline = None
+                continue
+            m = self._HEADER.match(line)
+            if m:
+                path = self._parse_path(m.group(1))
+                if path is not None:
+                    table = path
+                    for i in range(1, len(table) + 1):
+                        self.lines.setdefault(table[:i], no)
+                continue
+            m = self._KEY.match(line)
+            if m:
+                key = self._parse_path(m.group(1))
+                if key is not None:
+                    full = table + key
+                    for i in range(len(table) + 1, len(full) + 1):  # dotted keys define their parents
+                        self.lines.setdefault(full[:i], no)
+                rest = line[m.end():]
+                for q in ('"""', "'''"):
+                    if rest.count(q) % 2 == 1:
+                        in_multiline = q
+                        break
+
+    @staticmethod
+    def _parse_path(src: str) -> tuple[str, ...] | None:
+        try:
+            doc = tomllib.loads(f"{src.strip()} = 0")
+        except tomllib.TOMLDecodeError:
+            return None
+        path: list[str] = []
+        node: Any = doc
+        while isinstance(node, dict) and len(node) == 1:
+            (k, node), = node.items()
+            path.append(k)
+        return tuple(path)
+
+    def line(self, path: tuple[str, ...]) -> int | None:
+        for n in range(len(path), 0, -1):  # the key, else the closest table/key that holds it
+            if path[:n] in self.lines:
+                return self.lines[path[:n]]
+        return None
+
+
+class _Loader:
+    def __init__(self, path: Path, text: str):
+        self.path = path
+        self.loc = _Locator(text)
+
+    def fail(self, path: tuple[str, ...], msg: str, *, line_of: tuple[str, ...] | None = None):
+        raise BadInput(f"{_dotted(path)}: {msg}", file=str(self.path), line=self.loc.line(line_of or path))
+
+    # typed getters ----------------------------------------------------------------------------
+    def check_keys(self, table: dict, allowed, path: tuple[str, ...]):
+        for k in table:
+            if k not in allowed:
+                self.fail(path + (k,), f"unknown key{_suggest(k, allowed)}; expected one of: {', '.join(allowed)}")
+
+    def want_table(self, v, path) -> dict:
+        if not isinstance(v, dict):
+            self.fail(path, f"expected a table, got {_tname(v)}")
+        return v
+
+    def want_str(self, v, path, *, nonempty: bool = True) -> str:
+        if not isinstance(v, str):
+            self.fail(path, f"expected a string, got {_tname(v)}")
+        if nonempty and not v.strip():
+            self.fail(path, "must not be empty")
+        return v
+
+    def want_port(self, v, path) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(path, f"expected a port number (integer), got {_tname(v)}")
+        if not 1 <= v <= 65535:
+            self.fail(path, f"port {v} out of range 1-65535")
+        return v
+
+    def want_bool(self, v, path) -> bool:
+        if not isinstance(v, bool):
+            self.fail(path, f"expected true or false, got {_tname(v)}")
+        return v
+
+    def want_seconds(self, v, path) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            self.fail(path, f"expected a positive number of seconds, got {v!r}")
+        return float(v)
+
+    def want_choice(self, v, path, choices) -> str:
+        v = self.want_str(v, path)
+        if v not in choices:
+            self.fail(path, f"{v!r} is not one of: {', '.join(choices)}{_suggest(v, choices)}")
+        return v
+
+    def want_names(self, v, path) -> list[str]:
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            self.fail(path, "expected a list of names (strings)")
+        return v
+
+
+def _tname(v) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a table"}.get(type(v), type(v).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which inventory a command reads when --inventory is not given
+
+INVENTORY_ENV = "PATCHCTL_INVENTORY"
+
+
+def user_inventory_path(environ=None) -> Path:
+    """$XDG_CONFIG_HOME/patchctl/inventory.toml, default ~/.config/patchctl/inventory.toml (a relative
+    XDG_CONFIG_HOME is ignored, as the XDG spec says)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "patchctl" / "inventory.toml"
+
+
+def find_inventory(environ=None) -> tuple[Path, str]:
+    """(path, where it came from) when --inventory is not given. In order: $PATCHCTL_INVENTORY (it must
+    exist: a variable naming a missing file is a mistake, never skipped), ./inventory.toml, the user
+    config. None of them: BadInput (exit 2) naming every place looked at. The inventory shipped with
+    patchctl is never read silently: from the repository's root it is ./inventory.toml, elsewhere give it."""
+    env = os.environ if environ is None else environ
+    named = env.get(INVENTORY_ENV, "")
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise BadInput(f"no such inventory file (named by {INVENTORY_ENV})", file=named)
+        return path, f"from {INVENTORY_ENV}"
+    local = Path("inventory.toml")
+    if local.is_file():
+        return local, "from the current directory"
+    user = user_inventory_path(env)
+    if user.is_file():
+        return user, "the user config"
+    shipped = Path(__file__).resolve().parents[2] / "inventory.toml"
+    raise BadInput(f"no inventory: --inventory not given, {INVENTORY_ENV} not set, no ./inventory.toml in "
+                   f"{os.getcwd()}, no {user}; give one with --inventory FILE or {INVENTORY_ENV}=FILE, or put it "
+                   f"at {user} (an example with the demo host: {shipped})")
+
+
+def load_inventory(path: Path) -> Inventory:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BadInput("inventory file not found (give one with --inventory FILE)", file=str(path)) from None
+    except OSError as e:
+        raise BadInput(f"cannot read inventory: {e.strerror}", file=str(path)) from None
+    try:
+        text = raw.decode("utf-8")
+        data = tomllib.loads(text)
+    except UnicodeDecodeError as e:
+        raise BadInput(f"not UTF-8 text ({e.reason} at byte {e.start})", file=str(path)) from None
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"line (\d+)", str(e))
+        raise BadInput(f"TOML syntax error: {e}", file=str(path), line=int(m.group(1)) if m else None) from None
+
+    L = _Loader(path, text)
+    L.check_keys(data, _TOP_KEYS, ())
+
+    # [defaults] and [defaults.server] -----------------------------------------------------------
+    defaults = L.want_table(data.get("defaults", {}), ("defaults",))
+    L.check_keys(defaults, _DEFAULT_KEYS, ("defaults",))
+    dserver = L.want_table(defaults.get("server", {}), ("defaults", "server"))
+    L.check_keys(dserver, _SERVER_KEYS, ("defaults", "server"))
+
+    # [hosts.X] ----------------------------------------------------------------------------------
+    hosts_raw = L.want_table(data.get("hosts", {}), ("hosts",))
+    hosts: dict[str, Host] = {}
+    gateways: dict[str, tuple[str, tuple[str, ...]]] = {}  # host -> (gateway value, key path it came from)
+    for name, table in hosts_raw.items():
+        hp = ("hosts", name)
+        if not name.strip():
+            L.fail(hp, "a host name must not be empty or blank")
+        table = L.want_table(table, hp)
+        L.check_keys(table, _HOST_KEYS, hp)
+        hserver = L.want_table(table.get("server", {}), hp + ("server",))
+        L.check_keys(hserver, _SERVER_KEYS, hp + ("server",))
+
+        def pick(key, default=None, _t=table, _hp=hp):
+            """(value, key path) from the host table, else [defaults], else the built-in default."""
+            if key in _t:
+                return _t[key], _hp + (key,)
+            if key in defaults:
+                return defaults[key], ("defaults", key)
+            return default, None
+
+        explicit = frozenset(k for k in _HOST_KEYS if k in table or k in defaults)
+        h = Host(name=name, address=name, explicit=explicit)
+        if "address" in table:
+            h.address = L.want_str(table["address"], hp + ("address",))
+            if "@" in h.address or any(c.isspace() for c in h.address):
+                L.fail(hp + ("address",), f"{h.address!r} is not a host address (give the user in 'user')")
+        v, p = pick("connection", "ssh")
+        h.connection = L.want_choice(v, p, CONNECTIONS) if p else v
+        v, p = pick("port", 22)
+        h.port = L.want_port(v, p) if p else v
+        for key in ("user", "identity_file"):
+            v, p = pick(key)
+            setattr(h, key, L.want_str(v, p) if p else None)
+        for key, default in (("known_hosts", "~/.ssh/known_hosts"), ("python", "python3"),
+                             ("sglang_root", "auto"), ("state_dir", "~/.patchctl")):
+            v, p = pick(key, default)
+            setattr(h, key, L.want_str(v, p) if p else v)
+        v, p = pick("ssh_config", True)
+        h.ssh_config = L.want_bool(v, p) if p else v
+        if h.python == CONTROLLER_PYTHON:
+            if h.connection != "local":
+                _, p = pick("python")
+                L.fail(p, f"python = {CONTROLLER_PYTHON!r} (patchctl's own interpreter) is only for connection = \"local\"",
+                       line_of=p if p[0] == "hosts" else hp)
+            h.python = sys.executable
+        v, p = pick("gateway")
+        if p is not None:
+            gw = L.want_str(v, p, nonempty=False)
+            if gw.strip():
+                if h.connection == "local":
+                    if p[0] == "hosts":
+                        L.fail(p, "a local host has no gateway")
+                elif p[0] == "defaults" and gw == name:
+                    pass  # the bastion named in [defaults] is itself reached directly
+                else:
+                    gateways[name] = (gw, p)
+        _become(L, h, pick, hp)
+        h.server = _server(L, dserver, hserver, hp + ("server",))
+        hosts[name] = h
+
+    # gateways ------------------------------------------------------------------------------------
+    for name, (gw, p) in gateways.items():
+        line_of = p if p[0] == "hosts" else ("hosts", name)
+        if gw in hosts:
+            if hosts[gw].connection == "local":
+                L.fail(p, f"gateway {gw!r} is a local host, not an SSH host", line_of=line_of)
+            hosts[name].gateway = gw
+        else:
+            # outside the inventory: user@host, host:port or user@host:port (a bare word must be a host here,
+            # so that a typo is an error and not a connection to some other machine)
+            m = re.fullmatch(r"(?:([^@\s]+)@)?([^@:\s\[\]]+|\[[0-9A-Fa-f:.]+\])(?::(\d+))?", gw)
+            if (not m or not (m.group(1) or m.group(3))
+                    or (m.group(3) and not 1 <= int(m.group(3)) <= 65535)):
+                L.fail(p, f"gateway {gw!r} is neither a host of this inventory{_suggest(gw, hosts)} "
+                          f"nor user@host:port", line_of=line_of)
+            h = hosts[name]
+            gh = Host(name=gw, address=m.group(2).strip("[]"), port=int(m.group(3) or 22),
+                      user=m.group(1) or h.user, identity_file=h.identity_file, known_hosts=h.known_hosts,
+                      ssh_config=h.ssh_config,
+                      explicit=frozenset(k for k, ok in (("user", m.group(1) or "user" in h.explicit),
+                                                         ("port", m.group(3)),
+                                                         ("identity_file", h.identity_file)) if ok))
+            h.gateway = gw
+            h.gateway_host = gh
+    for name in gateways:
+        seen = [name]
+        cur = name
+        while hosts[cur].gateway in hosts:
+            cur = hosts[cur].gateway
+            if cur in seen:
+                gw, p = gateways[name]
+                L.fail(p, "gateway cycle: " + " -> ".join(seen + [cur]),
+                       line_of=p if p[0] == "hosts" else ("hosts", name))
+            seen.append(cur)
+        hosts[name].gateway_host = hosts[name].gateway_host or hosts.get(hosts[name].gateway)
+
+    # [groups] ------------------------------------------------------------------------------------
+    groups_raw = L.want_table(data.get("groups", {}), ("groups",))
+    for g, members in groups_raw.items():
+        L.want_names(members, ("groups", g))
+        if g in hosts:
+            L.fail(("groups", g), f"group {g!r} has the name of a host; --limit could not tell them apart")
+        for m in members:
+            if m not in hosts and m not in groups_raw:
+                L.fail(("groups", g), f"unknown host or group {m!r}{_suggest(m, list(hosts) + list(groups_raw))}")
+
+    def resolve(g: str, stack: tuple[str, ...]) -> list[str]:
+        if g in stack:
+            L.fail(("groups", g), "group cycle: " + " -> ".join(stack + (g,)))
+        out: list[str] = []
+        for m in groups_raw[g]:
+            for n in ([m] if m in hosts else resolve(m, stack + (g,))):
+                if n not in out:
+                    out.append(n)
+        return out
+
+    groups = {g: resolve(g, ()) for g in groups_raw}
+    for g, members in groups.items():
+        for n in members:
+            hosts[n].groups.append(g)
+
+    # [servers.NAME] ------------------------------------------------------------------------------
+    servers_raw = L.want_table(data.get("servers", {}), ("servers",))
+    servers: dict[str, ServerGroup] = {}
+    owner: dict[str, str] = {}
+    for s, table in servers_raw.items():
+        sp = ("servers", s)
+        table = L.want_table(table, sp)
+        L.check_keys(table, _SERVERS_KEYS, sp)
+        if "nodes" not in table:
+            L.fail(sp, "missing 'nodes' (the hosts serving this model, head node first)")
+        nodes = L.want_names(table["nodes"], sp + ("nodes",))
+        if not nodes:
+            L.fail(sp + ("nodes",), "a server needs at least one node")
+        if s in hosts or s in groups:
+            L.fail(sp, f"server {s!r} has the name of a {'host' if s in hosts else 'group'}; "
+                       "--limit could not tell them apart")
+        for n in nodes:
+            if n not in hosts:
+                L.fail(sp + ("nodes",), f"unknown host {n!r}{_suggest(n, hosts)}")
+            if n in owner:
+                L.fail(sp + ("nodes",), f"host {n!r} is already a node of server {owner[n]!r}; "
+                                        "a host serves one model")
+            owner[n] = s
+        if len(set(nodes)) != len(nodes):
+            L.fail(sp + ("nodes",), "a node is listed twice")
+        servers[s] = ServerGroup(name=s, nodes=list(nodes))
+
+    return Inventory(path=path, hosts=hosts, groups=groups, servers=servers)
+
+
+_USER_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*\$?|#[0-9]+)$")  # a login name, or sudo's #uid
+
+
+def _become(L: _Loader, h: Host, pick, hp: tuple[str, ...]) -> None:
+    """become = "sudo" (or "" for none) and become_user (default root), from the host table or [defaults]."""
+    v, p = pick("become")
+    if p is not None:
+        if not isinstance(v, str) or (v and v not in BECOME_METHODS):
+            L.fail(p, f"expected \"sudo\" (or \"\" for none), got {repr(v) if isinstance(v, str) else _tname(v)}"
+                      + (" (patchctl's become names the method, as Ansible's become_method)" if v is True else ""))
+        h.become = v or None
+    v, p = pick("become_user")
+    if p is not None:
+        user = L.want_str(v, p)
+        if not _USER_NAME.match(user):
+            L.fail(p, f"{user!r} is not a user name (letters, digits, '_', '.', '-', or #uid)")
+        if h.become is None:
+            if p[0] == "hosts":
+                L.fail(p, "needs become = \"sudo\" on this host (without it the agent runs as the SSH user)")
+        else:
+            h.become_user = user
+
+
+def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> ServerConfig:
+    def pick(key):
+        if key in hserver:
+            return hserver[key], hp + (key,)
+        if key in dserver:
+            return dserver[key], ("defaults", "server", key)
+        return None, None
+
+    s = ServerConfig()
+    v, p = pick("manager")
+    if p:
+        s.manager = L.want_choice(v, p, MANAGERS)
+    for key in ("command", "host", "log"):
+        v, p = pick(key)
+        if p:
+            setattr(s, key, L.want_str(v, p, nonempty=(key != "command")))
+    v, p = pick("port")
+    if p:
+        s.port = L.want_port(v, p)
+    for key in ("start_timeout", "stop_timeout"):
+        v, p = pick(key)
+        if p:
+            setattr(s, key, L.want_seconds(v, p))
+    v, p = pick("env")
+    if p:
+        if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+            L.fail(p, "expected a table of strings, e.g. env = { CUDA_VISIBLE_DEVICES = \"0,1\" }")
+        for k in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                L.fail(p, f"{k!r} is not an environment variable name")
+        s.env = dict(v)
+    v, p = pick("public_env")
+    if p:
+        names = L.want_names(v, p)
+        for k in names:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                L.fail(p, f"{k!r} is not an environment variable name")
+        s.public_env = list(names)
+    v, p = pick("unit")
+    if p:
+        s.unit = L.want_str(v, p)
+    for key in ("capture_layers", "layer_outputs"):
+        v, p = pick(key)
+        if p:
+            if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                          for x in v):
+                L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
+            setattr(s, key, list(v))
+    v, p = pick("hidden_size")
+    if p:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            L.fail(p, f"expected a positive integer, got {v!r}")
+        s.hidden_size = v
+    if s.manager == "systemd" and not s.unit:
+        _, p = pick("manager")
+        L.fail(hp + ("unit",), "manager = \"systemd\" needs unit = \"<name>.service\"",
+               line_of=hp if hserver else p)
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# `patchctl inventory`
+
+def run_inventory(app, args) -> int:
+    from patchctl.core.console import table
+
+    from patchctl.core.redact import Masker
+
+    inv = load_inventory(app.inventory_path)
+    app.masker = Masker.from_inventory(inv)
+    selected = inv.select(getattr(args, "limit", None))
+    if app.json:
+        hosts = []
+        for h in selected:
+            d = h.to_json()
+            sg = inv.server_of(h.name)
+            d["server_unit"] = {"name": sg.name, "nodes": sg.nodes, "head": sg.nodes[0] == h.name} if sg else None
+            hosts.append(d)
+        names = {h.name for h in selected}
+        app.result({
+            "inventory": str(inv.path),
+            "hosts": hosts,
+            "groups": {g: [n for n in m if n in names] for g, m in inv.groups.items()},
+            "servers": {s: sg.nodes for s, sg in inv.servers.items() if names & set(sg.nodes)},
+        })
+        return 0
+    t = table(f"inventory {inv.path}", "host", "address", "connection", "user", "python", "sglang_root",
+              "state_dir", "server", "groups", "server unit")
+    for h in selected:
+        if h.connection == "local":
+            addr = "-"
+        else:
+            addr = f"{h.address}:{h.port}" + (f" via {h.gateway}" if h.gateway else "")
+        sg = inv.server_of(h.name)
+        unit = ""
+        if sg:
+            unit = f"{sg.name} ({'head' if sg.nodes[0] == h.name else 'node'} {sg.nodes.index(h.name) + 1}/{len(sg.nodes)})"
+        srv = f"{h.server.manager} :{h.server.port}" + (f" {h.server.unit}" if h.server.unit else "")
+        user = h.user or "(ssh config)" if h.connection == "ssh" else h.user or "-"
+        if h.become:
+            user += f" ({h.become} -> {h.become_user or 'root'})"
+        t.add_row(h.name, addr, h.connection, user,
+                  h.python, h.sglang_root, h.state_dir, srv, ", ".join(h.groups), unit)
+    app.result(None, t)
+    return 0

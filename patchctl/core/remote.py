@@ -1,0 +1,117 @@
+"""One agent call = one remote command: bundle the host package with a request, run it, decode the answer.
+
+Every module of `patchctl/host/` travels inside the one script piped to the host's `python -`
+(Mitogen-style): an import hook placed first on `sys.meta_path` serves them from memory, so the
+host needs nothing but Python >= 3.8, and a patchctl installed there (any version) is never used.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable
+
+from patchctl.core import become
+from patchctl.core.errors import NeedsAttention, PatchctlError
+
+HOST_PACKAGE = "patchctl.host"
+EVENT_PREFIX = "PATCHCTL-EVENT "
+
+_BOOTSTRAP = """
+import sys, json, importlib.abc, importlib.util
+
+class _Bundle(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # The shipped modules, from memory; every other import is the host's own standard library.
+    def find_spec(self, name, path=None, target=None):
+        if name not in _SOURCES:
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=name in _PACKAGES)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        filename, src = _SOURCES[module.__name__]
+        exec(compile(src, filename, "exec"), module.__dict__)
+
+sys.meta_path.insert(0, _Bundle())
+import patchctl.host.agent
+patchctl.host.agent.main(json.loads(_REQUEST))
+"""
+
+
+class AgentFailure(PatchctlError):
+    """The agent answered with a refusal or failure; `kind` tells which exit code it maps to."""
+
+    EXIT = {"bad_input": 2, "drift": 3, "attention": 3, "locked": 4, "failed": 1}
+
+    def __init__(self, kind: str, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.details = details or {}
+        self.exit_code = self.EXIT.get(kind, 3)
+
+
+class AgentLost(NeedsAttention):
+    """No answer came back: the session broke or the agent died; the host's state is unknown."""
+
+
+@lru_cache(maxsize=1)
+def _sources() -> dict[str, tuple[str, str]]:
+    """{module name: (file name for tracebacks, source)}: the whole host package under an empty `patchctl`."""
+    here = Path(__file__).resolve().parents[1] / "host"
+    out = {"patchctl": ("<patchctl/__init__.py>", "")}
+    for f in sorted(here.glob("*.py")):
+        name = HOST_PACKAGE if f.stem == "__init__" else f"{HOST_PACKAGE}.{f.stem}"
+        out[name] = (f"<patchctl/host/{f.name}>", f.read_text())
+    return out
+
+
+def build_script(request: dict) -> str:
+    packages = ["patchctl", HOST_PACKAGE]
+    return f"_SOURCES = {_sources()!r}\n_PACKAGES = {packages!r}\n_REQUEST = {json.dumps(request)!r}\n{_BOOTSTRAP}"
+
+
+def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
+         timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None) -> dict:
+    """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
+    every `beat_s` seconds (a quarter of the silence limit), so `silence` seconds without a byte means a hung link or
+    host (ConnectionLost).
+    `stream`: more input for a long-running op, after the script (Transport.run_python)."""
+    other: list[str] = []
+    saw_agent: list[bool] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith(EVENT_PREFIX):
+            saw_agent.append(True)
+            try:
+                ev = json.loads(line[len(EVENT_PREFIX):])
+            except ValueError:
+                other.append(line)
+                return
+            if on_event:
+                on_event(ev)
+        elif line.strip():
+            other.append(line)
+
+    res = transport.run_python(build_script(request), timeout=timeout, silence=silence, on_stderr_line=on_line,
+                               stream=stream)
+    answer = None
+    for line in reversed(res.stdout.strip().splitlines()):
+        try:
+            answer = json.loads(line)
+            break
+        except ValueError:
+            continue
+    if not isinstance(answer, dict) or "ok" not in answer:
+        refused = become.refusal(transport.host, other, bool(saw_agent), res.exit_code)
+        if refused is not None:  # sudo answered instead of the agent: nothing ran on the host
+            raise refused
+        tail = "\n".join(other[-10:]) or res.stdout[-500:]
+        raise AgentLost(f"no answer from the agent on {transport.host.name} (exit {res.exit_code}); state unknown"
+                        + (f": {tail}" if tail else ""))
+    if not answer["ok"]:
+        err = answer["error"]
+        raise AgentFailure(err["kind"], err["message"], err.get("details"))
+    return answer["result"]

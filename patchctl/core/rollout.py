@@ -1,0 +1,233 @@
+"""The rollout every fleet command shares (apply, restart/start/stop; capture run reads --max-fail):
+--batch / --max-fail parsing, canary and batches of units run at once (--forks), the stop rules, Ctrl-C
+(first: no new units; second: abort with each host's recovery command) and the run's closing summary."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from patchctl.core.console import App
+from patchctl.core.errors import BadInput
+from patchctl.core.inventory import Host
+from patchctl.core.report import Reporter
+from patchctl.core.session import Run, UnitResult, worst
+
+
+# ---------------------------------------------------------------------------
+# rollout strategy
+
+
+def parse_count(spec: str, total: int, what: str) -> int:
+    spec = spec.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
+    if m:
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise BadInput(f"{what} {spec!r}: a percentage of the selected units above 0% and at most 100%")
+        return max(1, math.ceil(total * pct / 100)) if total else 0
+    if re.fullmatch(r"\d+", spec):
+        return int(spec)
+    raise BadInput(f"{what} {spec!r}: expected a count (3) or a percentage (25%)")
+
+
+def parse_max_fail(spec: str, total: int) -> int:
+    """Failures tolerated: the run stops once more than this many units failed. P% is of the units selected, rounded down."""
+    spec = spec.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
+    if m:
+        if float(m.group(1)) > 100:
+            raise BadInput(f"--max-fail {spec!r}: a percentage of the selected units is at most 100%")
+        return math.floor(total * float(m.group(1)) / 100)
+    if re.fullmatch(r"\d+", spec):
+        return int(spec)
+    raise BadInput(f"--max-fail {spec!r}: expected a count (2) or a percentage (10%)")
+
+
+def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
+    """Sizes of successive batches: the canary alone, then each --batch entry, the last one repeated."""
+    sizes = []
+    left = n_units
+    if canary:
+        if canary < 0:
+            raise BadInput("--canary must be >= 0")
+        c = min(canary, left)
+        sizes.append(c)
+        left -= c
+    entries = (batch or "100%").split(",")
+    if not all(e.strip() for e in entries):
+        raise BadInput(f"--batch {batch!r}: empty entry; expected N, P% or a comma-separated list like 1,25%,100%")
+    counts = [parse_count(e, n_units, "--batch") for e in entries]
+    if any(c <= 0 for c in counts):
+        raise BadInput(f"--batch {batch!r}: batch sizes must be positive")
+    i = 0
+    while left > 0:
+        c = min(counts[min(i, len(counts) - 1)], left)
+        sizes.append(c)
+        left -= c
+        i += 1
+    return sizes
+
+
+def rollout(run: Run, args, units: list[list[Host]], sizes: list[int], max_fail: int, make, results: list,
+            workers: list, stopped: str | None = None) -> str | None:
+    """Units in batches (canary first), each batch's units at once (--forks); stops starting batches on
+    Ctrl-C, once more than `max_fail` units failed, or after a halted unit (--on-fail halt). `make(unit)`
+    gives an object whose run_unit() -> UnitResult; results and workers are appended to in unit order.
+    Returns why the run stopped early (or `stopped` as given; None when it ran to the end)."""
+    rep = run.reporter
+    pos = 0
+    for bi, size in enumerate(sizes):
+        if run.stopping.is_set():
+            break
+        batch = units[pos:pos + size]
+        pos += size
+        label = "canary" if (bi == 0 and args.canary) else f"batch {bi + (0 if args.canary else 1)}"
+        rep.emit({"event": "batch_start", "run_id": run.run_id, "batch": label, "hosts": [h.name for u in batch for h in u]})
+        ds = [make(u) for u in batch]
+        workers += ds
+        batch_results = run.parallel(lambda d: d.run_unit(), ds)
+        for r in batch_results:
+            for h in r.hosts:
+                rep.host_result(h, r.outcome, r.exit_code, r.message)
+        results += batch_results
+        failures = sum(1 for r in results if r.failed)
+        if failures > max_fail:
+            return f"{failures} failed unit(s) > --max-fail {args.max_fail} (= {max_fail}) after {label}"
+        if getattr(args, "on_fail", None) == "halt" and any(r.outcome.startswith("halted") for r in batch_results):
+            return f"halted after {label}"
+    return stopped
+
+
+# ---------------------------------------------------------------------------
+# Ctrl-C during a fleet run
+
+
+class Interrupts:
+    """SIGINT during `apply`: the first stops starting units (in-flight ones finish or roll back, the
+    run ends normally, exit 130); the second aborts in-flight work, says per host what was left and
+    how to recover it, and exits 3. The work is done off the signal handler (it may have interrupted
+    the main thread inside the reporter's lock)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.count = 0
+        self._prev = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.count > 0
+
+    def _handler(self, signum, frame):
+        self.count += 1
+        target = self._first if self.count == 1 else self._abort
+        threading.Thread(target=target, name="patchctl-interrupt", daemon=True).start()
+
+    def _first(self):
+        run, rep = self.run, self.run.reporter
+        run.stopping.set()
+        rep.banner = "stopping (Ctrl-C)"
+        rep.announce("stopping: no new units; in-flight units finish or roll back")
+        rep.announce("(press Ctrl-C again to abort them; each host's state and its recovery command are printed)")
+
+    def _abort(self):
+        code = abort_report(self.run)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def abort_report(run: Run) -> int:
+    """After a second Ctrl-C: record and print, per host, the state left and the command that recovers it."""
+    rep, app = run.reporter, run.app
+    rep.stop_live()
+    rep.quiet = True  # one block below says it all
+    lines, codes = [], []
+    for h in rep.hosts:
+        res = rep.results.get(h)
+        steps = [st for st in rep.steps if st.host == h]
+        unit = run.unit_of.get(h, [h])
+        recover = app.cmd(run.recover_verb, "--limit", ",".join(unit))
+        if res is not None:
+            codes.append(res["exit_code"])
+            line = f"{h}: {res['outcome']}" + (f" — {res['message']}" if res.get("message") else "")
+            if res["exit_code"] == 3:
+                line += f"\n    recover: {recover}"
+            lines.append(line)
+            continue
+        if not steps:
+            rep.host_result(h, "not reached", 0, "left untouched: the run was aborted before this host")
+            lines.append(f"{h}: not reached — untouched, nothing to do")
+            continue
+        state = (run.state_left or _state_left)(steps)
+        rep.host_result(h, "unknown", 3, f"aborted: {state}", recover=recover)
+        codes.append(3)
+        lines.append(f"{h}: aborted — {state}\n    recover: {recover}")
+    code = 3 if 3 in codes else 130
+    rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": "aborted (second Ctrl-C)"})
+    rep.run_end(code, aborted=True)
+    text = "\n".join(["", "aborted (second Ctrl-C): in-flight work was cut off. The hosts' agents stop within a second;",
+                      "the lock this run held is broken automatically by the next patchctl run on this machine.",
+                      "State left per host:"] + ["  " + l.replace("\n", "\n  ") for l in lines] + [f"logs: {rep.log_dir}", ""])
+    sys.stderr.write(app.masker.text(text))
+    sys.stderr.flush()
+    return code
+
+
+def _state_left(steps) -> str:
+    """What a host was left in when its unit was cut off mid-step, from the steps it went through."""
+    done = [st.step for st in steps if st.ok]
+    cur = next((st.step for st in reversed(steps) if st.ok is None), None)
+    doing = f"cut off during '{cur}'" if cur else "cut off between steps"
+    if any(st.step.startswith("rollback") for st in steps):
+        return f"{doing} of its rollback: files may be back or not, the server may be stopped or starting"
+    if "apply" not in done:
+        return (f"{doing}: the file change may be half done; the next patchctl run on this host undoes it "
+                "from its journal (the tree byte-identical to before)")
+    if any(st in done for st in ("smoke",)):
+        return f"{doing}: deployed and smoke-tested but not recorded as verified"
+    return (f"{doing}: the series' files are applied (manifest pending) and the server was being restarted with "
+            "its capture settings: it may be stopped, starting, or serving the new code")
+
+
+# ---------------------------------------------------------------------------
+# the end of a run: every unit has a result, the summary printed
+
+
+def finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit: Path | None, extra: dict | None = None) -> int:
+    code = worst(r.exit_code for r in results)
+    for r in results:
+        for h in r.hosts:
+            if h not in rep.results:
+                rep.host_result(h, r.outcome, r.exit_code, r.message)
+    for h in rep.hosts:
+        if h not in rep.results:
+            rep.host_result(h, "not reached", 0, "left untouched: the run stopped before this host")
+    if (extra or {}).get("interrupted") and code != 3:
+        code = 130  # documented: an interrupted run that needs no attention
+    rep.run_end(code, **(extra or {}))
+    if junit:
+        from patchctl.core.junit import write_junit
+
+        write_junit(junit, f"patchctl {run.command}", rep.junit_cases())
+    rep.stop_live()
+    if not app.json:
+        summary = app.masker.table(rep.summary_table())
+        app.err.print(summary) if app.err.is_terminal else app.out.print(summary)
+    return code

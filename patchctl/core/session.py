@@ -1,0 +1,311 @@
+"""One command over the fleet: a Run (run id, lock holder, selected hosts and units, parallelism) and
+one HostSession per host (one reused transport; agent calls as reported steps, a provably stale lock
+broken once); host errors mapped to outcomes and outcomes to exit codes.
+
+The porcelain in `deploy` (apply, rollback, smoke) and `queries` (status, history, plan, unlock) is
+built on this.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from patchctl.core import remote
+from patchctl.core.console import App
+from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.inventory import CONTROLLER_PYTHON, Host, Inventory, load_inventory
+from patchctl.core.redact import Masker
+from patchctl.core.remote import AgentFailure, AgentLost
+from patchctl.core.report import Reporter
+from patchctl.core.transport import open_transport
+
+DEFAULT_FORKS = 256  # units wait on remote restarts (minutes): a wave costs a restart, a unit in flight ~5 threads,
+# one socket and under 1 MB (docs/bench-scale.md); 256 keeps a run under the usual 1024 open files
+
+# Outcome → exit code (docs/design.md "Exit codes"). The run's code is the most severe of its units'.
+OUTCOME_EXIT = {
+    "deployed": 0, "unchanged": 0, "applied": 0, "rolled back": 0, "ok": 0, "not reached": 0,
+    "started": 0, "stopped": 0, "restarted": 0, "failed, left as is": 3,
+    "failed, rolled back (verified)": 1, "failed": 1, "rolled back (unit member failed)": 1,
+    "refused": 2, "locked": 4,
+    "rollback failed": 3, "unknown": 3, "unreachable": 3, "needs attention": 3, "halted (left as is)": 3,
+}
+
+SEVERITY = [3, 4, 2, 1, 0]
+
+
+def worst(codes) -> int:
+    codes = set(codes) or {0}
+    for c in SEVERITY:
+        if c in codes:
+            return c
+    return max(codes)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def holder_info(run_id: str, command: str) -> dict:
+    return {"run_id": run_id, "controller": socket.gethostname(), "pid": os.getpid(),
+            "who": f"{getpass.getuser()}@{socket.gethostname()}", "command": command}
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder_is_stale(holder: dict) -> bool:
+    """Only a holder on this controller whose process is gone is provably stale."""
+    return holder.get("controller") == socket.gethostname() and not _pid_alive(holder.get("pid"))
+
+
+def describe_holder(h: dict) -> str:
+    return f"run {h.get('run_id')} by {h.get('who')} (pid {h.get('pid')} on {h.get('controller')}, since {h.get('since')})"
+
+
+class HostSession:
+    """One host for one run: one reused transport, agent calls as reported steps."""
+
+    def __init__(self, run: "Run", host: Host):
+        self.run = run
+        self.host = host
+        self._transport = None
+
+    @property
+    def transport(self):
+        if self._transport is None:
+            self._transport = open_transport(self.host, accept_new_host_keys=self.run.accept_new_host_keys,
+                                             connect_timeout=self.run.connect_timeout)
+        return self._transport
+
+    def reconnect(self) -> None:
+        if self._transport is not None:
+            try:
+                self._transport.close()
+            except Exception:
+                pass
+        self._transport = None
+
+    def request(self, op: str, **fields) -> dict:
+        h = self.host
+        python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
+        req = {"op": op, "run_id": self.run.run_id, "holder": self.run.holder, "beat_s": self.run.beat_s,
+               "state_dir": h.state_dir,
+               "sglang_root": h.sglang_root, "python": python,
+               "server": {"manager": h.server.manager, "command": h.server.command, "host": h.server.host,
+                          "port": h.server.port, "env": dict(h.server.env), "log": h.server.log,
+                          "start_timeout": h.server.start_timeout, "stop_timeout": h.server.stop_timeout,
+                          "unit": h.server.unit, "layer_outputs": h.server.layer_outputs}}
+        req.update(fields)
+        return req
+
+    def call(self, op: str, step: str | None = None, **fields) -> dict:
+        """One agent round trip; with `step`, reported as a host step. Breaks provably stale locks once.
+        An agent that goes on to a next step in the same command says so (a `step` event): the step in
+        hand ends and that one starts, so the report and a failure's step are the host's true ones."""
+        rep = self.run.reporter if step else None
+        at = {"op": op, "step": step, "rec": rep.step_start(self.host.name, step) if rep else None}
+
+        def next_step(ev: dict) -> None:
+            if rep:
+                rep.step_end(at["rec"], True, ev.get("ended") or "")
+                at["rec"] = rep.step_start(self.host.name, ev["step"])
+            at.update(op=ev.get("op") or ev["step"], step=ev["step"])
+
+        try:
+            req = self.request(op, **fields)
+            try:
+                res = self._call(req, next_step)
+            except AgentFailure as e:
+                holder = e.details.get("holder") or {}
+                if e.kind == "locked" and holder.get("run_id") and holder_is_stale(holder):
+                    self.note(f"breaking stale lock of {describe_holder(holder)}: its process is gone")
+                    req["break_stale"] = holder["run_id"]
+                    res = self._call(req, next_step)
+                else:
+                    raise
+            for n in res.get("notes") or []:
+                self.note(n)
+        except PatchctlError as e:
+            if at["rec"]:
+                self.run.reporter.step_end(at["rec"], False, str(e), dict(getattr(e, "details", None) or {}))
+            if getattr(e, "step", None) is None:
+                e.step = at["step"] or op  # the step that failed: the reason a rollback records in the history
+            raise
+        if at["rec"]:
+            self.run.reporter.step_end(at["rec"], True, _step_summary(at["op"], res), res)
+        return res
+
+    def _call(self, req: dict, next_step=None) -> dict:
+        def on_event(ev):
+            if ev.get("event") == "step" and next_step is not None:
+                next_step(ev)
+            if self.run.reporter:
+                self.run.reporter.agent_event(self.host.name, ev)
+
+        return remote.call(self.transport, req, on_event=on_event, silence=self.run.silence)
+
+    def note(self, msg: str) -> None:
+        if self.run.reporter:
+            self.run.reporter.note(self.host.name, msg)
+        else:
+            self.run.app.info(f"{self.host.name}: {msg}")
+
+    def close(self):
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _step_summary(op: str, res: dict) -> str:
+    if op == "apply":
+        if not res.get("changed"):
+            return res.get("note", "unchanged")
+        return f"{len(res.get('files', []))} files changed (SGLang {res.get('version')})"
+    if op in ("restart", "wait_ready") and "ready_seconds" in res:
+        return f"ready after {res['ready_seconds']}s"
+    if op == "smoke":
+        s = res["smoke"]
+        return f"{s['prompts']} prompts, {s['tokens']} tokens, {s['bytes']} bytes in {s['seconds']}s"
+    if op == "rollback":
+        return (res.get("note") or f"{len(res.get('files', []))} files restored") + (f"; {res['server']}" if res.get("server") else "")
+    return ""
+
+
+@dataclass
+class UnitResult:
+    hosts: list[str]
+    outcome: str
+    message: str = ""
+    touched: bool = False  # files or server of this unit were changed by this run
+
+    @property
+    def exit_code(self) -> int:
+        return OUTCOME_EXIT.get(self.outcome, 3)
+
+    @property
+    def failed(self) -> bool:
+        return self.exit_code != 0
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; anything else is bad input (exit 2)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise BadInput(f"environment variable {name}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def beat_interval(silence: float) -> float:
+    """Seconds between an agent's heartbeats for this silence limit: a quarter of it, 0.5 .. 15 s."""
+    return round(min(max(silence / 4.0, 0.5), 15.0), 3)
+
+
+class Run:
+    """Global state of one command over the fleet."""
+
+    def __init__(self, app: App, args, command: str):
+        self.app = app
+        self.args = args
+        self.command = command
+        self.inventory: Inventory = load_inventory(app.inventory_path)
+        app.masker = Masker.from_inventory(self.inventory)
+        self.hosts = self.inventory.select(getattr(args, "limit", None))
+        if not self.hosts:
+            raise BadInput("no hosts selected", file=str(app.inventory_path))
+        self.run_id = new_run_id()
+        self.holder = holder_info(self.run_id, " ".join(["patchctl"] + sys.argv[1:]))
+        self.accept_new_host_keys = getattr(args, "accept_new_host_keys", False)
+        self.connect_timeout = env_seconds("PATCHCTL_CONNECT_TIMEOUT", 10.0)
+        self.silence = env_seconds("PATCHCTL_SILENCE_S", 30.0)
+        # the agents' heartbeat interval: 4 beats per silence limit (7.5 s at the default 30 s), bounded
+        # to 0.5 .. 15 s. Each beat costs this controller CPU; a link probe (transport) covers the gaps
+        self.beat_s = beat_interval(self.silence)
+        self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
+        self.sessions: dict[str, HostSession] = {}
+        self.reporter: Reporter | None = None
+        self.series_req: dict | None = None  # apply: the series as sent to every host (built once)
+        self.repo_commit: str | None = None
+        self.stopping = threading.Event()  # first Ctrl-C: start no new unit
+        self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
+        self.unit_of: dict[str, list[str]] = {}  # host -> the names of its unit (recovery commands)
+        self.recover_verb = "rollback"  # after a second Ctrl-C: the command that recovers a cut-off unit
+        self.state_left = None  # steps -> what a cut-off unit was left in (None: apply's reading)
+
+    def session(self, host: Host) -> HostSession:
+        if host.name not in self.sessions:
+            self.sessions[host.name] = HostSession(self, host)
+        return self.sessions[host.name]
+
+    def units(self) -> list[list[Host]]:
+        """Selected hosts grouped into deploy units; selecting one node of a server selects all its nodes."""
+        out, seen = [], set()
+        for h in self.hosts:
+            if h.name in seen:
+                continue
+            grp = self.inventory.server_of(h.name)
+            if grp:
+                nodes = [self.inventory.hosts[n] for n in grp.nodes]
+                missing = [n.name for n in nodes if n not in self.hosts]
+                if missing:
+                    self.app.info(f"{h.name} is a node of server {grp.name}: its other nodes ({', '.join(missing)}) are included")
+                out.append(nodes)
+                seen.update(n.name for n in nodes)
+            else:
+                out.append([h])
+                seen.add(h.name)
+        return out
+
+    def parallel(self, fn, items):
+        with ThreadPoolExecutor(max_workers=max(1, min(self.forks, len(items)))) as ex:
+            return list(ex.map(fn, items))
+
+    def close(self):
+        for s in self.sessions.values():
+            try:
+                s.close()
+            except Exception:
+                pass
+
+
+def host_error(e: Exception) -> tuple[str, str]:
+    """(outcome, message) for an error a host step raised."""
+    from patchctl.core.become import BecomeRefused
+    from patchctl.core.transport import ConnectionLost, HostKeyRefused, HostUnreachable
+
+    if isinstance(e, HostUnreachable):
+        return "unreachable", str(e)
+    if isinstance(e, (HostKeyRefused, BecomeRefused)):
+        return "refused", str(e)
+    if isinstance(e, (ConnectionLost, AgentLost)):
+        return "unknown", str(e)
+    if isinstance(e, AgentFailure):
+        if e.kind == "locked":
+            h = e.details.get("holder") or {}
+            return "locked", f"locked by {describe_holder(h)}" if h else str(e)
+        if e.kind == "bad_input":
+            return "refused", str(e)
+        if e.kind == "drift":
+            return "needs attention", str(e)
+        return "failed", str(e)
+    return "needs attention", f"{e.__class__.__name__}: {e}"
