@@ -7,7 +7,9 @@ host needs nothing but Python >= 3.8, and a patchctl installed there (any versio
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable
@@ -68,9 +70,18 @@ def _sources() -> dict[str, tuple[str, str]]:
     return out
 
 
+@lru_cache(maxsize=1)
+def _bundle_lines() -> str:
+    """The script's constant part, built once per controller: the host package as zlib-compressed JSON in
+    base64 (about 50 kB instead of 136 kB on every command: less for this controller to encrypt and
+    packetize, and for each host's Python to read and parse; decoding it there costs ~1 ms)."""
+    packed = base64.b64encode(zlib.compress(json.dumps(_sources()).encode(), 9)).decode()
+    return (f"import base64, json, zlib\n_SOURCES = json.loads(zlib.decompress(base64.b64decode({packed!r})))\n"
+            f"_PACKAGES = {['patchctl', HOST_PACKAGE]!r}\n")
+
+
 def build_script(request: dict) -> str:
-    packages = ["patchctl", HOST_PACKAGE]
-    return f"_SOURCES = {_sources()!r}\n_PACKAGES = {packages!r}\n_REQUEST = {json.dumps(request)!r}\n{_BOOTSTRAP}"
+    return f"{_bundle_lines()}_REQUEST = {json.dumps(request)!r}\n{_BOOTSTRAP}"
 
 
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,

@@ -106,7 +106,7 @@ class Reporter:
         if live:
             # drawn by rich's refresh thread, twice a second, from the current state: never per event (a
             # fleet's events and heartbeats would redraw all N rows N times a second)
-            self._live = Live(console=app.err, refresh_per_second=2, transient=False, get_renderable=self._render)
+            self._live = Live(console=app.err, refresh_per_second=1, transient=False, get_renderable=self._render)
 
     # --- lifecycle ------------------------------------------------------
     def __enter__(self):
