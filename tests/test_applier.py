@@ -164,13 +164,15 @@ def test_header_like_lines_inside_hunks(tmp_path):
 
 
 def test_runs_under_the_hosts_python(tmp_path):
-    """Piped to a host's python as a standalone file, not as part of patchctl."""
+    """Under the host's Python (3.8 where installed) as the host runs it: a module of the shipped host
+    package (its siblings beside it), not with patchctl's controller."""
     root = make_root(tmp_path)
     py = next((p for p in ("/root/.pyenv/versions/3.8.18/bin/python", sys.executable) if os.path.exists(p)))
-    code = ("import json,sys\nns={'__name__':'agent'}\nexec(compile(open(sys.argv[1]).read(),'applier','exec'),ns)\n"
-            "print(json.dumps(ns['stage'](sys.argv[2],[('a',open(sys.argv[3]).read())],sys.argv[4])))\n")
+    code = ("import json,sys\nsys.path.insert(0,sys.argv[1])\nfrom patchctl.host.applier import stage\n"
+            "print(json.dumps(stage(sys.argv[2],[('a',open(sys.argv[3]).read())],sys.argv[4])))\n")
     (tmp_path / "a.patch").write_text(MODIFY_A)
-    out = subprocess.run([py, "-c", code, applier.__file__, str(root), str(tmp_path / "a.patch"),
+    repo = str(Path(applier.__file__).resolve().parents[2])
+    out = subprocess.run([py, "-c", code, repo, str(root), str(tmp_path / "a.patch"),
                           str(tmp_path / "scratch")], check=True, capture_output=True, text=True,
                          cwd=tmp_path, env={"PATH": os.environ["PATH"]})
     assert json.loads(out.stdout)["ok"] is True

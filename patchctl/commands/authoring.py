@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from patchctl.host.atomic import write_atomic
+from patchctl.core.fsutil import write_atomic
 from patchctl.core.errors import BadInput
 from patchctl.core.series import SERIES_FILE, load_series, validate_patch_text
 

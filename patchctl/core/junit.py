@@ -8,7 +8,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from patchctl.host.atomic import write_atomic
+from patchctl.core.fsutil import write_atomic
 
 STATUSES = ("passed", "failed", "error", "skipped")
 _BAD_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")

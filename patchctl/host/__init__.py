@@ -1,6 +1,6 @@
 """What runs on a host: the agent and its plumbing, standard library only (Python >= 3.8).
 
-`patchctl.remote` ships every module of this package, with one request, to
+`patchctl.core.remote` ships every module of this package, with one request, to
 the host's own Python (`python -`) in one script, one round trip; nothing of
 patchctl needs to be installed there. A host module imports only the standard
 library and its siblings (tests/test_host_package.py enforces it); the

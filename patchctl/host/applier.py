@@ -9,11 +9,12 @@ it to stage the new file contents before swapping them into the live tree.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
 import subprocess
+
+from .osutil import sha256_file
 
 PACKAGE = "sglang"
 
@@ -23,18 +24,6 @@ _GIT_HEADER_KEYS = (
     "dissimilarity index ", "index ", "rename from ", "rename to ", "copy from ", "copy to ",
     "rename old ", "rename new ",
 )
-
-
-def sha256_file(path):
-    """Hex sha256 of a file's bytes, or None when it does not exist."""
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    except FileNotFoundError:
-        return None
-    return h.hexdigest()
 
 
 def _mode(path):

@@ -1,18 +1,23 @@
 """Atomic file replacement: temporary name beside the target, fsync, rename.
 
 Standard library only: shipped to hosts with the rest of this package; the controller
-uses it too (series authoring, JUnit reports).
+uses the same function through `patchctl.core.fsutil` (series authoring, JUnit reports, capture
+run records and collections, the trace cache).
 """
 
 import os
 import tempfile
 
 
-def write_atomic(path, data, mode=None, owner=None):
+def write_atomic(path, data, mode=None, owner=None, tmp=None):
     """Write bytes under a temporary name beside `path`, fsync, rename into place.
-    `owner` (uid, gid): set on the new file before it takes the name (then `mode`, which chown may clear)."""
-    d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=".patchctl-", suffix=".tmp", dir=d)
+    `owner` (uid, gid): set on the new file before it takes the name (then `mode`, which chown may clear).
+    `tmp`: a fixed temporary name (beside `path`) whose leftover after a crash the caller recognises and
+    overwrites next time; by default a fresh unique one."""
+    if tmp is None:
+        fd, tmp = tempfile.mkstemp(prefix=".patchctl-", suffix=".tmp", dir=os.path.dirname(path))
+    else:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -20,11 +20,16 @@ def sha256_bytes(data):
 
 
 def sha256_file(path):
+    """Hex sha256 of a file's bytes (read in 1 MiB blocks), or None when it does not exist. The one
+    file hash of both sides: the controller's is this one too (`patchctl.core.fsutil`)."""
+    h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
     except FileNotFoundError:
         return None
+    return h.hexdigest()
 
 
 def expand(path):

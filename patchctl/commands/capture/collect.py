@@ -43,6 +43,7 @@ from patchctl.commands.capture.dataset import open_run_dataset
 from patchctl.commands.capture.journal import Journal, RunState, check_run_name, read_run_info, run_dir
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
+from patchctl.core.fsutil import sha256_file, write_atomic
 from patchctl.host import convert as hconvert
 from patchctl.host.smoke import check_layers
 from patchctl.core.session import OUTCOME_EXIT, Run, host_error, worst
@@ -154,14 +155,6 @@ class Item:
     @property
     def host(self) -> str:
         return self.rec.get("host")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def target_rel(sid: str, fmt: str) -> str:
@@ -496,12 +489,7 @@ class Collector:
 # --- collect: the command -------------------------------------------------------------------------
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + PARTIAL)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data, tmp=path.with_name(path.name + PARTIAL))  # a crash's leftover is ours, overwritten
 
 
 def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item], state: str, created: str,

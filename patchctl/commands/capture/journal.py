@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.core.errors import BadInput
+from patchctl.core.fsutil import write_atomic
 from patchctl.core.report import private_dir
 
 SYNC_EVERY_S = 0.05
@@ -165,13 +166,9 @@ class Journal:
 
 
 def write_run_info(directory: Path, info: dict) -> None:
-    tmp = Path(directory) / "run.json.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(info, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, Path(directory) / "run.json")
+    run_json = Path(directory) / "run.json"
+    write_atomic(run_json, json.dumps(info, indent=2, sort_keys=True).encode(), mode=0o600,
+                 tmp=run_json.with_name("run.json.tmp"))
 
 
 def read_run_info(name: str) -> dict:

@@ -34,6 +34,7 @@ from pathlib import Path
 from patchctl.commands.capture import provenance
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short
 from patchctl.core.errors import BadInput
+from patchctl.core.fsutil import sha256_file
 
 SPECFORGE_VERSION = "0.2.0"
 INSTALL_HINT = (f"pip install -e '.[prepare]' (from patchctl's repository) && pip install --no-deps specforge=={SPECFORGE_VERSION} "
@@ -274,7 +275,7 @@ def run_prepare(app, args) -> int:
         tmp.unlink(missing_ok=True)
         raise
     elapsed = time.monotonic() - t0
-    dataset_sha = provenance.sha256_file(tmp)
+    dataset_sha = sha256_file(tmp)
     meta = {
         "format": provenance.FORMAT,
         "template": args.template,

@@ -15,12 +15,12 @@ sidecar. The sidecar names the dataset's own sha256, so a dataset edited after `
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 from patchctl.core.errors import BadInput
+from patchctl.core.fsutil import sha256_file
 
 FORMAT = "patchctl-prepare/1"
 
@@ -28,14 +28,6 @@ FORMAT = "patchctl-prepare/1"
 def meta_path(dataset) -> Path:
     p = Path(dataset)
     return p.with_name(p.name + ".meta.json")
-
-
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read(dataset, sha256: str | None = None) -> dict | None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
+
+from patchctl.core.fsutil import write_atomic
 
 
 @lru_cache(maxsize=1)
@@ -58,8 +59,6 @@ def store(key: str, value: dict) -> None:
     path = _path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(value).encode())
     except OSError:
         pass
