@@ -100,6 +100,22 @@ def test_wrong_types_name_key_and_line(tmp_path, edit, needle, key):
         assert msg.startswith(f"{sdir / 'series.toml'}:{line}: "), msg
 
 
+def test_the_line_named_is_that_of_the_nth_patch_table_and_of_a_subtable_key(tmp_path):
+    """One TOML locator (core/tomlloc) for inventory and series: the second [[patch]]'s bad version names
+    its own line, not the first one's; a key of [smoke.hook] names its line inside that table."""
+    sdir = write_series(tmp_path, patches={"0001-mod.patch": MODULE_PATCH, "0002-hook.patch": HOOK_PATCH})
+    text = (sdir / "series.toml").read_text().replace("version = 2", "version = -2", 1)
+    (sdir / "series.toml").write_text(text)
+    msg = expect_bad(tmp_path)
+    assert msg.startswith(f"{sdir / 'series.toml'}:{text.splitlines().index('version = -2') + 1}: "), msg
+    sdir = write_series(tmp_path, name="hooked", smoke='[smoke]\nprompts = 2\n\n[smoke.hook]\n# where\n'
+                                                       'file = "sglang/srt/a.txt"\nfunction = "f"\ncall = "g"\n')
+    text = (sdir / "series.toml").read_text()
+    line = text.splitlines().index('file = "sglang/srt/a.txt"') + 1
+    msg = expect_bad(tmp_path, "hooked")
+    assert "smoke.hook.file" in msg and msg.startswith(f"{sdir / 'series.toml'}:{line}: "), msg
+
+
 def test_missing_key(tmp_path):
     sdir = write_series(tmp_path)
     text = (sdir / "series.toml").read_text().replace('sha256 = ', 'sha = ', 1)

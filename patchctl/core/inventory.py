@@ -16,9 +16,9 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from patchctl.core.errors import BadInput
+from patchctl.core.tomlloc import Locator
 
 CONNECTIONS = ("ssh", "local")
 BECOME_METHODS = ("sudo",)  # `become = ""` in a host table: none (overrides [defaults])
@@ -199,68 +199,10 @@ def _dotted(path: tuple[str, ...]) -> str:
     return ".".join(p if _BARE_KEY.match(p) else json.dumps(p) for p in path)
 
 
-class _Locator:
-    """Line numbers for key paths, found by scanning the text (tomllib gives no positions)."""
-
-    _KEY = re.compile(
-        r"""^\s*((?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*'))*)\s*="""
-    )
-    _HEADER = re.compile(r"^\s*\[(?!\[)(.*)\]\s*(#.*)?$")
-
-    def __init__(self, text: str):
-        self.lines: dict[tuple[str, ...], int] = {}
-        table: tuple[str, ...] = ()
-        in_multiline: str | None = None
-        for no, line in enumerate(text.splitlines(), start=1):
-            if in_multiline:
-                if line.count(in_multiline) % 2 == 1:
-                    in_multiline = None
-                continue
-            m = self._HEADER.match(line)
-            if m:
-                path = self._parse_path(m.group(1))
-                if path is not None:
-                    table = path
-                    for i in range(1, len(table) + 1):
-                        self.lines.setdefault(table[:i], no)
-                continue
-            m = self._KEY.match(line)
-            if m:
-                key = self._parse_path(m.group(1))
-                if key is not None:
-                    full = table + key
-                    for i in range(len(table) + 1, len(full) + 1):  # dotted keys define their parents
-                        self.lines.setdefault(full[:i], no)
-                rest = line[m.end():]
-                for q in ('"""', "'''"):
-                    if rest.count(q) % 2 == 1:
-                        in_multiline = q
-                        break
-
-    @staticmethod
-    def _parse_path(src: str) -> tuple[str, ...] | None:
-        try:
-            doc = tomllib.loads(f"{src.strip()} = 0")
-        except tomllib.TOMLDecodeError:
-            return None
-        path: list[str] = []
-        node: Any = doc
-        while isinstance(node, dict) and len(node) == 1:
-            (k, node), = node.items()
-            path.append(k)
-        return tuple(path)
-
-    def line(self, path: tuple[str, ...]) -> int | None:
-        for n in range(len(path), 0, -1):  # the key, else the closest table/key that holds it
-            if path[:n] in self.lines:
-                return self.lines[path[:n]]
-        return None
-
-
 class _Loader:
     def __init__(self, path: Path, text: str):
         self.path = path
-        self.loc = _Locator(text)
+        self.loc = Locator(text)
 
     def fail(self, path: tuple[str, ...], msg: str, *, line_of: tuple[str, ...] | None = None):
         raise BadInput(f"{_dotted(path)}: {msg}", file=str(self.path), line=self.loc.line(line_of or path))

@@ -18,6 +18,7 @@ from packaging.version import InvalidVersion, Version
 
 from patchctl.host import applier
 from patchctl.core.errors import BadInput
+from patchctl.core.tomlloc import locate
 
 SERIES_FILE = "series.toml"
 DEFAULT_LAYERS_ARG = "--return-aux-hidden-state-layer-ids"
@@ -128,39 +129,11 @@ class Series:
 
 # --- locating keys in the file text, so that errors name a line ---------------------------
 
-def _line_of(text: str, key: str, table: str | None = None, index: int | None = None) -> int | None:
-    """1-based line of `key = ...` inside `[table]` (or the index-th `[[table]]`), else of the table."""
-    lines = text.splitlines()
-    in_table = table is None
-    count = -1
-    table_line = None
-    key_re = re.compile(r"^\s*(?:" + re.escape(key) + r'|"' + re.escape(key) + r'")\s*=')
-    for n, line in enumerate(lines, 1):
-        s = line.strip()
-        header = re.match(r"^\[\[?\s*([^\]]+?)\s*\]\]?", s)
-        if header:
-            name = header.group(1)
-            if table is None:
-                in_table = False
-            elif s.startswith("[[") and name == table:
-                count += 1
-                in_table = index is None or count == index
-            else:
-                in_table = (not s.startswith("[[")) and name == table and index is None
-            if in_table:
-                table_line = n
-            continue
-        if in_table and key_re.match(line):
-            return n
-    return table_line
-
-
 def _where(text: str, key: str, table: str | None = None, index: int | None = None) -> int | None:
-    if table is None:  # a top-level table or key: its header, else `key = ...` before any table
-        for n, line in enumerate(text.splitlines(), 1):
-            if re.match(r"^\s*\[\[?\s*" + re.escape(key) + r"\s*\]", line):
-                return n
-    return _line_of(text, key, table, index)
+    """Line of `key` inside `[table]` (or the index-th `[[table]]`), else of that table; a top-level
+    table's header or key when no table is given."""
+    path = tuple(table.split(".")) if table else ()
+    return locate(text).line(path + ((index,) if index is not None else ()) + (key,))
 
 
 # --- validation -----------------------------------------------------------------------------
