@@ -15,6 +15,7 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.core.console import App
 from patchctl.core.errors import EXIT_BAD_INPUT, PatchctlError
+from patchctl.core.rollout import parse_batch, parse_max_fail_spec
 
 # command -> (module, function). Modules are imported on use so that `patchctl series`
 # does not pay for Fabric, and a missing optional dependency only breaks its own command.
@@ -123,7 +124,6 @@ class _Parser(argparse.ArgumentParser):
 # --- argument types: bad values are refused before anything is read or touched (exit 2) ---------
 
 _COUNT = re.compile(r"\d+")
-_PERCENT = re.compile(r"(\d+(?:\.\d+)?)%")
 
 
 def positive_int(text: str) -> int:
@@ -138,23 +138,20 @@ def non_negative_int(text: str) -> int:
     return int(text)
 
 
-def batch_spec(text: str) -> str:
-    """N, P% or a comma-separated list of those; every entry names at least one unit."""
-    entries = text.split(",")
-    for e in entries:
-        e = e.strip()
-        if not e:
-            raise argparse.ArgumentTypeError(f"{text!r}: empty entry (expected N, P% or a list like 1,25%,100%)")
-        m = _PERCENT.fullmatch(e)
-        if m:
-            if not 0 < float(m.group(1)) <= 100:
-                raise argparse.ArgumentTypeError(f"{text!r}: {e} is not a batch size (a percentage above 0% and at most 100%)")
-        elif _COUNT.fullmatch(e):
-            if int(e) < 1:
-                raise argparse.ArgumentTypeError(f"{text!r}: {e} is not a batch size (1 or more units)")
-        else:
-            raise argparse.ArgumentTypeError(f"{text!r}: {e!r} is neither a count (4) nor a percentage (25%)")
-    return text
+def _rollout_rule(parse):
+    """An argument type from one of core.rollout's parsers: the same rules the commands resolve with."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    check.__name__ = parse.__name__.removeprefix("parse_")  # argparse names the type in some messages
+    return check
+
+
+batch_spec = _rollout_rule(parse_batch)
+max_fail_spec = _rollout_rule(parse_max_fail_spec)
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
@@ -168,18 +165,6 @@ def size_spec(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 0, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-
-def max_fail_spec(text: str) -> str:
-    t = text.strip()
-    m = _PERCENT.fullmatch(t)
-    if m:
-        if float(m.group(1)) > 100:
-            raise argparse.ArgumentTypeError(f"{text!r}: a percentage of the selected units is at most 100%")
-        return text
-    if _COUNT.fullmatch(t):
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r}: expected a count of failed units (0, 2) or a percentage (10%)")
 
 
 def build_parser() -> argparse.ArgumentParser:

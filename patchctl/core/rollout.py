@@ -10,47 +10,90 @@ import re
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
-from patchctl.core.console import App
+from typing import TYPE_CHECKING
+
 from patchctl.core.errors import BadInput
-from patchctl.core.inventory import Host
-from patchctl.core.report import Reporter
-from patchctl.core.session import Run, UnitResult, worst
+
+if TYPE_CHECKING:  # the CLI imports the parsers at start-up: no SSH stack for them
+    from patchctl.core.console import App
+    from patchctl.core.inventory import Host
+    from patchctl.core.report import Reporter
+    from patchctl.core.session import Run, UnitResult
 
 
 # ---------------------------------------------------------------------------
 # rollout strategy
 
 
-def parse_count(spec: str, total: int, what: str) -> int:
-    spec = spec.strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
+_COUNT = re.compile(r"\d+")
+_PERCENT = re.compile(r"(\d+(?:\.\d+)?)%")
+
+
+@dataclass(frozen=True)
+class Amount:
+    """A number of units as --batch and --max-fail give it: a count, or a percentage of those selected."""
+
+    count: int | None = None
+    percent: float | None = None
+
+    def of(self, total: int, *, round_up: bool) -> int:
+        if self.count is not None:
+            return self.count
+        exact = total * self.percent / 100
+        return max(1, math.ceil(exact)) if round_up and total else math.floor(exact)
+
+
+# The rules for --batch and --max-fail, in one place: the CLI's argument types refuse with them before
+# anything is read (exit 2), and the commands resolve the same text against the units selected.
+# ValueError carries what is wrong with the text; callers add the flag.
+
+def parse_batch(text: str) -> tuple[Amount, ...]:
+    """N, P% or a comma-separated list of those (the last entry repeats); every entry names at least one unit."""
+    out = []
+    for e in text.split(","):
+        e = e.strip()
+        if not e:
+            raise ValueError(f"{text!r}: empty entry (expected N, P% or a list like 1,25%,100%)")
+        m = _PERCENT.fullmatch(e)
+        if m:
+            if not 0 < float(m.group(1)) <= 100:
+                raise ValueError(f"{text!r}: {e} is not a batch size (a percentage above 0% and at most 100%)")
+            out.append(Amount(percent=float(m.group(1))))
+        elif _COUNT.fullmatch(e):
+            if int(e) < 1:
+                raise ValueError(f"{text!r}: {e} is not a batch size (1 or more units)")
+            out.append(Amount(count=int(e)))
+        else:
+            raise ValueError(f"{text!r}: {e!r} is neither a count (4) nor a percentage (25%)")
+    return tuple(out)
+
+
+def parse_max_fail_spec(text: str) -> Amount:
+    """Failed units tolerated: N, or P% of the selected units (at most 100%)."""
+    t = text.strip()
+    m = _PERCENT.fullmatch(t)
     if m:
-        pct = float(m.group(1))
-        if not 0 < pct <= 100:
-            raise BadInput(f"{what} {spec!r}: a percentage of the selected units above 0% and at most 100%")
-        return max(1, math.ceil(total * pct / 100)) if total else 0
-    if re.fullmatch(r"\d+", spec):
-        return int(spec)
-    raise BadInput(f"{what} {spec!r}: expected a count (3) or a percentage (25%)")
+        if float(m.group(1)) > 100:
+            raise ValueError(f"{text!r}: a percentage of the selected units is at most 100%")
+        return Amount(percent=float(m.group(1)))
+    if _COUNT.fullmatch(t):
+        return Amount(count=int(t))
+    raise ValueError(f"{text!r}: expected a count of failed units (0, 2) or a percentage (10%)")
 
 
 def parse_max_fail(spec: str, total: int) -> int:
     """Failures tolerated: the run stops once more than this many units failed. P% is of the units selected, rounded down."""
-    spec = spec.strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)%", spec)
-    if m:
-        if float(m.group(1)) > 100:
-            raise BadInput(f"--max-fail {spec!r}: a percentage of the selected units is at most 100%")
-        return math.floor(total * float(m.group(1)) / 100)
-    if re.fullmatch(r"\d+", spec):
-        return int(spec)
-    raise BadInput(f"--max-fail {spec!r}: expected a count (2) or a percentage (10%)")
+    try:
+        return parse_max_fail_spec(spec).of(total, round_up=False)
+    except ValueError as e:
+        raise BadInput(f"--max-fail {e}") from None
 
 
 def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
-    """Sizes of successive batches: the canary alone, then each --batch entry, the last one repeated."""
+    """Sizes of successive batches: the canary alone, then each --batch entry (P% rounded up), the last one repeated."""
     sizes = []
     left = n_units
     if canary:
@@ -59,12 +102,10 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
         c = min(canary, left)
         sizes.append(c)
         left -= c
-    entries = (batch or "100%").split(",")
-    if not all(e.strip() for e in entries):
-        raise BadInput(f"--batch {batch!r}: empty entry; expected N, P% or a comma-separated list like 1,25%,100%")
-    counts = [parse_count(e, n_units, "--batch") for e in entries]
-    if any(c <= 0 for c in counts):
-        raise BadInput(f"--batch {batch!r}: batch sizes must be positive")
+    try:
+        counts = [a.of(n_units, round_up=True) for a in parse_batch(batch or "100%")]
+    except ValueError as e:
+        raise BadInput(f"--batch {e}") from None
     i = 0
     while left > 0:
         c = min(counts[min(i, len(counts) - 1)], left)
@@ -211,6 +252,8 @@ def _state_left(steps) -> str:
 
 
 def finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit: Path | None, extra: dict | None = None) -> int:
+    from patchctl.core.session import worst
+
     code = worst(r.exit_code for r in results)
     for r in results:
         for h in r.hosts:
