@@ -167,105 +167,131 @@ def size_spec(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # Global options live in a parent parser too, so that `patchctl status --json` works: on a
-    # subcommand they default to SUPPRESS and only override the top-level value when given there.
-    def add_globals(p, top: bool):
-        d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
-        p.add_argument("--inventory", type=Path, default=d(None), metavar="FILE",
-                       help="inventory TOML: hosts, groups, servers (default: $PATCHCTL_INVENTORY, else "
-                            "./inventory.toml, else $XDG_CONFIG_HOME/patchctl/inventory.toml)")
-        p.add_argument("--patches", type=Path, default=d(None), metavar="DIR",
-                       help="patches directory holding <series>/series.toml (default ./patches, else the shipped one)")
-        p.add_argument("--json", action="store_true", default=d(False),
-                       help="machine-readable results on stdout (apply/rollback/smoke: one JSON event per line); "
-                            "human progress still goes to stderr")
-        p.add_argument("-v", "--verbose", action="store_true", default=d(False),
-                       help="more detail: every agent event, every reached chain of a trace")
+# --- the parser: shared pieces, then one function per command ---------------------------------
 
-    common = argparse.ArgumentParser(add_help=False)
-    add_globals(common, top=False)
+def _add_globals(p, top: bool):
+    """Global options live in a parent parser too, so that `patchctl status --json` works: on a
+    subcommand they default to SUPPRESS and only override the top-level value when given there."""
+    d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    p.add_argument("--inventory", type=Path, default=d(None), metavar="FILE",
+                   help="inventory TOML: hosts, groups, servers (default: $PATCHCTL_INVENTORY, else "
+                        "./inventory.toml, else $XDG_CONFIG_HOME/patchctl/inventory.toml)")
+    p.add_argument("--patches", type=Path, default=d(None), metavar="DIR",
+                   help="patches directory holding <series>/series.toml (default ./patches, else the shipped one)")
+    p.add_argument("--json", action="store_true", default=d(False),
+                   help="machine-readable results on stdout (apply/rollback/smoke: one JSON event per line); "
+                        "human progress still goes to stderr")
+    p.add_argument("-v", "--verbose", action="store_true", default=d(False),
+                   help="more detail: every agent event, every reached chain of a trace")
 
-    p = _Parser(prog="patchctl", description=DESCRIPTION, epilog=ENVIRONMENT,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=f"patchctl {__version__}")
-    add_globals(p, top=True)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
-                           title="commands", help="run `patchctl COMMAND --help` for its options")
 
-    def cmd(name, help, description=None, epilog=None):
-        return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
-                              epilog=epilog, parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Commands:
+    """Adds (sub)commands that take the global options too (through the parent parser `common`)."""
 
-    def series_arg(sp, what="the series"):
-        sp.add_argument("series", metavar="SERIES", help=f"{what}: a directory name under the patches directory (see `patchctl series`)")
+    def __init__(self, sub, common):
+        self.sub, self.common = sub, common
 
-    def limit(sp):
-        sp.add_argument("--limit", default=None, metavar="PATTERN",
-                        help="hosts to work on: host, group and server names and globs (gpu-*), comma-separated; "
-                             "!name excludes (default: every host)")
+    def __call__(self, name, help, description=None, epilog=None):
+        return self.sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                                   epilog=epilog, parents=[self.common], formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def hostkeys(sp, forks="hosts worked on at once, 1 or more (default 256: one wave of restarts for 256 hosts)"):
-        sp.add_argument("--accept-new-host-keys", action="store_true",
-                        help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
-        sp.add_argument("--forks", type=positive_int, default=None, metavar="N", help=forks)
+    def nested(self, parser, dest: str, metavar: str, title: str, help: str) -> "_Commands":
+        return _Commands(parser.add_subparsers(dest=dest, required=True, parser_class=_Parser, metavar=metavar,
+                                               title=title, help=help), self.common)
 
-    def junit(sp, what):
-        sp.add_argument("--junit", type=Path, metavar="FILE", help=f"also write a JUnit XML report ({what}) to FILE")
 
-    def tree_or_release(sp, verb):
-        g = sp.add_mutually_exclusive_group()
-        g.add_argument("--sglang", metavar="VER",
-                       help=f"SGLang release to {verb}, e.g. 0.5.23 (default: the one the series pins); "
-                            "its wheel is fetched once into the cache")
-        g.add_argument("--tree", type=Path, metavar="PATH",
-                       help=f"{verb} this SGLang tree instead (site-packages or a git checkout; never modified)")
+def _series_arg(sp, what="the series"):
+    sp.add_argument("series", metavar="SERIES", help=f"{what}: a directory name under the patches directory (see `patchctl series`)")
 
+def _limit(sp):
+    sp.add_argument("--limit", default=None, metavar="PATTERN",
+                    help="hosts to work on: host, group and server names and globs (gpu-*), comma-separated; "
+                         "!name excludes (default: every host)")
+
+def _hostkeys(sp, forks="hosts worked on at once, 1 or more (default 256: one wave of restarts for 256 hosts)"):
+    sp.add_argument("--accept-new-host-keys", action="store_true",
+                    help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
+    sp.add_argument("--forks", type=positive_int, default=None, metavar="N", help=forks)
+
+def _junit(sp, what):
+    sp.add_argument("--junit", type=Path, metavar="FILE", help=f"also write a JUnit XML report ({what}) to FILE")
+
+def _tree_or_release(sp, verb):
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--sglang", metavar="VER",
+                   help=f"SGLang release to {verb}, e.g. 0.5.23 (default: the one the series pins); "
+                        "its wheel is fetched once into the cache")
+    g.add_argument("--tree", type=Path, metavar="PATH",
+                   help=f"{verb} this SGLang tree instead (site-packages or a git checkout; never modified)")
+
+
+def _run_name(sp, required):
+    if required:
+        sp.add_argument("name", metavar="RUN", help="the run's name (as given to `capture run --name`)")
+    else:
+        sp.add_argument("--name", default=None, metavar="RUN",
+                        help="the run's name: letters, digits, '.', '_', '-' (default: the dataset file's stem); "
+                             "running the same command again resumes the run")
+
+
+def _series_command(cmd: _Commands) -> None:
     cmd("series", "list series and patches (version, sha256, target SGLang)")
 
+
+def _check_command(cmd: _Commands) -> None:
     sp = cmd("check", "apply + compile + hook check against a pinned release or a tree; changes nothing")
-    series_arg(sp, "the series to check")
-    tree_or_release(sp, "check against")
+    _series_arg(sp, "the series to check")
+    _tree_or_release(sp, "check against")
     sp.add_argument("--force", action="store_true", help="check even if the SGLang version is not one the series targets")
     sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
                     help="also trace hook reachability for this model architecture (e.g. LlamaForCausalLM); repeatable")
-    junit(sp, "one test case per patch, compile, hook and trace")
+    _junit(sp, "one test case per patch, compile, hook and trace")
 
+
+def _authoring_command(cmd: _Commands) -> None:
     for name in ("new", "refresh"):
         verb = "capture" if name == "new" else "regenerate"
         sp = cmd(name, f"{verb} a patch from the edits of an SGLang git checkout")
-        series_arg(sp, "the series the patch belongs to" + (" (created if missing)" if name == "new" else ""))
+        _series_arg(sp, "the series the patch belongs to" + (" (created if missing)" if name == "new" else ""))
         sp.add_argument("patch", metavar="PATCH", help="patch file name inside the series (e.g. 0003-fix.patch)")
         sp.add_argument("--from-tree", type=Path, required=True, metavar="PATH", help="the SGLang git checkout holding the edits")
         sp.add_argument("--base", default=None, metavar="REF", help="diff commits since REF (default: uncommitted edits)")
         sp.add_argument("--description", default=None, metavar="TEXT", help="one line for series.toml")
 
+
+def _trace_command(cmd: _Commands) -> None:
     sp = cmd("trace", "is each function the series changes reachable from a model's forward?",
              "Static reachability trace (ast only, SGLang is never imported): is each function the series changes\n"
              "reached from the model's forward, outside bodies the CUDA graphs replay without running Python?\n"
              "Exit 0: all reached, no blocking warning; 1 otherwise.")
-    series_arg(sp, "the series to trace")
+    _series_arg(sp, "the series to trace")
     sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
                     help="model architecture as in config.json's architectures (e.g. LlamaForCausalLM); repeatable "
                          "(default: every architecture SGLang registers)")
-    tree_or_release(sp, "trace")
+    _tree_or_release(sp, "trace")
 
+
+def _inventory_command(cmd: _Commands) -> None:
     sp = cmd("inventory", "resolved hosts, groups, servers (env values masked unless public_env)")
-    limit(sp)
+    _limit(sp)
 
+
+def _plan_command(cmd: _Commands) -> None:
     sp = cmd("plan", "what apply would do on each host; touches nothing",
              "What apply would do on each host; touches nothing: the action, the files, the SGLang version and\n"
              "model architecture read from the host, the reachability trace verdict, and the exact server\n"
              "command line and env a restart would run.")
-    series_arg(sp, "the series to plan")
-    limit(sp)
-    hostkeys(sp)
+    _series_arg(sp, "the series to plan")
+    _limit(sp)
+    _hostkeys(sp)
     sp.add_argument("--diff", action="store_true", help="also show the unified diff of every file (coloured on a terminal)")
 
+
+def _apply_command(cmd: _Commands) -> None:
     sp = cmd("apply", "apply a series, restart, smoke; roll back on failure", epilog=APPLY_EPILOG)
-    series_arg(sp, "the series to deploy")
-    limit(sp)
-    hostkeys(sp)
+    _series_arg(sp, "the series to deploy")
+    _limit(sp)
+    _hostkeys(sp)
     sp.add_argument("--no-restart", action="store_true", help="change files only; the server keeps running the old code")
     sp.add_argument("--no-smoke", action="store_true", help="restart but skip the smoke extraction")
     sp.add_argument("--skip-trace", action="store_true",
@@ -280,16 +306,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rollback-failed (default): roll back each failed unit; rollback-all: also return every unit "
                          "this run deployed to its previous state once the run stops; halt: leave a failed unit "
                          "patched for inspection (exit 3)")
-    junit(sp, "one test case per host step")
+    _junit(sp, "one test case per host step")
     sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                     help="where run logs go (default ~/.local/state/patchctl/runs, or $XDG_STATE_HOME/patchctl/runs)")
 
+
+def _service_command(cmd: _Commands) -> None:
     for name, what in (("restart", "stop and start the server as configured now, wait until it serves, smoke it"),
                        ("start", "start the server as configured now where it is down, wait until it serves, smoke it"),
                        ("stop", "stop the server")):
         sp = cmd(name, what + "; files unchanged", epilog=SERVICE_EPILOG)
-        limit(sp)
-        hostkeys(sp)
+        _limit(sp)
+        _hostkeys(sp)
         if name != "stop":
             g = sp.add_mutually_exclusive_group()
             g.add_argument("--smoke", dest="smoke", action="store_true", default=None,
@@ -300,74 +328,66 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch sizes after the canary, as for apply (default: all at once)")
         sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
                         help="failed units tolerated before the run stops, as for apply (default 0)")
-        junit(sp, "one test case per host step")
+        _junit(sp, "one test case per host step")
         sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                         help="where run logs go (default $XDG_STATE_HOME/patchctl/runs)")
 
+
+def _rollback_command(cmd: _Commands) -> None:
     sp = cmd("rollback", "restore hosts to an earlier state, verified")
-    limit(sp)
-    hostkeys(sp)
+    _limit(sp)
+    _hostkeys(sp)
     sp.add_argument("--to", default=None, metavar="STATE",
                     help="'previous' (the state before the last deploy; default), 'clean' (no series), or a history id")
     sp.add_argument("--force", action="store_true", help="roll back over hand edits (saved beside the backups first)")
     sp.add_argument("--no-restart", action="store_true",
                     help="restore files only; leave the server as it is (it keeps running the code it loaded)")
 
+
+def _status_command(cmd: _Commands) -> None:
     sp = cmd("status", "applied series, drift, lock, server health; exit 3 and what to run when a host needs attention")
-    limit(sp)
-    hostkeys(sp)
+    _limit(sp)
+    _hostkeys(sp)
 
+
+def _smoke_command(cmd: _Commands) -> None:
     sp = cmd("smoke", "smoke extraction against the running server; changes nothing")
-    limit(sp)
-    hostkeys(sp)
+    _limit(sp)
+    _hostkeys(sp)
     sp.add_argument("--series", default=None, metavar="SERIES", help="profile to validate against (default: the applied series)")
-    junit(sp, "one test case per host")
+    _junit(sp, "one test case per host")
 
+
+def _history_command(cmd: _Commands) -> None:
     sp = cmd("history", "deploy history per host",
              "Deploy history per host: applies, deploys, rollbacks, restarts, recoveries, unlocks, oldest first.\n"
              "On a terminal, a table; piped, aligned columns (host, id, op, series, run, outcome), the reason\n"
              "for a rollback on an indented line below; --json gives every field.")
-    limit(sp)
-    hostkeys(sp)
+    _limit(sp)
+    _hostkeys(sp)
     sp.add_argument("--last", type=positive_int, default=None, metavar="N", help="only the last N entries of each host")
 
+
+def _unlock_command(cmd: _Commands) -> None:
     sp = cmd("unlock", "release a stale lock")
-    limit(sp)
-    hostkeys(sp)
+    _limit(sp)
+    _hostkeys(sp)
     sp.add_argument("--force", action="store_true", help="release even if the holder may still be alive")
 
-    sp = cmd("capture", "extraction runs: a tokenized dataset through the fleet's verified capture servers",
-             "Extraction runs: push a tokenized JSONL dataset through every host whose capture series is deployed\n"
-             "and verified, each sample exactly once, every dump verified on its host; resume after any crash;\n"
-             "collect the verified files as safetensors or SpecForge's offline training format.",
-             epilog=CAPTURE_EPILOG)
-    csub = sp.add_subparsers(dest="capture_command", required=True, parser_class=_Parser, metavar="ACTION",
-                             title="actions", help="run `patchctl capture ACTION --help` for its options")
 
-    def ccmd(name, help, description=None, epilog=None):
-        return csub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
-                               epilog=epilog, parents=[common], formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def run_name(sp, required):
-        if required:
-            sp.add_argument("name", metavar="RUN", help="the run's name (as given to `capture run --name`)")
-        else:
-            sp.add_argument("--name", default=None, metavar="RUN",
-                            help="the run's name: letters, digits, '.', '_', '-' (default: the dataset file's stem); "
-                                 "running the same command again resumes the run")
-
-    cp = ccmd("regenerate", "every assistant turn answered anew by the served model, across the fleet; resumable",
+def _capture_regenerate(cmd: _Commands) -> None:
+    cp = cmd("regenerate", "every assistant turn answered anew by the served model, across the fleet; resumable",
               "Replace every assistant turn of a conversations file by the served model's own answer, turn by turn\n"
               "(each turn's context holds the regenerated earlier turns), across every healthy server of the fleet\n"
               "through the hosts' SSH connections; journalled, resumed by running the same command again.")
     cp.add_argument("conversations", type=Path, metavar="CONVERSATIONS",
                     help='JSONL, one conversation a line: {"conversations": [{"from", "value"}, ...]} (ShareGPT) or '
                          '{"messages": [{"role", "content"}, ...]} (OpenAI); optional "id"')
-    run_name(cp, required=False)
+    _run_name(cp, required=False)
     cp.add_argument("--out", type=Path, required=True, metavar="FILE",
                     help="the regenerated conversations (JSONL, the input's shape; `capture prepare` reads it)")
-    limit(cp)
-    hostkeys(cp)
+    _limit(cp)
+    _hostkeys(cp)
     cp.add_argument("--max-new-tokens", type=positive_int, default=512, metavar="N",
                     help="tokens an answer may have (default 512)")
     cp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
@@ -380,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--drop-original", action="store_true",
                     help="do not keep each original turn beside the regenerated one (original_content / original_value)")
 
-    cp = ccmd("prepare", "conversations -> a tokenized dataset, with SpecForge's own chat template and loss mask",
+
+def _capture_prepare(cmd: _Commands) -> None:
+    cp = cmd("prepare", "conversations -> a tokenized dataset, with SpecForge's own chat template and loss mask",
               "Tokenize and mask conversations exactly as SpecForge's online preprocessing does (its\n"
               "preprocess_conversations and TEMPLATE_REGISTRY), with the served model's tokenizer; record the\n"
               "tokenizer, template and source in DATASET.meta.json (`capture run` refuses another tokenizer).\n"
@@ -396,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--from", dest="from_host", metavar="HOST",
                      help="the tokenizer files of the model served on HOST (inventory name), fetched over its SSH "
                           "connection and cached by sha256 under ~/.cache/patchctl/tokenizers")
-    hostkeys(cp)
+    _hostkeys(cp)
     cp.add_argument("--max-length", type=positive_int, default=2048, metavar="N",
                     help="tokens a sample may have (SpecForge's max_length; default 2048); longer ones are refused")
     cp.add_argument("--truncate", action="store_true",
@@ -406,12 +428,14 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--workers", type=positive_int, default=None, metavar="N",
                     help="tokenizing processes (default: one per core)")
 
-    cp = ccmd("run", "send every sample of a dataset to the fleet's capture servers, verified; resumable")
+
+def _capture_run(cmd: _Commands) -> None:
+    cp = cmd("run", "send every sample of a dataset to the fleet's capture servers, verified; resumable")
     cp.add_argument("dataset", type=Path, metavar="DATASET",
                     help='JSONL, one sample a line: {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
-    run_name(cp, required=False)
-    limit(cp)
-    hostkeys(cp, forks="hosts probed at once before the run, 1 or more (default 256); every host that takes part "
+    _run_name(cp, required=False)
+    _limit(cp)
+    _hostkeys(cp, forks="hosts probed at once before the run, 1 or more (default 256); every host that takes part "
                      "is then fed samples at the same time, --in-flight each")
     cp.add_argument("--in-flight", type=positive_int, default=8, metavar="N",
                     help="requests in flight per server (default 8); a faster server finishes more and so gets more")
@@ -435,13 +459,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="capture a prepared dataset even where the server's tokenizer files differ from the ones "
                          "it was prepared with (DATASET.meta.json)")
 
-    cp = ccmd("status", "a run's samples: done, failed (with reasons), pending, per host and in total")
-    run_name(cp, required=True)
 
-    cp = ccmd("collect", "pull a run's verified files over the hosts' SSH connections and index them")
-    run_name(cp, required=True)
-    limit(cp)
-    hostkeys(cp, forks="hosts collected from at once, 1 or more (default 256)")
+def _capture_status(cmd: _Commands) -> None:
+    cp = cmd("status", "a run's samples: done, failed (with reasons), pending, per host and in total")
+    _run_name(cp, required=True)
+
+
+def _capture_collect(cmd: _Commands) -> None:
+    cp = cmd("collect", "pull a run's verified files over the hosts' SSH connections and index them")
+    _run_name(cp, required=True)
+    _limit(cp)
+    _hostkeys(cp, forks="hosts collected from at once, 1 or more (default 256)")
     cp.add_argument("--to", type=Path, default=None, metavar="DIR",
                     help="where the dataset goes (created if missing); with --on-host, where the index, draft-config.json "
                          "and summary go (default: the run's directory, on-host/)")
@@ -457,6 +485,34 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pulls in flight per host, each over its own SSH connection (default 4)")
     cp.add_argument("--workers", type=positive_int, default=None, metavar="N",
                     help="--on-host: conversion processes per host (default: the host's cores - 1)")
+
+
+def _capture_command(cmd: _Commands) -> None:
+    sp = cmd("capture", "extraction runs: a tokenized dataset through the fleet's verified capture servers",
+             "Extraction runs: push a tokenized JSONL dataset through every host whose capture series is deployed\n"
+             "and verified, each sample exactly once, every dump verified on its host; resume after any crash;\n"
+             "collect the verified files as safetensors or SpecForge's offline training format.",
+             epilog=CAPTURE_EPILOG)
+    ccmd = cmd.nested(sp, "capture_command", "ACTION", "actions", "run `patchctl capture ACTION --help` for its options")
+    for add in (_capture_regenerate, _capture_prepare, _capture_run, _capture_status, _capture_collect):
+        add(ccmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    _add_globals(common, top=False)
+
+    p = _Parser(prog="patchctl", description=DESCRIPTION, epilog=ENVIRONMENT,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"patchctl {__version__}")
+    _add_globals(p, top=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
+                           title="commands", help="run `patchctl COMMAND --help` for its options")
+    cmd = _Commands(sub, common)
+    for add in (_series_command, _check_command, _authoring_command, _trace_command, _inventory_command,
+                _plan_command, _apply_command, _service_command, _rollback_command, _status_command, _smoke_command,
+                _history_command, _unlock_command, _capture_command):
+        add(cmd)
     return p
 
 
