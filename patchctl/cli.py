@@ -461,8 +461,11 @@ def _capture_run(cmd: _Commands) -> None:
 
 
 def _capture_status(cmd: _Commands) -> None:
-    cp = cmd("status", "a run's samples: done, failed (with reasons), pending, per host and in total")
-    _run_name(cp, required=True)
+    cp = cmd("status", "a capture run's or regeneration's progress: done, failed (with reasons), pending, per host "
+                       "and in total; the command that resumes it")
+    cp.add_argument("name", metavar="RUN",
+                    help="the run's name (as given to `capture run --name` or `capture regenerate --name`; "
+                         "a name that is both shows both)")
 
 
 def _capture_collect(cmd: _Commands) -> None:

@@ -259,8 +259,10 @@ def test_status_counts_from_the_journal_only(fleet, tmp_path):
     assert [h.ssh.count_connections() for h in f.hosts] == conns
     p = f.patchctl("capture", "status", "stat")
     assert p.returncode == 1 and "server refused: too long" in p.stdout and "2 pending" in p.stdout, p.stdout
+    assert d["kind"] == "capture" and " capture run " in d["resume"] and "--name stat" in d["resume"]
+    assert f"resume (sends only the samples not done): {d['resume']}" in p.stdout
     p = f.patchctl("capture", "status", "nosuchrun")
-    assert p.returncode == 2 and "no capture run named 'nosuchrun'" in p.stderr
+    assert p.returncode == 2 and "no capture run or regeneration named 'nosuchrun'" in p.stderr
 
 
 def test_to_holding_other_files_or_unwritable_is_refused_before_any_work(fleet, tmp_path):

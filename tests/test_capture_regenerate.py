@@ -10,10 +10,14 @@ host answered it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+import shlex
 import signal
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -139,12 +143,25 @@ def test_every_turn_is_the_servers_answer_to_its_regenerated_context(fleet, tmp_
     fails = [r for r in journal(f, "main") if r["rec"] == "failed"]
     assert [r["id"] for r in fails] == ["two-users", "two-users"] and fails[0]["host"] != fails[1]["host"]
     assert fails[1]["final"] and "Conversation roles must alternate" in fails[1]["reason"]
-    assert f"{len(rows)} of {len(rows) + 1} conversations regenerated" in p.stderr
+    assert f"{len(rows)} of {len(rows) + 1} conversations regenerated; 1 failed; 0 pending" in p.stderr
+    assert f"output: {tmp_path / 'regen.jsonl'} ({len(rows)} conversations, in input order; each original" in p.stderr
+    assert "samples" not in p.stderr and "written in" not in p.stderr  # capture run's words are not regenerate's
     got = check_output(f, rows, tmp_path / "regen.jsonl")
     assert {g["regenerated"]["host"] for g in got} == {"host0", "host1", "host2"}
     assert any(len(regenerated_turns(r)) > 1 for r in rows)  # multi-turn: later turns saw regenerated ones
     done = done_once(journal(f, "main"))
     assert set(done) == {r["id"] for r in rows}  # all but the refused one
+    # capture status reads the regeneration: per host, the failure with its reason, the command that resumes it
+    p = f.patchctl("capture", "status", "main")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"regeneration main: {tmp_path / 'conv.jsonl'} ({len(rows) + 1} conversations" in p.stdout
+    assert f"{len(rows)} of {len(rows) + 1}" in p.stdout and "two-users on host" in p.stdout
+    assert "resume (regenerates only the conversations not done): patchctl" in p.stdout
+    st = json.loads(f.patchctl("capture", "status", "main", "--json").stdout)
+    assert (st["kind"], st["done"], st["failed"], st["pending"], st["complete"]) == ("regeneration", len(rows), 1, 0, False)
+    assert st["turns_done"] == sum(len(regenerated_turns(r)) for r in rows)
+    assert st["tokens_done"] == sum(r["tokens"] for r in done.values()) > 0
+    assert sum(h["done"] for h in st["hosts"].values()) == len(rows)
     # prepare reads the output as it is
     p = f.patchctl("capture", "prepare", str(tmp_path / "regen.jsonl"), "--template", "llama3", "--tokenizer",
                    str(f.hosts[0].dir / "model"), "--out", str(tmp_path / "ds.jsonl"), "--workers", "1",
@@ -163,7 +180,7 @@ def test_every_turn_is_the_servers_answer_to_its_regenerated_context(fleet, tmp_
 def test_a_server_killed_mid_run_its_conversations_finish_elsewhere_none_twice(fleet, tmp_path):
     f = fleet
     rows = conversations(tmp_path / "conv.jsonl", 90, seed=2)
-    proc = f.popen("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "killed", "--out",
+    proc = f.popen("--json", "capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "killed", "--out",
                    str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "1",
                    "--max-fail", "1", "--drop-original")
     wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 3
@@ -179,6 +196,15 @@ def test_a_server_killed_mid_run_its_conversations_finish_elsewhere_none_twice(f
     returned = [r for r in recs if r["rec"] == "returned"]
     assert returned and all(done[r["id"]]["host"] != "host1" for r in returned)
     check_output(f, rows, tmp_path / "regen.jsonl", originals=False)
+    # --json: one event a line on stdout, in regenerate's terms
+    events = [json.loads(l) for l in out.splitlines()]
+    assert events[0]["event"] == "run_start" and events[0]["total"] == len(rows)
+    assert any(e["event"] == "note" and "host1: takes no more work" in e["message"] for e in events)
+    end = events[-1]
+    assert end["event"] == "run_end" and (end["done"], end["total"], end["failed"], end["pending"]) == (len(rows), len(rows), 0, 0)
+    assert end["turns"] == sum(len(r["turns"]) for r in done.values()) and end["tokens"] == sum(r["tokens"] for r in done.values())
+    assert end["tokens_per_s"] > 0 and end["written"] == len(rows) and end["out"] == str(tmp_path / "regen.jsonl")
+    assert end["hosts"]["host1"]["stopped"] and "bytes" not in end
 
 
 def test_the_controller_killed_then_resumed_redoes_no_finished_conversation(fleet, tmp_path):
@@ -195,12 +221,19 @@ def test_the_controller_killed_then_resumed_redoes_no_finished_conversation(flee
     first = journal(f, "crash")
     finished = set(done_once(first))
     assert 15 <= len(finished) < len(rows)
-    p = f.patchctl(*args)
+    # capture status: what the dead run left, and the command that resumes it (run as printed)
+    st = json.loads(f.patchctl("capture", "status", "crash", "--json").stdout)
+    assert (st["done"], st["pending"] + st["in_flight"] >= 1, st["complete"]) == (len(finished), True, False)
+    resume = shlex.split(st["resume"])
+    assert resume[0] == "patchctl" and resume[resume.index("--out") + 1] == str(tmp_path / "regen.jsonl")
+    p = subprocess.run([sys.executable, "-m", "patchctl", *resume[1:]], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, XDG_STATE_HOME=str(f.base / "xdg-state")))
     assert p.returncode == 0, p.stdout + p.stderr
     again = journal(f, "crash")[len(first):]
     assert not {r["id"] for r in again if r["rec"] == "sent"} & finished
     assert set(done_once(first + again)) == {r["id"] for r in rows}
-    assert f"resuming run crash: {len(finished)} of {len(rows)}" in p.stderr
+    assert f"resuming regeneration crash: {len(finished)} of {len(rows)} conversations already regenerated" in p.stderr
+    assert f.patchctl("capture", "status", "crash").returncode == 0
     check_output(f, rows, tmp_path / "regen.jsonl")
 
 
@@ -226,3 +259,36 @@ def test_bad_lines_all_named_nothing_sent(fleet, tmp_path):
         assert f"{src}:{line}: {what}" in p.stderr, (line, p.stderr)
     assert "6 problems" in p.stderr and "nothing was sent" in p.stderr
     assert not out.exists() and journal(f, "bad") == []
+
+
+def test_progress_and_summary_speak_of_conversations_turns_and_tokens(tmp_path, monkeypatch, capsys):
+    """The live line, the --json progress event and the summary say what regenerate does (no samples, no bytes)."""
+    from types import SimpleNamespace
+
+    from patchctl.commands.capture import progress as progress_mod
+    from patchctl.commands.capture.regenerate import RegenerateProgress
+    from patchctl.core.console import App, make_console
+
+    err = io.StringIO()
+    app = App(patches_dir=tmp_path, err=make_console(err))
+    p = RegenerateProgress(app, tmp_path, "r1", total=4, already=1, hosts=["gpu-a", "gpu-b"])
+    p.sample_done("gpu-a", 30, 0, turns=2)
+    p.sample_done("gpu-b", 12, 0, turns=1)
+    line = p._plain()
+    assert line.startswith("3/4 conversations, 3 turns, 42 tokens generated, ") and " tok/s, ETA " in line
+    assert "gpu-a " in line and "samples" not in line
+    monkeypatch.setattr(progress_mod, "PLAIN_EVERY_S", 0.0)
+    p.refresh()
+    ev = json.loads((p.log_dir / "events.jsonl").read_text().splitlines()[-1])
+    assert (ev["event"], ev["done"], ev["turns"], ev["tokens"], ev["hosts"]["gpu-a"]["tokens"]) == ("progress", 3, 3, 42, 30)
+    assert ev["tokens_per_s"] > 0 and "bytes" not in ev
+    lane = SimpleNamespace(host=SimpleNamespace(name="gpu-a"), done=1, failed=0, tokens=30, stopped=None)
+    p.summary("r1", [lane], {"gpu-c": "no server is running on port 30000"}, done=3, total=4, failed={}, pending=1,
+              duplicates=0, stopping=None, exit_code=1, output={"out": "/data/regen.jsonl", "written": 3})
+    text = err.getvalue() + capsys.readouterr().err  # the table on the console, the lines as app.info writes them
+    assert "regenerate r1" in text and "tokens generated" in text and "not taking part: no server" in text
+    assert "3 of 4 conversations regenerated; 0 failed; 1 pending" in text
+    assert "this invocation: 3 assistant turns, 42 tokens generated, " in text and "tok/s" in text
+    assert "output: /data/regen.jsonl (3 conversations, in input order; each original turn kept" in text
+    assert "run the same command again to regenerate the 1 conversations not done" in text
+    assert "samples" not in text and " B " not in text

@@ -94,7 +94,8 @@ def status_data(name: str, info: dict, st: RunState) -> dict:
     ds = info.get("dataset") or {}
     samples = int(ds.get("samples") or 0)
     pending = max(0, samples - len(st.done) - len(st.failed))
-    return {"run": name, "dataset": ds, "samples": samples, "done": len(st.done), "failed": len(st.failed),
+    command = (st.last_start or {}).get("command") or f"patchctl capture run {ds.get('path')} --name {name}"
+    return {"kind": "capture", "run": name, "dataset": ds, "resume": command, "samples": samples, "done": len(st.done), "failed": len(st.failed),
             "pending": pending, "in_flight": len(in_flight),
             "tokens_done": sum(x["tokens"] for x in hosts.values()),
             "bytes_done": sum(x["bytes"] for x in hosts.values()),
@@ -127,14 +128,34 @@ def render_status(d: dict):
         out.append(Text(f"duplicates ({len(d['duplicates'])}): a sample verified twice; the first file counts:"))
         out += [Text(f"  {x['id']}: {x['host']}:{x['path']} (first: {x['first_host']}:{x['first_path']})")
                 for x in d["duplicates"][:SHOWN]]
+    if not d["complete"]:
+        out.append(Text(f"resume (sends only the samples not done): {d['resume']}"))
     return Group(*out)
 
 
 def run_capture_status(app: App, args) -> int:
+    """The capture run and/or the regeneration of that name (the two keep separate journals; a name may be
+    both, e.g. conversations regenerated and then captured under one name: both are shown, in pipeline order,
+    and with --json the regeneration is the capture run's "regeneration" key)."""
+    from rich.console import Group
+
+    from patchctl.commands.capture import regenerate
+
+    regen = regenerate.status_data(args.name)
+    if regen is None and not (run_dir(args.name) / "run.json").exists():
+        raise BadInput(f"no capture run or regeneration named {args.name!r} (looked for {run_dir(args.name)} and "
+                       f"{regenerate.regen_dir(args.name)}); `patchctl capture run DATASET --name {args.name}` or "
+                       f"`patchctl capture regenerate CONVERSATIONS --name {args.name} --out FILE` starts one")
+    if regen is not None and not (run_dir(args.name) / "run.json").exists():
+        app.result(regen, regenerate.render_status(regen, SHOWN))
+        return 0 if regen["complete"] else 1
     info, st = _load(args.name)
     d = status_data(args.name, info, st)
-    app.result(d, render_status(d))
-    return 0 if d["complete"] else 1
+    if regen is None:
+        app.result(d, render_status(d))
+        return 0 if d["complete"] else 1
+    app.result(dict(d, regeneration=regen), Group(regenerate.render_status(regen, SHOWN), render_status(d)))
+    return 0 if d["complete"] and regen["complete"] else 1
 
 
 # --- collect: what to do with each done sample --------------------------------------------------

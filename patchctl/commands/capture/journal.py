@@ -17,7 +17,8 @@ Records (every one has "rec" and "t"):
     {"rec": "returned", "id", "host", "reason"}                 back to the queue, not an attempt
                                                                 (server died, host lost, disk reserve)
     {"rec": "host",   "host", "state", "reason"}                a host stopped taking work
-    {"rec": "run",    "event": "start"|"end", ...}              one invocation's start and end
+    {"rec": "run",    "event": "start"|"end", ...}              one invocation's start and end; a start
+                                                                names the "command" that resumes the run
 
 A sample is done once a "done" record exists for it (the first one counts; a later one for the same id
 is a duplicate the summary reports). Everything else about it is derived from the last record.
@@ -70,6 +71,7 @@ class RunState:
     duplicates: list[dict] = field(default_factory=list)      # "done" records after the first for an id
     hosts: dict[str, dict] = field(default_factory=dict)      # host -> last "host" record
     invocations: int = 0
+    last_start: dict | None = None  # the last invocation's "run" start record
 
     def in_flight(self) -> set[str]:
         """Sent and neither done nor finally failed nor returned since (for a crashed invocation:
@@ -162,6 +164,7 @@ class Journal:
                 st.hosts[r["host"]] = r
             elif kind == "run" and r.get("event") == "start":
                 st.invocations += 1
+                st.last_start = r
         return st
 
 

@@ -36,6 +36,8 @@ def _eta(seconds: float | None) -> str:
 
 
 class Progress:
+    noun = "samples"  # what the job's items are called in its messages (capture run: samples)
+
     def __init__(self, app: App, directory: Path, run_id: str, *, total: int, already: int, hosts: list[str],
                  log_dir: Path | None = None):
         self.app = app
@@ -60,7 +62,11 @@ class Progress:
         else:
             self.app.info(msg)
 
-    def sample_done(self, host: str, tokens: int, nbytes: int) -> None:
+    def resuming(self, name: str, resumed: int, todo: int) -> str:
+        return (f"resuming run {name}: {resumed} of {self.total} samples already done and verified, "
+                f"{todo} to send")
+
+    def sample_done(self, host: str, tokens: int, nbytes: int, turns: int = 0) -> None:
         with self.lock:
             self.done += 1
             self.tokens += tokens
@@ -132,7 +138,7 @@ class Progress:
     # the end ------------------------------------------------------------------------------------
     def summary(self, name: str, lanes, skipped: dict[str, str], *, done: int, total: int, failed: dict[str, str],
                 pending: int, duplicates: int, stopping: str | None, exit_code: int, servers_down: list[str] = (),
-                restart: str | None = None) -> None:
+                restart: str | None = None, output: dict | None = None) -> None:
         s = self.snapshot()
         ev = {"event": "run_end", "name": name, "exit_code": exit_code, "done": done, "total": total,
               "failed": len(failed), "pending": pending, "duplicates": duplicates, "stopped": stopping,

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short
-from patchctl.commands.capture.journal import Journal, check_run_name, captures_root, write_run_info
+from patchctl.commands.capture.journal import Journal, RunState, check_run_name, captures_root, write_run_info
+from patchctl.commands.capture.progress import Progress, _eta
 from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
+from patchctl.core.console import table
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.report import private_dir
 from patchctl.core.session import Run, host_error
@@ -158,8 +160,110 @@ def load_conversations(path) -> Conversations:
     return Conversations(path, samples, h.hexdigest(), by_id)
 
 
+class RegenerateProgress(Progress):
+    """capture run's live bar, events and summary, in what regenerate does: conversations regenerated, their
+    assistant turns, tokens generated and tokens/s (nothing is dumped: no bytes written)."""
+    noun = "conversations"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.turns = 0
+        self.host_turns = {h: 0 for h in self.per_host}
+
+    def resuming(self, name: str, resumed: int, todo: int) -> str:
+        return (f"resuming regeneration {name}: {resumed} of {self.total} conversations already regenerated, "
+                f"{todo} to send")
+
+    def sample_done(self, host: str, tokens: int, nbytes: int, turns: int = 0) -> None:
+        super().sample_done(host, tokens, nbytes)
+        with self.lock:
+            self.turns += turns
+            self.host_turns[host] = self.host_turns.get(host, 0) + turns
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            el = max(1e-9, time.monotonic() - self.t0)
+            left = self.total - self.already - self.done - self.failed
+            rate = self.done / el
+            return {"done": self.already + self.done, "total": self.total, "failed": self.failed, "turns": self.turns,
+                    "tokens": self.tokens, "tokens_per_s": round(self.tokens / el, 1),
+                    "conversations_per_s": round(rate, 2), "eta_s": round(left / rate, 1) if rate > 0 else None,
+                    "elapsed_s": round(el, 1),
+                    "hosts": {h: {"conversations": v[0], "tokens": v[1], "tokens_per_s": round(v[1] / el, 1)}
+                              for h, v in self.per_host.items()}}
+
+    def _render(self):
+        from rich.table import Table
+
+        s = self.snapshot()
+        width = 30
+        filled = int(width * s["done"] / max(1, s["total"]))
+        t = Table.grid(padding=(0, 2))
+        t.add_row(f"[{'#' * filled}{'.' * (width - filled)}] {s['done']}/{s['total']} conversations",
+                  f"{s['turns']} turns", f"{s['tokens']} tokens generated", f"{s['tokens_per_s']:.0f} tok/s",
+                  f"ETA {_eta(s['eta_s'])}", f"{s['failed']} failed" if s["failed"] else "")
+        for h, v in s["hosts"].items():
+            t.add_row(f"  {h}", "", f"{v['tokens']} tokens", f"{v['tokens_per_s']:.0f} tok/s",
+                      f"{v['conversations']} done", "")
+        return t
+
+    def _plain(self) -> str:
+        s = self.snapshot()
+        return (f"{s['done']}/{s['total']} conversations, {s['turns']} turns, {s['tokens']} tokens generated, "
+                f"{s['tokens_per_s']:.0f} tok/s, ETA {_eta(s['eta_s'])}" + (f", {s['failed']} failed" if s["failed"] else "")
+                + "; " + ", ".join(f"{h} {v['tokens_per_s']:.0f} tok/s" for h, v in s["hosts"].items()))
+
+    def summary(self, name: str, lanes, skipped: dict[str, str], *, done: int, total: int, failed: dict[str, str],
+                pending: int, duplicates: int, stopping: str | None, exit_code: int, servers_down: list[str] = (),
+                restart: str | None = None, output: dict | None = None) -> None:
+        s = self.snapshot()
+        el = max(1e-9, s["elapsed_s"])
+        output = output or {}
+        self.emit({"event": "run_end", "name": name, "exit_code": exit_code, "done": done, "total": total,
+                   "failed": len(failed), "pending": pending, "duplicates": duplicates, "stopped": stopping,
+                   "turns": s["turns"], "tokens": s["tokens"], "tokens_per_s": s["tokens_per_s"],
+                   "elapsed_s": s["elapsed_s"], "out": output.get("out"), "written": output.get("written"),
+                   "log_dir": str(self.log_dir),
+                   "hosts": {l.host.name: {"done": l.done, "failed": l.failed, "turns": self.host_turns.get(l.host.name, 0),
+                                           "tokens": l.tokens, "stopped": l.stopped} for l in lanes},
+                   "skipped_hosts": skipped, "servers_down": list(servers_down), "restart": restart})
+        if self.app.json:
+            return
+        t = table(f"regenerate {name} (this invocation)", "host", "conversations", "turns", "tokens generated",
+                  "tok/s", "failed attempts", "state")
+        for l in lanes:
+            t.add_row(l.host.name, str(l.done), str(self.host_turns.get(l.host.name, 0)), str(l.tokens),
+                      f"{l.tokens / el:.0f}", str(l.failed), l.stopped or "ok")
+        for h, why in skipped.items():
+            t.add_row(h, "-", "-", "-", "-", "-", f"not taking part: {why}")
+        self.app.err.print(self.app.masker.table(t))
+        lines = [f"{done} of {total} conversations regenerated; {len(failed)} failed; {pending} pending"
+                 + (f"; {duplicates} duplicate results ignored" if duplicates else ""),
+                 f"this invocation: {s['turns']} assistant turns, {s['tokens']} tokens generated, "
+                 f"{s['tokens_per_s']:.0f} tok/s, in {s['elapsed_s']:.0f}s"]
+        for sid, why in list(failed.items())[:5]:
+            lines.append(f"  failed {sid}: {why}")
+        if len(failed) > 5:
+            lines.append(f"  ... {len(failed) - 5} more: patchctl capture status {name}")
+        if stopping:
+            lines.append(f"stopped: {stopping}")
+        if servers_down:
+            lines.append(f"servers down: {', '.join(servers_down)}; bring them back with: {restart}")
+        if output:
+            lines.append(f"output: {output['out']} ({output['written']} conversations, in input order; "
+                         + ("originals dropped)" if output.get("drop_original") else "each original turn kept beside "
+                            "its regenerated one)"))
+        if pending or failed:
+            lines.append(f"run the same command again to regenerate the {pending + len(failed)} conversations not done"
+                         + (" (after the restart, to use those hosts too)" if servers_down else ""))
+        lines.append(f"logs: {self.log_dir}")
+        for line in lines:
+            self.app.info(line)
+
+
 class RegenerateRun(CaptureRun):
     """capture run's routing, journal and progress; the hosts run `op_regenerate`."""
+    progress_cls = RegenerateProgress
 
     def work_line(self, s) -> dict:
         got = self.ds.read(s)
@@ -172,6 +276,19 @@ class RegenerateRun(CaptureRun):
         a = self.args
         return s.request("regenerate", in_flight=a.in_flight, request_timeout=a.request_timeout,
                          max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+
+    def resume_command(self) -> str:
+        a = self.args
+        return self.app.cmd("capture", "regenerate", str(self.ds.path), "--name", self.name, "--out", str(a.out),
+                            "--max-new-tokens", str(a.max_new_tokens),
+                            *(["--temperature", str(a.temperature)] if a.temperature else []),
+                            *(["--limit", a.limit] if getattr(a, "limit", None) else []),
+                            *(["--drop-original"] if a.drop_original else []))
+
+    def finish(self) -> dict:
+        """The output file, rewritten from the journal after every invocation (interrupted ones too)."""
+        n = write_output(self.ds, self.journal, self.args.out, self.name, drop_original=self.args.drop_original)
+        return {"out": str(self.args.out), "written": n, "drop_original": bool(self.args.drop_original)}
 
 
 def regen_dir(name: str, create: bool = False) -> Path:
@@ -210,6 +327,11 @@ def run_regenerate(app, args) -> int:
                        "resume with that file, or start another run with --name")
     if out.exists() and not (before and before.get("out") == str(out)):
         raise BadInput(f"--out {out}: exists and is not this regeneration's output: choose another name or move it away")
+    if before and (before.get("max_new_tokens"), before.get("temperature")) != (args.max_new_tokens, args.temperature):
+        raise BadInput(f"regeneration {name!r} was started with --max-new-tokens {before.get('max_new_tokens')} "
+                       f"--temperature {before.get('temperature')}: resume with those (its conversations would "
+                       "otherwise be answered under two settings), or start another run with --name")
+    args.out = out
     run = Run(app, args, "capture regenerate")
     try:
         lanes, skipped = _probe(run)
@@ -230,13 +352,78 @@ def run_regenerate(app, args) -> int:
                                                   "tokenizer": l.info.get("tokenizer")} for l in lanes}}
         write_run_info(directory, info)
         args.log_dir = getattr(args, "log_dir", None)
-        code = _capture(app, args, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
+        return _capture(app, args, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
     finally:
         run.close()
-    written = write_output(src, Journal(directory), out, name, drop_original=args.drop_original)
-    app.info(f"{out}: {written} of {len(src.samples)} conversations regenerated"
-             + ("" if written == len(src.samples) else "; run the same command again for the rest"))
-    return code
+
+
+def status_data(name: str) -> dict | None:
+    """A regeneration as its journal tells it (no host is contacted), or None when there is none of that name."""
+    directory = regen_dir(check_run_name(name))
+    try:
+        info = json.loads((directory / "run.json").read_text())
+    except FileNotFoundError:
+        return None
+    st: RunState = Journal(directory).state()
+    hosts: dict[str, dict] = {}
+
+    def h(host: str) -> dict:
+        return hosts.setdefault(host, {"done": 0, "turns": 0, "tokens": 0, "failed": 0, "in_flight": 0,
+                                       "state": None, "reason": None})
+
+    for host in info.get("hosts") or {}:
+        h(host)
+    for r in st.done.values():
+        x = h(r.get("host"))
+        x["done"] += 1
+        x["turns"] += len(r.get("turns") or ())
+        x["tokens"] += int(r.get("tokens") or 0)
+    for r in st.failed.values():
+        h(r.get("host"))["failed"] += 1
+    in_flight = st.in_flight()
+    for sid in in_flight:
+        h(st.last_sent[sid].get("host"))["in_flight"] += 1
+    for host, r in st.hosts.items():
+        h(host).update(state=r.get("state"), reason=r.get("reason"))
+    conv = info.get("conversations") or {}
+    total = int(conv.get("count") or 0)
+    pending = max(0, total - len(st.done) - len(st.failed))
+    command = (st.last_start or {}).get("command") or " ".join(
+        ["patchctl capture regenerate", str(conv.get("path")), "--name", name, "--out", str(info.get("out")),
+         "--max-new-tokens", str(info.get("max_new_tokens"))])
+    return {"kind": "regeneration", "run": name, "conversations": conv, "out": info.get("out"),
+            "max_new_tokens": info.get("max_new_tokens"), "temperature": info.get("temperature"),
+            "total": total, "done": len(st.done), "failed": len(st.failed), "pending": pending,
+            "in_flight": len(in_flight), "turns_done": sum(x["turns"] for x in hosts.values()),
+            "tokens_done": sum(x["tokens"] for x in hosts.values()), "complete": pending == 0 and not st.failed,
+            "invocations": st.invocations, "hosts": hosts, "resume": command,
+            "failures": [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()]}
+
+
+def render_status(d: dict, shown: int = 20):
+    from rich.console import Group
+    from rich.text import Text
+
+    conv = d["conversations"]
+    head = Text(f"regeneration {d['run']}: {conv.get('path')} ({d['total']} conversations, sha256 "
+                f"{str(conv.get('sha256'))[:12]}…) -> {d['out']} — "
+                + ("complete" if d["complete"] else f"{d['pending']} pending, {d['failed']} failed"), style="bold")
+    t = table("conversations per host", "host", "regenerated", "turns", "tokens generated", "failed", "in flight",
+              "host state")
+    for host, x in sorted(d["hosts"].items(), key=lambda kv: str(kv[0])):
+        state = (x["state"] or "") + (f": {x['reason']}" if x["reason"] else "")
+        t.add_row(str(host), str(x["done"]), str(x["turns"]), str(x["tokens"]), str(x["failed"]), str(x["in_flight"]),
+                  state)
+    t.add_row("total", f"{d['done']} of {d['total']}", str(d["turns_done"]), str(d["tokens_done"]), str(d["failed"]),
+              str(d["in_flight"]), f"{d['pending']} pending")
+    out = [head, t]
+    if d["failures"]:
+        out.append(Text(f"failed conversations ({len(d['failures'])}"
+                        + (f", first {shown} shown" if len(d["failures"]) > shown else "") + "):"))
+        out += [Text(f"  {f['id']} on {f['host']}: {f['reason']}") for f in d["failures"][:shown]]
+    if not d["complete"]:
+        out.append(Text(f"resume (regenerates only the conversations not done): {d['resume']}"))
+    return Group(*out)
 
 
 def write_output(src: Conversations, journal: Journal, out: Path, name: str, drop_original: bool) -> int:

@@ -104,6 +104,8 @@ def default_name(path) -> str:
 
 
 class CaptureRun:
+    progress_cls = Progress  # what the operator sees (capture/regenerate.py has its own)
+
     def __init__(self, app: App, args, run: Run, name: str, prefix: str, ds, journal: Journal, progress: Progress):
         self.app, self.args, self.run, self.name, self.prefix = app, args, run, name, prefix
         self.ds = ds
@@ -159,6 +161,16 @@ class CaptureRun:
                          # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
                          pool_from_bytes=int(os.environ.get("PATCHCTL_CAPTURE_POOL_FROM_BYTES") or 0) or None)
 
+    def resume_command(self) -> str:
+        """The command that resumes this run (journalled with each invocation; `capture status` prints it)."""
+        a = self.args
+        return self.app.cmd("capture", "run", str(self.ds.path), "--name", self.name,
+                            *(["--limit", a.limit] if getattr(a, "limit", None) else []))
+
+    def finish(self) -> dict | None:
+        """After each invocation, the journal closed: what the job makes of it (capture run: nothing)."""
+        return None
+
     def _fill_all(self) -> None:
         for lane in self.lanes.values():
             self._fill(lane)
@@ -178,7 +190,8 @@ class CaptureRun:
         with self.lock:
             if not self.stopping:
                 self.stopping = why
-                self.progress.announce(f"stopping: {why}; no new samples are sent, in-flight samples finish")
+                noun = self.progress.noun
+                self.progress.announce(f"stopping: {why}; no new {noun} are sent, in-flight {noun} finish")
                 self._maybe_end()
 
     # results from the hosts ------------------------------------------------------------------
@@ -199,7 +212,8 @@ class CaptureRun:
                 lane.done += 1
                 lane.tokens += ev["tokens"]
                 lane.bytes += ev.get("bytes") or 0
-                self.progress.sample_done(lane.host.name, ev["tokens"], ev.get("bytes") or 0)
+                self.progress.sample_done(lane.host.name, ev["tokens"], ev.get("bytes") or 0,
+                                          turns=len(ev.get("turns") or ()))
             elif kind == "sample_failed":
                 final = it.attempt >= ATTEMPTS
                 self.journal.append({"rec": "failed", "id": sid, "host": lane.host.name, "reason": ev["reason"],
@@ -365,14 +379,15 @@ def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, la
     done = journal.state().done
     todo = [s for s in ds.samples if s.id not in done]
     resumed = len(ds.samples) - len(todo)
-    progress = Progress(app, directory, run.run_id, total=len(ds.samples), already=resumed,
-                        hosts=[l.host.name for l in lanes], log_dir=args.log_dir)
+    job = job or CaptureRun
+    progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
+                                hosts=[l.host.name for l in lanes], log_dir=args.log_dir)
+    cr = job(app, args, run, name, prefix, ds, journal, progress)
     journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
-                    "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped})
+                    "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped,
+                    "command": cr.resume_command()})
     if resumed:
-        app.info(f"resuming run {name}: {resumed} of {len(ds.samples)} samples already done and verified, "
-                 f"{len(todo)} to send")
-    cr = (job or CaptureRun)(app, args, run, name, prefix, ds, journal, progress)
+        app.info(progress.resuming(name, resumed, len(todo)))
     for l in lanes:
         l.stream = _Stream()
     interrupted = False
@@ -389,8 +404,9 @@ def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, la
     journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
                     "done": len(final.done), "failed": len(failed), "pending": pending})
     journal.close()
+    output = cr.finish()
     down = down + [l.host.name for l in lanes if l.server_down]
     progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,
                      pending=pending, duplicates=len(final.duplicates), stopping=cr.stopping, exit_code=code,
-                     servers_down=down, restart=restart_hint(app, down) if down else None)
+                     servers_down=down, restart=restart_hint(app, down) if down else None, output=output)
     return code
