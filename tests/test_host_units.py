@@ -267,6 +267,12 @@ def _meta(p):
     return st.st_uid, st.st_gid, st.st_mode & 0o7777
 
 
+def _manifest(series, version="1"):
+    from patchctl.host.protocol import Manifest
+
+    return Manifest(series=series, version=version, patches=[], files={})
+
+
 def test_transition_keeps_owner_group_mode_and_an_interrupted_one_restores_them(tmp_path, monkeypatch):
     from patchctl.host import state as hstate
 
@@ -281,7 +287,7 @@ def test_transition_keeps_owner_group_mode_and_an_interrupted_one_restores_them(
     ts = hstate.TreeState(str(tmp_path / "state"), str(root))
     new = ts.put_blob(b"new\n")
     orig = ts.put_blob(b"old\n")
-    ts.transition("apply", {"sglang/a.py": new, "sglang/sub/b.py": new}, {"series": "x"}, "r1")
+    ts.transition("apply", {"sglang/a.py": new, "sglang/sub/b.py": new}, _manifest("x"), "r1")
     assert a.read_bytes() == b"new\n" and _meta(a) == (4242, 4343, 0o640)
     assert _meta(root / "sglang" / "sub") == (4444, 4545, 0o755)  # a created directory: its parent's owner
     assert _meta(root / "sglang" / "sub" / "b.py") == (4444, 4545, 0o644)
@@ -318,7 +324,7 @@ def test_a_transition_killed_after_its_manifest_was_written_is_undone_manifest_i
     a.write_bytes(b"v1\n")
     ts = hstate.TreeState(str(tmp_path / "state"), str(root))
     v2, v3 = ts.put_blob(b"v2\n"), ts.put_blob(b"v3\n")
-    ts.transition("apply", {"sglang/a.py": v2}, {"series": "s", "version": "1"}, "r1")
+    ts.transition("apply", {"sglang/a.py": v2}, _manifest("s", "1"), "r1")
     before = json.loads(open(ts.manifest_path).read())
 
     real_write, phases = hstate.write_json, []
@@ -331,7 +337,7 @@ def test_a_transition_killed_after_its_manifest_was_written_is_undone_manifest_i
 
     monkeypatch.setattr(hstate, "write_json", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        ts.transition("apply", {"sglang/a.py": v3}, {"series": "s", "version": "2"}, "r2")
+        ts.transition("apply", {"sglang/a.py": v3}, _manifest("s", "2"), "r2")
     monkeypatch.setattr(hstate, "write_json", real_write)
     assert ts.manifest_path in phases and a.read_bytes() == b"v3\n"  # the kill landed where it must
     assert json.loads(open(ts.manifest_path).read())["version"] == "2"
@@ -345,7 +351,7 @@ def test_a_transition_killed_after_its_manifest_was_written_is_undone_manifest_i
     fresh.put_blob(b"v3\n")
     monkeypatch.setattr(hstate, "write_json", dying_write)
     with pytest.raises(KeyboardInterrupt):
-        fresh.transition("apply", {"sglang/a.py": v3}, {"series": "s", "version": "3"}, "r3")
+        fresh.transition("apply", {"sglang/a.py": v3}, _manifest("s", "3"), "r3")
     monkeypatch.setattr(hstate, "write_json", real_write)
     assert os.path.exists(fresh.manifest_path)
     assert fresh.recover()["action"] == "undone"

@@ -210,8 +210,8 @@ def test_reference_to_another_series_patch(tmp_path, capsys, monkeypatch):
     assert s.touched_files() == ["sglang/srt/tiny_mod.py", "sglang/srt/tiny_hook.py"]
     assert s.to_json()["patches"][0]["series"] == "tiny" and "series" not in s.to_json()["patches"][1]
     assert not (tmp_path / "user" / "0001-mod.patch").exists()
-    from patchctl.core.series import series_request  # the request bundle sent to hosts carries the owner's text
-    assert [p["text"] for p in series_request(s)["patches"]] == [MODULE_PATCH, HOOK_PATCH]
+    # the request sent to hosts carries the owner's text
+    assert [p.text for p in s.to_request().patches] == [MODULE_PATCH, HOOK_PATCH]
     monkeypatch.setenv("COLUMNS", "200")
     assert main(["--patches", str(tmp_path), "series"]) == 0
     assert "tiny/0001-mod.patch" in capsys.readouterr().out

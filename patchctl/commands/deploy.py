@@ -24,7 +24,7 @@ from patchctl.core.remote import AgentFailure, AgentLost
 from patchctl.core.preflight import preflight
 from patchctl.core.report import Reporter
 from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
-from patchctl.core.series import Series, load_series, profile_of, series_request
+from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, UnitResult, host_error
 
 
@@ -59,7 +59,7 @@ class UnitDeploy:
         self.sessions = [run.session(h) for h in nodes]
         self.head = self.sessions[0]
         self.names = [h.name for h in nodes]
-        self.profile = profile_of(series) if series else None
+        self.profile = series.profile() if series else None
 
     def layers(self, host: Host):
         return host.server.capture_layers or (list(self.series.smoke.layers) if self.series.smoke.layers else None)
@@ -226,7 +226,7 @@ def run_apply(app: App, args) -> int:
     series = load_series(app.patches_dir, args.series)
     run = Run(app, args, "apply")
     app.masker = app.masker.with_public(series.smoke.env)
-    run.series_req, run.repo_commit = series_request(series), repo_commit(app.patches_dir)
+    run.series_req, run.repo_commit = series.to_request(), repo_commit(app.patches_dir)
     units = run.units()
     for u in units:
         for h in u:
@@ -317,7 +317,7 @@ def run_smoke(app: App, args) -> int:
         try:
             fields = {}
             if series:
-                fields["profile"] = profile_of(series)
+                fields["profile"] = series.profile()
             if h.server.capture_layers:
                 fields["capture_layers"] = h.server.capture_layers
             if h.server.hidden_size:

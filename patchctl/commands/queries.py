@@ -17,7 +17,6 @@ import shlex
 import sys
 
 from patchctl.core.console import App, table
-from patchctl.core.series import series_request
 from patchctl.core.inventory import CONTROLLER_PYTHON, Host
 from patchctl.core.preflight import Reachability
 from patchctl.core.redact import MASK
@@ -243,7 +242,7 @@ def run_unlock(app: App, args) -> int:
 
 def run_plan(app: App, args) -> int:
     series = load_series(app.patches_dir, args.series)
-    sreq = series_request(series)
+    sreq = series.to_request()
     reach = Reachability(series)
 
     def per_host(s: HostSession):

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_FAILED = 1  # failed, every touched host rolled back and verified
-EXIT_BAD_INPUT = 2  # bad input or config, nothing touched
-EXIT_ATTENTION = 3  # a rollback failed or a host's state is unknown
-EXIT_LOCKED = 4  # a lock is held by another run
+from patchctl.host.protocol import EXIT_ATTENTION, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_LOCKED, EXIT_OK  # noqa: F401
 
 
 class PatchctlError(Exception):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from patchctl.core.errors import BadInput
 from patchctl.core.tomlloc import Locator
+from patchctl.host.protocol import ServerSpec
 
 CONNECTIONS = ("ssh", "local")
 BECOME_METHODS = ("sudo",)  # `become = ""` in a host table: none (overrides [defaults])
@@ -46,6 +47,12 @@ class ServerConfig:
     capture_layers: list[int] | None = None
     layer_outputs: list[int] | None = None
     hidden_size: int | None = None
+
+    def to_spec(self) -> ServerSpec:
+        """What the host's agent is told of this server (every request carries it)."""
+        return ServerSpec(manager=self.manager, command=self.command, host=self.host, port=self.port, env=dict(self.env),
+                          log=self.log, start_timeout=self.start_timeout, stop_timeout=self.stop_timeout,
+                          unit=self.unit, layer_outputs=self.layer_outputs)
 
 
 @dataclass
@@ -88,21 +95,8 @@ class Host:
             "become": self.become,
             "become_user": (self.become_user or "root") if self.become else None,
             "groups": list(self.groups),
-            "server": {
-                "manager": self.server.manager,
-                "command": self.server.command,
-                "host": self.server.host,
-                "port": self.server.port,
-                "env": dict(self.server.env),
-                "public_env": list(self.server.public_env),
-                "log": self.server.log,
-                "start_timeout": self.server.start_timeout,
-                "stop_timeout": self.server.stop_timeout,
-                "unit": self.server.unit,
-                "capture_layers": self.server.capture_layers,
-                "layer_outputs": self.server.layer_outputs,
-                "hidden_size": self.server.hidden_size,
-            },
+            "server": dict(self.server.to_spec().to_wire(), public_env=list(self.server.public_env),
+                           capture_layers=self.server.capture_layers, hidden_size=self.server.hidden_size),
         }
 
 

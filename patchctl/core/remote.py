@@ -16,9 +16,9 @@ from typing import Callable, Iterable
 
 from patchctl.core import become
 from patchctl.core.errors import NeedsAttention, PatchctlError
+from patchctl.host.protocol import OPS, Answer, ErrorKind, ProtocolError, parse_event
 
 HOST_PACKAGE = "patchctl.host"
-EVENT_PREFIX = "PATCHCTL-EVENT "
 
 _BOOTSTRAP = """
 import sys, json, importlib.abc, importlib.util
@@ -44,15 +44,14 @@ patchctl.host.agent.main(json.loads(_REQUEST))
 
 
 class AgentFailure(PatchctlError):
-    """The agent answered with a refusal or failure; `kind` tells which exit code it maps to."""
-
-    EXIT = {"bad_input": 2, "drift": 3, "attention": 3, "locked": 4, "failed": 1}
+    """The agent answered with a refusal or failure; `kind` (protocol.ErrorKind) gives its exit code."""
 
     def __init__(self, kind: str, message: str, details: dict | None = None):
         super().__init__(message)
-        self.kind = kind
+        k = ErrorKind.parse(kind)
+        self.kind = k.value
         self.details = details or {}
-        self.exit_code = self.EXIT.get(kind, 3)
+        self.exit_code = k.exit_code
 
 
 class AgentLost(NeedsAttention):
@@ -90,17 +89,23 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
     every `beat_s` seconds (a quarter of the silence limit), so `silence` seconds without a byte means a hung link or
     host (ConnectionLost).
     `stream`: more input for a long-running op, after the script (Transport.run_python)."""
+    if stream is not None and not OPS[request["op"]].streamed:
+        raise ProtocolError(f"op {request['op']} reads no stream (protocol.OPS)")
     other: list[str] = []
     saw_agent: list[bool] = []
+    off_protocol: list[str] = []
 
     def on_line(line: str) -> None:
-        if line.startswith(EVENT_PREFIX):
+        try:
+            ev = parse_event(line)
+        except ProtocolError as e:  # an event this version does not know: the agent is not the one shipped
+            off_protocol.append(str(e))
+            return
+        except ValueError:
+            other.append(line)
+            return
+        if ev is not None:
             saw_agent.append(True)
-            try:
-                ev = json.loads(line[len(EVENT_PREFIX):])
-            except ValueError:
-                other.append(line)
-                return
             if on_event:
                 on_event(ev)
         elif line.strip():
@@ -122,7 +127,12 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
         tail = "\n".join(other[-10:]) or res.stdout[-500:]
         raise AgentLost(f"no answer from the agent on {transport.host.name} (exit {res.exit_code}); state unknown"
                         + (f": {tail}" if tail else ""))
-    if not answer["ok"]:
-        err = answer["error"]
-        raise AgentFailure(err["kind"], err["message"], err.get("details"))
-    return answer["result"]
+    try:
+        if off_protocol:
+            raise ProtocolError(off_protocol[0])
+        ans = Answer.from_wire(answer)
+    except ProtocolError as e:
+        raise AgentLost(f"the agent on {transport.host.name} answered out of protocol ({e}); state unknown") from None
+    if not ans.ok:
+        raise AgentFailure(ans.error.kind, ans.error.message, ans.error.details)
+    return ans.result

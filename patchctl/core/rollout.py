@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from patchctl.core.errors import BadInput
+from patchctl.host.protocol import Outcome
 
 if TYPE_CHECKING:  # the CLI imports the parsers at start-up: no SSH stack for them
     from patchctl.core.console import App
@@ -140,7 +141,7 @@ def rollout(run: Run, args, units: list[list[Host]], sizes: list[int], max_fail:
         failures = sum(1 for r in results if r.failed)
         if failures > max_fail:
             return f"{failures} failed unit(s) > --max-fail {args.max_fail} (= {max_fail}) after {label}"
-        if getattr(args, "on_fail", None) == "halt" and any(r.outcome.startswith("halted") for r in batch_results):
+        if getattr(args, "on_fail", None) == "halt" and any(r.outcome is Outcome.HALTED for r in batch_results):
             return f"halted after {label}"
     return stopped
 
@@ -213,11 +214,12 @@ def abort_report(run: Run) -> int:
             lines.append(line)
             continue
         if not steps:
-            rep.host_result(h, "not reached", 0, "left untouched: the run was aborted before this host")
+            rep.host_result(h, Outcome.NOT_REACHED, Outcome.NOT_REACHED.exit_code,
+                            "left untouched: the run was aborted before this host")
             lines.append(f"{h}: not reached — untouched, nothing to do")
             continue
         state = (run.state_left or _state_left)(steps)
-        rep.host_result(h, "unknown", 3, f"aborted: {state}", recover=recover)
+        rep.host_result(h, Outcome.UNKNOWN, Outcome.UNKNOWN.exit_code, f"aborted: {state}", recover=recover)
         codes.append(3)
         lines.append(f"{h}: aborted — {state}\n    recover: {recover}")
     code = 3 if 3 in codes else 130
@@ -261,7 +263,8 @@ def finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit: 
                 rep.host_result(h, r.outcome, r.exit_code, r.message)
     for h in rep.hosts:
         if h not in rep.results:
-            rep.host_result(h, "not reached", 0, "left untouched: the run stopped before this host")
+            rep.host_result(h, Outcome.NOT_REACHED, Outcome.NOT_REACHED.exit_code,
+                            "left untouched: the run stopped before this host")
     if (extra or {}).get("interrupted") and code != 3:
         code = 130  # documented: an interrupted run that needs no attention
     rep.run_end(code, **(extra or {}))

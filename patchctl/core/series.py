@@ -16,9 +16,10 @@ from pathlib import Path
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from patchctl.host import applier
 from patchctl.core.errors import BadInput
 from patchctl.core.tomlloc import locate
+from patchctl.host import applier
+from patchctl.host.protocol import PatchSpec, Profile, SeriesRequest
 
 SERIES_FILE = "series.toml"
 DEFAULT_LAYERS_ARG = "--return-aux-hidden-state-layer-ids"
@@ -79,14 +80,18 @@ class SmokeProfile:
     rid_prefix_env: str = DEFAULT_RID_PREFIX_ENV
     hook: Hook | None = None
 
+    def to_profile(self, series: str | None = None, version: str | None = None) -> Profile:
+        """The profile as hosts receive it (and record it in their manifest)."""
+        return Profile(series=series, version=version, server_args=list(self.server_args), env=dict(self.env),
+                       layers_arg=self.layers_arg, dump_dir_env=self.dump_dir_env, rid_prefix_env=self.rid_prefix_env,
+                       prompts=self.prompts, prompt_tokens=self.prompt_tokens,
+                       layers=list(self.layers) if self.layers is not None else None, hidden_size=self.hidden_size)
+
     def to_json(self) -> dict:
-        return {"server_args": list(self.server_args), "env": dict(self.env), "prompts": self.prompts,
-                "prompt_tokens": self.prompt_tokens,
-                "layers": list(self.layers) if self.layers is not None else None,
-                "hidden_size": self.hidden_size, "layers_arg": self.layers_arg,
-                "dump_dir_env": self.dump_dir_env, "rid_prefix_env": self.rid_prefix_env,
-                "hook": ({"file": self.hook.file, "function": self.hook.function, "call": self.hook.call}
-                         if self.hook else None)}
+        out = self.to_profile().to_wire()
+        del out["series"], out["version"]
+        out["hook"] = {"file": self.hook.file, "function": self.hook.function, "call": self.hook.call} if self.hook else None
+        return out
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,17 @@ class Series:
                 if f.path not in out:
                     out.append(f.path)
         return out
+
+    def profile(self) -> Profile:
+        return self.smoke.to_profile(self.name, self.version)
+
+    def to_request(self) -> SeriesRequest:
+        """The series as every host receives it: the one builder of that request (apply, plan)."""
+        return SeriesRequest(name=self.name, version=self.version, sglang=self.sglang,
+                             spec=[[s.operator, s.version] for s in SpecifierSet(self.sglang)],
+                             patches=[PatchSpec(file=p.file, version=p.version, sha256=p.sha256, text=p.text)
+                                      for p in self.patches],
+                             smoke=self.profile())
 
     def to_json(self) -> dict:
         return {"name": self.name, "version": self.version, "description": self.description,
@@ -434,27 +450,3 @@ def run_series(app, args) -> int:
     for e in bad:
         print(f"patchctl: {e}", file=sys.stderr)
     return 2 if bad else 0
-
-
-# ---------------------------------------------------------------------------
-# the request a series is sent to hosts as
-
-
-def _spec_clauses(spec: str) -> list[list[str]]:
-    from packaging.specifiers import SpecifierSet
-
-    return [[s.operator, s.version] for s in SpecifierSet(spec)]
-
-
-def profile_of(series: Series) -> dict:
-    s = series.smoke
-    return {"series": series.name, "version": series.version, "server_args": list(s.server_args), "env": dict(s.env),
-            "layers_arg": s.layers_arg, "dump_dir_env": s.dump_dir_env, "rid_prefix_env": s.rid_prefix_env,
-            "prompts": s.prompts, "prompt_tokens": s.prompt_tokens,
-            "layers": list(s.layers) if s.layers else None, "hidden_size": s.hidden_size}
-
-
-def series_request(series: Series) -> dict:
-    return {"name": series.name, "version": series.version, "sglang": series.sglang, "spec": _spec_clauses(series.sglang),
-            "patches": [{"file": p.file, "version": p.version, "sha256": p.sha256, "text": p.text} for p in series.patches],
-            "smoke": profile_of(series)}

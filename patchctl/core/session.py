@@ -1,6 +1,6 @@
 """One command over the fleet: a Run (run id, lock holder, selected hosts and units, parallelism) and
 one HostSession per host (one reused transport; agent calls as reported steps, a provably stale lock
-broken once); host errors mapped to outcomes and outcomes to exit codes.
+broken once); host errors mapped to outcomes (protocol.Outcome, which carries the exit code).
 
 The porcelain in `deploy` (apply, rollback, smoke) and `queries` (status, history, plan, unlock) is
 built on this.
@@ -26,19 +26,12 @@ from patchctl.core.redact import Masker
 from patchctl.core.remote import AgentFailure, AgentLost
 from patchctl.core.report import Reporter
 from patchctl.core.transport import open_transport
+from patchctl.host.protocol import Envelope, ErrorKind, Holder, Outcome, SeriesRequest, make_request
 
 DEFAULT_FORKS = 256  # units wait on remote restarts (minutes): a wave costs a restart, a unit in flight ~5 threads,
 # one socket and under 1 MB (docs/bench-scale.md); 256 keeps a run under the usual 1024 open files
 
-# Outcome → exit code (docs/design.md "Exit codes"). The run's code is the most severe of its units'.
-OUTCOME_EXIT = {
-    "deployed": 0, "unchanged": 0, "applied": 0, "rolled back": 0, "ok": 0, "not reached": 0,
-    "started": 0, "stopped": 0, "restarted": 0, "failed, left as is": 3,
-    "failed, rolled back (verified)": 1, "failed": 1, "rolled back (unit member failed)": 1,
-    "refused": 2, "locked": 4,
-    "rollback failed": 3, "unknown": 3, "unreachable": 3, "needs attention": 3, "halted (left as is)": 3,
-}
-
+# The run's exit code is the most severe of its units' (each unit's from its protocol.Outcome).
 SEVERITY = [3, 4, 2, 1, 0]
 
 
@@ -102,17 +95,12 @@ class HostSession:
         self._transport = None
 
     def request(self, op: str, **fields) -> dict:
+        """The wire form of one agent request (protocol.make_request: an unknown op or field is refused here)."""
         h = self.host
         python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
-        req = {"op": op, "run_id": self.run.run_id, "holder": self.run.holder, "beat_s": self.run.beat_s,
-               "state_dir": h.state_dir,
-               "sglang_root": h.sglang_root, "python": python,
-               "server": {"manager": h.server.manager, "command": h.server.command, "host": h.server.host,
-                          "port": h.server.port, "env": dict(h.server.env), "log": h.server.log,
-                          "start_timeout": h.server.start_timeout, "stop_timeout": h.server.stop_timeout,
-                          "unit": h.server.unit, "layer_outputs": h.server.layer_outputs}}
-        req.update(fields)
-        return req
+        env = Envelope(op=op, run_id=self.run.run_id, holder=Holder.from_wire(self.run.holder), beat_s=self.run.beat_s,
+                       state_dir=h.state_dir, sglang_root=h.sglang_root, python=python, server=h.server.to_spec())
+        return make_request(env, **fields)
 
     def call(self, op: str, step: str | None = None, **fields) -> dict:
         """One agent round trip; with `step`, reported as a host step. Breaks provably stale locks once.
@@ -189,13 +177,16 @@ def _step_summary(op: str, res: dict) -> str:
 @dataclass
 class UnitResult:
     hosts: list[str]
-    outcome: str
+    outcome: Outcome  # its words are accepted too: an unknown one raises ProtocolError
     message: str = ""
     touched: bool = False  # files or server of this unit were changed by this run
 
+    def __post_init__(self):
+        self.outcome = Outcome.parse(self.outcome)
+
     @property
     def exit_code(self) -> int:
-        return OUTCOME_EXIT.get(self.outcome, 3)
+        return Outcome.parse(self.outcome).exit_code
 
     @property
     def failed(self) -> bool:
@@ -244,7 +235,7 @@ class Run:
         self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
         self.sessions: dict[str, HostSession] = {}
         self.reporter: Reporter | None = None
-        self.series_req: dict | None = None  # apply: the series as sent to every host (built once)
+        self.series_req: SeriesRequest | None = None  # apply: the series as sent to every host (built once)
         self.repo_commit: str | None = None
         self.stopping = threading.Event()  # first Ctrl-C: start no new unit
         self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
@@ -288,24 +279,20 @@ class Run:
                 pass
 
 
-def host_error(e: Exception) -> tuple[str, str]:
-    """(outcome, message) for an error a host step raised."""
+def host_error(e: Exception) -> tuple[Outcome, str]:
+    """(outcome, message) for an error a host step raised (an agent's error kind: protocol.ErrorKind.outcome)."""
     from patchctl.core.become import BecomeRefused
     from patchctl.core.transport import ConnectionLost, HostKeyRefused, HostUnreachable
 
     if isinstance(e, HostUnreachable):
-        return "unreachable", str(e)
+        return Outcome.UNREACHABLE, str(e)
     if isinstance(e, (HostKeyRefused, BecomeRefused)):
-        return "refused", str(e)
+        return Outcome.REFUSED, str(e)
     if isinstance(e, (ConnectionLost, AgentLost)):
-        return "unknown", str(e)
+        return Outcome.UNKNOWN, str(e)
     if isinstance(e, AgentFailure):
-        if e.kind == "locked":
-            h = e.details.get("holder") or {}
-            return "locked", f"locked by {describe_holder(h)}" if h else str(e)
-        if e.kind == "bad_input":
-            return "refused", str(e)
-        if e.kind == "drift":
-            return "needs attention", str(e)
-        return "failed", str(e)
-    return "needs attention", f"{e.__class__.__name__}: {e}"
+        h = e.details.get("holder") or {}
+        if e.kind == ErrorKind.LOCKED.value and h:
+            return Outcome.LOCKED, f"locked by {describe_holder(h)}"
+        return ErrorKind.parse(e.kind).outcome, str(e)
+    return Outcome.NEEDS_ATTENTION, f"{e.__class__.__name__}: {e}"

@@ -6,12 +6,15 @@ only, so any host that can run SGLang can run it. Progress and heartbeats go
 to stderr as `PATCHCTL-EVENT {json}` lines (`events`); the answer is the last
 thing written to stdout.
 
-This module owns the ops (`op_apply`, `op_restart`, `op_smoke`, `op_rollback`,
-`op_status`, ...), each composed from the plumbing of its siblings, the
-one-agent-per-host lock, and `main`: start the beating thread, run one
-request, answer. Nothing is created or deleted outside `state_dir`, except
-the SGLang files a series changes and their stale `__pycache__` entries; the
-read-only ops (READ_ONLY_OPS: status, probe, history, ...) create, change and
+This module owns the ops' handlers (`op_apply`, `op_restart`, `op_smoke`,
+`op_rollback`, `op_status`, ...), each composed from the plumbing of its
+siblings and bound with `@handles` to its entry of `protocol.OPS` (request
+fields, locks, stream), the dispatcher that checks the request and takes
+the locks the entry names before the handler runs, the one-agent-per-host
+lock, and `main`: start the beating thread, run one request, answer.
+Nothing is created or deleted outside `state_dir`, except the SGLang files a
+series changes and their stale `__pycache__` entries; the read-only ops
+(`read_only` in the table: status, probe, history, ...) create, change and
 lock nothing at all, not even `state_dir` itself:
 
     state_dir/agent.lock        flock held by the one agent working on this host
@@ -35,26 +38,45 @@ import time
 from . import applier, capture, convert, regenerate, tokenizer
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
-from .osutil import expand, now, proc_uptime, read_json, sha256_bytes, sha256_file, write_json
+from .osutil import expand, now, proc_uptime, sha256_bytes, sha256_file, write_json
+from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, FileRecord, HistoryEntry, Holder,
+                       Manifest, Meta, PatchRef, Profile, ProtocolError, SeriesRef, check_request)
 from .pull import pull
 from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
 from .smoke import model_arch_of, smoke
 from .state import TreeState, file_meta, new_file_meta
 from .tree import locate_tree, tree_version, version_matches
 
-FORMAT = 1
+HANDLERS = {}  # op name -> (Agent method, check of the request run before any lock)
 
-# Ops that only look: no directory, file, lock or mode is created or changed on the host (plan,
-# status, history and apply's preflight are dry runs; a look must not need the state dir's privilege).
-READ_ONLY_OPS = frozenset(["status", "probe", "history", "capture_probe", "pull"])
+
+def handles(op, check=None):
+    """Bind an Agent method to its op of protocol.OPS (which says what locks it needs and whether it
+    streams); `check(req)` refuses a bad request before any lock is taken."""
+    if op not in OPS:
+        raise AssertionError("op %r is not declared in protocol.OPS" % op)
+
+    def bind(fn):
+        HANDLERS[op] = (fn, check)
+        return fn
+    return bind
+
+
+def _check_service(req):
+    if req.get("action") not in ("start", "stop", "restart"):
+        raise AgentError("bad_input", "unknown service action %r" % req.get("action"))
 
 
 class Agent(object):
     def __init__(self, req):
         self.req = req
+        self.op = OPS[req["op"]]
         self.run_id = req.get("run_id") or "adhoc"
         self.state_dir = expand(req["state_dir"])
-        self.read_only = req.get("op") in READ_ONLY_OPS
+        # Ops that only look: no directory, file, lock or mode is created or changed on the host (plan,
+        # status, history and apply's preflight are dry runs; a look must not need the state dir's privilege).
+        self.read_only = self.op.read_only
+        self.stdin = sys.stdin.buffer if self.op.streamed else None  # only a streamed op reads more input
         if not self.read_only and not os.path.isdir(self.state_dir):
             os.makedirs(self.state_dir, 0o700)
         if os.path.isdir(self.state_dir):
@@ -82,6 +104,20 @@ class Agent(object):
             root = locate_tree(self.req.get("sglang_root", "auto"))
             self._tree = TreeState(self.state_dir, root, create=not self.read_only)
         return self._tree
+
+    def take_locks(self):
+        """The locks this op's entry of protocol.OPS names, in order."""
+        for lock in self.op.locks:
+            if lock == REFUSE_HELD:
+                self._refuse_if_held()
+            elif lock == AGENT:
+                self.lock_agent()
+            elif lock == AGENT_NOW:
+                self.lock_agent(wait=0)
+            elif lock == TREE:
+                self._take_lock()
+            else:
+                raise AgentError("attention", "op lock %r is not one this agent knows" % lock)
 
     def lock_agent(self, wait=30.0):
         """One agent per host at a time; an orphaned agent (controller gone) notices within a heartbeat."""
@@ -127,7 +163,7 @@ class Agent(object):
     def facts(self):
         t = self.tree
         m = t.manifest()
-        return {"root": t.root, "version": tree_version(t.root), "manifest": m, "drift": t.drift(m),
+        return {"root": t.root, "version": tree_version(t.root), "manifest": m and m.to_wire(), "drift": t.drift(m),
                 "lock": t.lock_holder(), "python": sys.executable, "hostname": socket.gethostname()}
 
     def server_cfg(self, profile=None, layers=None):
@@ -138,13 +174,14 @@ class Agent(object):
         return manager_for(self.state_dir, cfg), cfg
 
     # ops ----------------------------------------------------------------
+    @handles("probe")
     def op_probe(self):
         """Read-only facts (plan uses this); touches nothing, not even recovery."""
         f = self.facts()
-        f["journal"] = read_json(self.tree.journal_path)
+        j = self.tree.journal()
+        f["journal"] = j and j.to_wire()
         if self.req.get("series") and not f["journal"]:
-            m = f["manifest"]
-            originals = dict((rel, x["original"]) for rel, x in (m or {}).get("files", {}).items())
+            originals = _originals(self.tree.manifest())
             try:
                 f["stage"] = self._stage_on_originals(self.req["series"], originals, dry=True)
             except AgentError as e:
@@ -172,35 +209,38 @@ class Agent(object):
                 out["health"] = "unreachable: %s" % e
         return out
 
+    @handles("status")
     def op_status(self):
         """Read-only: no lock, no recovery. A change an earlier run left half done (its journal) is
         reported, with what the next apply or rollback will do with it, not repaired here."""
         f = self.facts()
-        j = read_json(self.tree.journal_path)
+        j = self.tree.journal()
         if j:
-            f["interrupted"] = {"op": j.get("op"), "run_id": j.get("run_id"), "phase": j.get("phase"),
-                                "files": [c["path"] for c in j.get("changes", [])],
-                                "recovery": {"done": "finish", "committing": "undo"}.get(j.get("phase"), "discard")}
+            f["interrupted"] = {"op": j.op, "run_id": j.run_id, "phase": j.phase, "files": [c.path for c in j.changes],
+                                "recovery": {"done": "finish", "committing": "undo"}.get(j.phase, "discard")}
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
-        f["history_tail"] = self.tree.history()[-3:]
+        f["history_tail"] = [h.to_wire() for h in self.tree.history()[-3:]]
         return f
 
+    @handles("pull")
     def op_pull(self):
         """Bytes of a capture run's verified dumps (`capture collect`); read-only, no lock (pull)."""
         return pull(self.state_dir, self.req.get("run"), self.req.get("files"), self.req.get("max_bytes"))
 
+    @handles("convert")
     def op_convert(self):
         """A capture run's verified dumps -> SpecForge files in a directory on this host (`capture collect
         --on-host`); samples on stdin; reads only the run's dumps, writes only below that directory (convert)."""
-        conv = convert.Converter(self.state_dir, self.req, sys.stdin.buffer)
+        conv = convert.Converter(self.state_dir, self.req, self.stdin)
         return conv.run_all(self.req.get("ids") or [])
 
+    @handles("history")
     def op_history(self):
-        return {"root": self.tree.root, "history": self.tree.history()}
+        return {"root": self.tree.root, "history": [h.to_wire() for h in self.tree.history()]}
 
+    @handles("unlock")
     def op_unlock(self):
-        self.lock_agent()
         cur = self.tree.lock_holder()
         if not cur:
             return {"unlocked": None}
@@ -208,7 +248,8 @@ class Agent(object):
         if want and cur.get("run_id") != want:
             raise AgentError("locked", "lock changed hands (now run %s)" % cur.get("run_id"), holder=cur)
         os.unlink(self.tree.lock_path)
-        self.tree.append_history({"op": "unlock", "outcome": "released", "holder": cur, "run_id": self.run_id})
+        self.tree.append_history(HistoryEntry(op="unlock", outcome="released", holder=Holder.from_wire(cur),
+                                              run_id=self.run_id))
         return {"unlocked": cur}
 
     def _take_lock(self):
@@ -225,11 +266,9 @@ class Agent(object):
         cfg = self.server_cfg(profile)
         return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
 
+    @handles("apply")
     def op_apply(self):
         """Files part of a deploy: lock, recover, checks, one transition, manifest (pending until verified)."""
-        self._refuse_if_held()
-        self.lock_agent()
-        self._take_lock()
         t = self.tree
         self.recover()
         series = self.req["series"]
@@ -244,18 +283,18 @@ class Agent(object):
                 raise AgentError("bad_input", "this server configuration cannot capture with %s: %s" % (
                     series["name"], "; ".join(refused)), refusals=refused)
         m = t.manifest()
-        if m and m.get("status") == "pending" and m.get("run_id") != self.run_id:
+        if m and m.status == "pending" and m.run_id != self.run_id:
             # an earlier deploy never got verified: put the host back first
-            self.notes.append("undoing unverified deploy of %s %s by run %s" % (m["series"], m["version"], m.get("run_id")))
-            event("undo_pending", series=m["series"], run_id=m.get("run_id"))
-            self._rollback_to(m.get("previous"), m, restart=True, reason="undo interrupted deploy")
+            self.notes.append("undoing unverified deploy of %s %s by run %s" % (m.series, m.version, m.run_id))
+            event("undo_pending", series=m.series, run_id=m.run_id)
+            self._rollback_to(m.previous, m, restart=True, reason="undo interrupted deploy")
             m = t.manifest()
         drift = t.drift(m)
         if drift:
             raise AgentError("drift", "files changed since patchctl applied %s %s: %s" % (
-                m["series"], m["version"], ", ".join(d["path"] for d in drift)), drift=drift)
-        same = m and m["series"] == series["name"] and m["version"] == series["version"] and \
-            [p["sha256"] for p in m["patches"]] == [p["sha256"] for p in series["patches"]]
+                m.series, m.version, ", ".join(d["path"] for d in drift)), drift=drift)
+        same = m and m.series == series["name"] and m.version == series["version"] and \
+            [p.sha256 for p in m.patches] == [p["sha256"] for p in series["patches"]]
         mgr, _ = self.base_manager()
         server_before = mgr.current_config() if self.req.get("restart") else None
         if self.req.get("restart"):
@@ -263,19 +302,19 @@ class Agent(object):
         if same:
             t.release(self.run_id)
             return {"changed": False, "note": "%s %s is already applied" % (series["name"], series["version"]),
-                    "manifest": m, "version": version, "root": t.root, "already_verified": m.get("status") == "verified"}
+                    "manifest": m.to_wire(), "version": version, "root": t.root, "already_verified": m.status == "verified"}
         # originals: what the tree held before patchctl touched it (from blobs for files of the old series)
-        originals = dict((rel, f["original"]) for rel, f in (m or {}).get("files", {}).items())
+        originals = _originals(m)
         result = self._stage_on_originals(series, originals)
         target = {}
         files = {}
         metas = {}  # owner, group and mode each file ends with: a patched file keeps its original's
-        old_files = (m or {}).get("files", {})
+        old_files = m.files if m else {}
         for rel, info in result["files"].items():
             path = os.path.join(t.root, rel)
             orig = originals[rel] if rel in originals else sha256_file(path)
             # the original's meta: recorded by the old series' manifest, else the file as it is now
-            orig_meta = old_files[rel].get("original_meta") if rel in old_files else None
+            orig_meta = _meta(old_files[rel].original_meta) if rel in old_files else None
             if orig_meta is None and orig is not None:
                 orig_meta = file_meta(path)
             applied_meta = None
@@ -283,32 +322,30 @@ class Agent(object):
                 applied_meta = orig_meta or new_file_meta(path)
                 metas[rel] = applied_meta
             target[rel] = info["after_blob"]
-            files[rel] = {"original": orig, "applied": info["after_blob"], "action": info["action"],
-                          "original_meta": orig_meta, "applied_meta": applied_meta}
+            files[rel] = FileRecord(original=orig, applied=info["after_blob"], action=info["action"],
+                                    original_meta=Meta.from_wire(orig_meta), applied_meta=Meta.from_wire(applied_meta))
         for rel, orig in originals.items():  # files only the old series touched go back to their originals
             if rel not in target:
                 target[rel] = orig
-                if old_files[rel].get("original_meta"):
-                    metas[rel] = old_files[rel]["original_meta"]
-        manifest = {
-            "format": FORMAT, "series": series["name"], "version": series["version"], "sglang_version": version,
-            "patches": [{"file": p["file"], "version": p["version"], "sha256": p["sha256"]} for p in series["patches"]],
-            "files": files, "base_fingerprint": sha256_bytes(json.dumps(sorted((r, f["original"]) for r, f in files.items())).encode()),
-            "repo_commit": self.req.get("repo_commit"), "who": self.req["holder"].get("who"), "when": now(),
-            "run_id": self.run_id, "status": "pending" if self.req.get("restart") else "applied",
-            "profile": series.get("smoke"), "root": t.root,
-            "previous": self._snapshot(m),
-            "server_before": server_before,
-        }
+                if old_files[rel].original_meta:
+                    metas[rel] = _meta(old_files[rel].original_meta)
+        manifest = Manifest(
+            series=series["name"], version=series["version"], sglang_version=version,
+            patches=[PatchRef(file=p["file"], version=p["version"], sha256=p["sha256"]) for p in series["patches"]],
+            files=files, base_fingerprint=sha256_bytes(json.dumps(sorted((r, f.original) for r, f in files.items())).encode()),
+            repo_commit=self.req.get("repo_commit"), who=self.req["holder"].get("who"), when=now(),
+            run_id=self.run_id, status="pending" if self.req.get("restart") else "applied",
+            profile=Profile.from_wire(series.get("smoke")), root=t.root,
+            previous=m and m.snapshot(), server_before=server_before)
         changes = t.transition("apply", target, manifest, self.run_id, metas=metas)
-        hid = t.append_history({"op": "apply", "series": series["name"], "version": series["version"], "run_id": self.run_id,
-                                "who": manifest["who"], "outcome": "files applied", "state": self._snapshot(manifest),
-                                "repo_commit": manifest["repo_commit"]})
+        hid = t.append_history(HistoryEntry(op="apply", series=manifest.series, version=manifest.version, run_id=self.run_id,
+                                            who=manifest.who, outcome="files applied", state=manifest.snapshot(),
+                                            repo_commit=manifest.repo_commit))
         if not self.req.get("keep_lock"):
             t.release(self.run_id)
-        return {"changed": True, "files": [c["path"] for c in changes], "patches": result["patches"],
-                "replaced": self._snapshot(m), "version": version, "root": t.root, "history_id": hid,
-                "server_before": server_before, "manifest": manifest}
+        return {"changed": True, "files": [c.path for c in changes], "patches": result["patches"],
+                "replaced": m and m.snapshot().to_wire(), "version": version, "root": t.root, "history_id": hid,
+                "server_before": server_before, "manifest": manifest.to_wire()}
 
     def _check_dump_space(self, profile):
         """Dumps cost 8·H bytes per token (57 GB per million tokens at H = 7168): say how much room there is."""
@@ -325,13 +362,6 @@ class Agent(object):
             raise AgentError("bad_input", "only %.1f GiB free for dumps at %s (need at least %.1f GiB)" % (
                 free / 2.0 ** 30, expand(d), min_free / 2.0 ** 30))
         self.notes.append("%.0f GiB free for dumps at %s" % (free / 2.0 ** 30, expand(d)))
-
-    def _snapshot(self, m):
-        if not m:
-            return None
-        return {"series": m["series"], "version": m["version"], "patches": m["patches"], "files": m["files"],
-                "profile": m.get("profile"), "status": m.get("status"), "when": m.get("when"), "who": m.get("who"),
-                "repo_commit": m.get("repo_commit"), "server": m.get("server_before"), "previous": m.get("previous")}
 
     def _stage_on_originals(self, series, originals, dry=False):
         """Apply the series to the original contents (not the currently patched ones) in a scratch dir."""
@@ -384,11 +414,9 @@ class Agent(object):
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    @handles("restart")
     def op_restart(self):
         """Stop the server, start it with the series' profile (or none), wait until it really serves."""
-        self._refuse_if_held()
-        self.lock_agent()
-        self._take_lock()
         if self.req.get("config"):  # an exact earlier config (multi-node rollback)
             cfg = dict(self.req["config"])
             cfg.pop("running", None)
@@ -418,23 +446,19 @@ class Agent(object):
         m = self.tree.manifest()
         if not m:
             return None, None
-        if m.get("status") == "pending" and m.get("run_id") != self.run_id:
+        if m.status == "pending" and m.run_id != self.run_id:
             raise AgentError("attention", "an unfinished deploy of %s %s (run %s): files patched, never verified; "
-                             "roll it back first" % (m["series"], m["version"], m.get("run_id")), pending=True)
-        return m, m.get("profile")
+                             "roll it back first" % (m.series, m.version, m.run_id), pending=True)
+        return m, m.profile and m.profile.to_wire()
 
+    @handles("service", check=_check_service)
     def op_service(self):
         """start | stop | restart the server as configured now (inventory + the deployed series' profile),
         wait until it serves, smoke it (default: where a capture series is deployed). Changes no file.
         A one-node unit does it all in one command; a multi-node unit's controller calls the phases
         (`phase`: stop, start, ready) node by node, keeping the lock, then `release`."""
         action = self.req["action"]
-        if action not in ("start", "stop", "restart"):
-            raise AgentError("bad_input", "unknown service action %r" % action)
         phase = self.req.get("phase")
-        self._refuse_if_held()
-        self.lock_agent()
-        self._take_lock()
         keep = bool(self.req.get("keep_lock"))
         try:
             self.recover()
@@ -448,8 +472,8 @@ class Agent(object):
                 want_smoke = capture
             if want_smoke and action != "stop" and phase in (None, "ready") and not capture:
                 raise AgentError("bad_input", "--smoke: no capture series is deployed here (%s)" % (
-                    "%s %s has no dump directory" % (m["series"], m["version"]) if m else "no series applied"))
-            series = m and {"series": m["series"], "version": m["version"], "status": m.get("status")}
+                    "%s %s has no dump directory" % (m.series, m.version) if m else "no series applied"))
+            series = m and {"series": m.series, "version": m.version, "status": m.status}
             cur = mgr.current_config()
             out = {"action": action, "deployed": series, "running_before": bool(cur.get("running")),
                    "pid_before": mgr.running_pid()[0] if cur.get("running") else None, "changed": False}
@@ -502,12 +526,12 @@ class Agent(object):
 
     def _service_history(self, out, outcome):
         d = out.get("deployed") or {}
-        self.tree.append_history({"op": out["action"], "series": d.get("series"), "version": d.get("version"),
-                                  "run_id": self.run_id, "who": (self.req.get("holder") or {}).get("who"),
-                                  "outcome": outcome})
+        self.tree.append_history(HistoryEntry(op=out["action"], series=d.get("series"), version=d.get("version"),
+                                              run_id=self.run_id, who=(self.req.get("holder") or {}).get("who"),
+                                              outcome=outcome))
 
+    @handles("wait_ready")
     def op_wait_ready(self):
-        self.lock_agent()
         if self.req.get("config"):
             cfg = dict(self.req["config"])
         else:
@@ -515,9 +539,9 @@ class Agent(object):
         mgr = manager_for(self.state_dir, cfg)
         return {"ready_seconds": wait_ready(mgr, cfg)}
 
+    @handles("smoke")
     def op_smoke(self):
         """Smoke against the running server; with `finalize`, mark the deploy verified and release the lock."""
-        self.lock_agent()
         return self._smoke()
 
     def _smoke(self):
@@ -537,87 +561,87 @@ class Agent(object):
         mgr, _ = self.base_manager()
         return mgr.current_config()
 
+    @handles("capture_probe")
     def op_capture_probe(self):
         """Does this host take part in an extraction run (`capture.probe`); reads only."""
         m = self.tree.manifest()
         return dict(capture.probe(m, self._capture_server(), self.req), hostname=socket.gethostname())
 
+    @handles("capture", check=capture.check_request)
     def op_capture(self):
         """One host's share of an extraction run: samples on stdin until it closes (`capture.Capture`).
         Holds the agent lock throughout: no deploy restarts this server under a running capture."""
-        capture.check_request(self.req)
-        self.lock_agent(wait=0)
         cfg = self._capture_server()
         info = capture.probe(self.tree.manifest(), cfg, self.req)
         if not info["ready"]:
             raise AgentError("bad_input", "cannot capture here: %s" % info["why"])
-        return capture.Capture(cfg, info, self.req, sys.stdin.buffer).run_all()
+        return capture.Capture(cfg, info, self.req, self.stdin).run_all()
 
+    @handles("regenerate_probe")
     def op_regenerate_probe(self):
         """Does this host take part in a regeneration (`regenerate.probe`); reads only."""
         return dict(regenerate.probe(self._capture_server()), hostname=socket.gethostname())
 
+    @handles("regenerate")
     def op_regenerate(self):
         """One host's share of a regeneration: conversations on stdin until it closes (`regenerate.Regenerate`).
         Holds the agent lock throughout: no deploy restarts this server under it."""
-        self.lock_agent(wait=0)
         cfg = self._capture_server()
         info = regenerate.probe(cfg)
         if not info["ready"]:
             raise AgentError("bad_input", "cannot regenerate here: %s" % info["why"])
-        return regenerate.Regenerate(cfg, self.req, sys.stdin.buffer).run_all()
+        return regenerate.Regenerate(cfg, self.req, self.stdin).run_all()
 
+    @handles("tokenizer")
     def op_tokenizer(self):
         """The served model's tokenizer files (`tokenizer.served`), their bytes with `with_data`; reads only."""
         return tokenizer.served(self._capture_server(), bool(self.req.get("with_data")))
 
+    @handles("release")
     def op_release(self):
         """Give this run's lock back; with `record` (a failed deploy left as is), say why in the history."""
-        self.lock_agent()
         rec = self.req.get("record")
         m = self.tree.manifest()
-        if rec and m and m.get("run_id") == self.run_id:
-            self.tree.append_history({"op": "deploy", "series": m["series"], "version": m["version"], "run_id": self.run_id,
-                                      "who": m.get("who"), "outcome": rec.get("outcome"), "reason": rec.get("reason"),
-                                      "state": self._snapshot(m)})
+        if rec and m and m.run_id == self.run_id:
+            self.tree.append_history(HistoryEntry(op="deploy", series=m.series, version=m.version, run_id=self.run_id,
+                                                  who=m.who, outcome=rec.get("outcome"), reason=rec.get("reason"),
+                                                  state=m.snapshot()))
         self.tree.release(self.run_id)
         return {}
 
+    @handles("finalize")
     def op_finalize(self):
-        self.lock_agent()
         self._finalize(None)
         return {}
 
     def _finalize(self, smoke_result):
         t = self.tree
         m = t.manifest()
-        if m and m.get("run_id") == self.run_id and m.get("status") != "verified":
-            m["status"] = "verified" if smoke_result is not None else "restarted"
-            m["verified_at"] = now()
-            write_json(t.manifest_path, m)
-            t.append_history({"op": "deploy", "series": m["series"], "version": m["version"], "run_id": self.run_id,
-                              "who": m.get("who"), "outcome": "verified" if smoke_result else "restarted (smoke skipped)",
-                              "smoke": smoke_result, "state": self._snapshot(m)})
+        if m and m.run_id == self.run_id and m.status != "verified":
+            m.status = "verified" if smoke_result is not None else "restarted"
+            m.verified_at = now()
+            write_json(t.manifest_path, m.to_wire())
+            t.append_history(HistoryEntry(op="deploy", series=m.series, version=m.version, run_id=self.run_id, who=m.who,
+                                          outcome="verified" if smoke_result else "restarted (smoke skipped)",
+                                          smoke=smoke_result, state=m.snapshot()))
         t.release(self.run_id)
 
+    @handles("rollback")
     def op_rollback(self):
         """Back to the previous (or given) state: files, then the server config in force before, proven healthy."""
-        self._refuse_if_held()
-        self.lock_agent()
-        self._take_lock()
         t = self.tree
         self.recover()
         m = t.manifest()
         to = self.req.get("to")
         if to in (None, "previous"):
-            target_state = m.get("previous") if m else None
+            target_state = m.previous if m else None
         elif to == "clean":
             target_state = None
         else:
-            hits = [h for h in t.history() if h.get("id") == to and h.get("state")]
+            hits = [h for h in t.history() if h.id == to and h.state]
             if not hits:
                 raise AgentError("bad_input", "no history entry %r with a recorded state on this host" % to)
-            target_state = hits[-1]["state"]
+            target_state = hits[-1].state
         if not m and target_state is None:
             if not self.req.get("keep_lock"):
                 t.release(self.run_id)
@@ -646,28 +670,21 @@ class Agent(object):
             event("hand_edits_saved", dir=saved, files=[d["path"] for d in drift])
         target = {}
         metas = {}  # owner, group and mode as recorded (a manifest of an older patchctl has none: kept as is)
-        for rel, f in ((m or {}).get("files") or {}).items():
-            target[rel] = f["original"]
-            if f.get("original_meta"):
-                metas[rel] = f["original_meta"]
+        for rel, f in (m.files if m else {}).items():
+            target[rel] = f.original
+            if f.original_meta:
+                metas[rel] = _meta(f.original_meta)
         new_manifest = None
         if state:
-            for rel, f in state["files"].items():
-                target[rel] = f["applied"]
+            for rel, f in state.files.items():
+                target[rel] = f.applied
                 metas.pop(rel, None)
-                if f.get("applied_meta"):
-                    metas[rel] = f["applied_meta"]
-            new_manifest = {
-                "format": FORMAT, "series": state["series"], "version": state["version"], "patches": state["patches"],
-                "files": state["files"], "profile": state.get("profile"), "status": "verified" if state.get("status") == "verified" else state.get("status") or "applied",
-                "who": state.get("who"), "when": state.get("when"), "repo_commit": state.get("repo_commit"),
-                "run_id": self.run_id, "root": t.root, "previous": state.get("previous"), "server_before": state.get("server"),
-                "restored_at": now(),
-            }
+                if f.applied_meta:
+                    metas[rel] = _meta(f.applied_meta)
+            new_manifest = Manifest.restoring(state, self.run_id, t.root, now())
         changes = t.transition("rollback", target, new_manifest, self.run_id, note=reason, metas=metas)
-        out = {"changed": True, "files": [c["path"] for c in changes], "to": state and {"series": state["series"], "version": state["version"]},
-               "hand_edits_saved": saved}
-        before = (m or {}).get("server_before")
+        out = {"changed": True, "files": [c.path for c in changes], "to": state and state.ref(), "hand_edits_saved": saved}
+        before = m.server_before if m else None
         if restart == "stop":  # a multi-node unit: the controller restarts the nodes in order
             if before is not None:
                 mgr = manager_for(self.state_dir, dict(before))
@@ -675,9 +692,10 @@ class Agent(object):
             out["server_before"] = before
         elif restart:
             out.update(self._restore_server(before, state))
-        t.append_history({"op": "rollback", "run_id": self.run_id, "reason": reason,
-                          "outcome": "to %s %s" % (state["series"], state["version"]) if state else "to clean", "from": self._snapshot(m) and {"series": m["series"], "version": m["version"]},
-                          "to": out["to"], "files": out["files"], "state": state, "server": out.get("server")})
+        t.append_history(HistoryEntry(op="rollback", run_id=self.run_id, reason=reason,
+                                      outcome="to %s %s" % (state.series, state.version) if state else "to clean",
+                                      from_=m and SeriesRef(m.series, m.version), to=state and SeriesRef(state.series, state.version),
+                                      files=out["files"], state=state, server=out.get("server")))
         return out
 
     def _restore_server(self, before, state):
@@ -695,8 +713,18 @@ class Agent(object):
         out = {"server": "restarted on previous config, healthy", "ready_seconds": ready}
         if cfg.get("profile") and state:
             out["smoke"] = smoke(self.state_dir, cfg, self.run_id + "-prev")
-            out["server"] += ", smoke of %s passed" % state["series"]
+            out["server"] += ", smoke of %s passed" % state.series
         return out
+
+
+def _originals(m):
+    """{file: sha256 of what the tree held before patchctl touched it} for the files of manifest `m`."""
+    return dict((rel, f.original) for rel, f in (m.files if m else {}).items())
+
+
+def _meta(meta):
+    """A recorded protocol.Meta as the {uid, gid, mode} the tree's transitions take (None stays None)."""
+    return meta and meta.to_wire()
 
 
 def _existing(path):
@@ -707,13 +735,18 @@ def _existing(path):
 
 
 def handle(req):
-    agent = Agent(req)
-    op = req["op"]
-    fn = getattr(agent, "op_" + op, None)
-    if fn is None:
-        raise AgentError("bad_input", "unknown agent op %r" % op)
+    """Check the request against protocol.OPS, take the locks its op names, run its handler."""
     try:
-        result = fn()
+        check_request(req)
+    except ProtocolError as e:
+        raise AgentError("bad_input", str(e))
+    fn, check = HANDLERS[req["op"]]
+    if check:
+        check(req)
+    agent = Agent(req)
+    try:
+        agent.take_locks()
+        result = fn(agent)
     except AgentError as e:
         if e.kind == "bad_input" and agent.took_lock:  # refused before any change: leave no lock behind
             agent.tree.release(agent.run_id)
@@ -730,22 +763,26 @@ def main(req):
     beater.daemon = True
     beater.start()
     try:
-        result = handle(req)
-        answer = {"ok": True, "result": result}
+        answer = Answer(ok=True, result=handle(req))
     except AgentError as e:
-        answer = {"ok": False, "error": {"kind": e.kind, "message": str(e), "details": e.details}}
+        answer = Answer(ok=False, error=Failure(e.kind, str(e), e.details))
     except ControllerGone:
         sys.exit(75)
     except Exception as e:  # an agent bug must still answer in JSON
         import traceback
-        answer = {"ok": False, "error": {"kind": "attention", "message": "agent error: %s: %s" % (e.__class__.__name__, e),
-                                         "details": {"traceback": traceback.format_exc()}}}
+        answer = Answer(ok=False, error=Failure("attention", "agent error: %s: %s" % (e.__class__.__name__, e),
+                                                {"traceback": traceback.format_exc()}))
     stop_beating.set()  # no daemon thread may be writing to stderr while the interpreter shuts down
     beater.join(2)
-    answer["seconds"] = round(time.time() - t0, 3)
-    answer["agent_pid"] = os.getpid()
+    answer.seconds = round(time.time() - t0, 3)
+    answer.agent_pid = os.getpid()
     try:
-        sys.stdout.write(json.dumps(answer, default=str) + "\n")
+        sys.stdout.write(json.dumps(answer.to_wire(), default=str) + "\n")
         sys.stdout.flush()
     except (BrokenPipeError, OSError):
         sys.exit(75)
+
+
+_unbound = sorted(set(OPS) - set(HANDLERS))
+if _unbound:
+    raise AssertionError("ops declared in protocol.OPS with no handler: %s" % ", ".join(_unbound))

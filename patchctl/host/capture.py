@@ -113,15 +113,16 @@ def _checker_pool(workers):
 
 
 def probe(manifest, cfg, req):
-    """Does this host take part, and with what: {"ready", "why", ...facts}. Reads only."""
-    out = {"series": (manifest or {}).get("series"), "version": (manifest or {}).get("version"),
-           "state": (manifest or {}).get("status") if manifest else "clean", "ready": False}
+    """Does this host take part, and with what (`manifest`: the tree's protocol.Manifest or None):
+    {"ready", "why", ...facts}. Reads only."""
+    out = {"series": manifest and manifest.series, "version": manifest and manifest.version,
+           "state": manifest.status if manifest else "clean", "ready": False}
     if not manifest:
         out["why"] = "no series deployed"
         return out
-    if manifest.get("status") != "verified":
+    if manifest.status != "verified":
         out["why"] = "series %s %s is %s, not verified (a deploy whose smoke passed)" % (
-            manifest.get("series"), manifest.get("version"), manifest.get("status"))
+            manifest.series, manifest.version, manifest.status)
         return out
     if not cfg.get("running"):
         out["why"] = "no server is running on port %s" % cfg.get("port")

@@ -1,17 +1,18 @@
 """The line to the controller: progress events, heartbeats, and the errors that end an op.
 
-Owns the `PATCHCTL-EVENT {json}` lines written to stderr, the heartbeat every
+Owns the `PATCHCTL-EVENT {json}` lines (protocol.EVENT_PREFIX) written to stderr, the heartbeat every
 wait loop calls (it raises ControllerGone there, a safe point, once nobody
 listens), the side thread that beats at least once a second whatever the main
 thread does, and AgentError (a refusal or failure the controller maps to an
 exit code). Standard library only: shipped to hosts with the rest of this package.
 """
 
-import json
 import select
 import sys
 import threading
 import time
+
+from .protocol import ErrorKind, event_line
 
 
 class AgentError(Exception):
@@ -19,7 +20,7 @@ class AgentError(Exception):
 
     def __init__(self, kind, message, **details):
         Exception.__init__(self, message)
-        self.kind = kind  # bad_input | drift | locked | failed | attention | gone
+        self.kind = ErrorKind.parse(kind).value  # protocol.ErrorKind: an unknown kind is a bug, not a default
         self.details = details
 
 
@@ -50,7 +51,7 @@ def event(kind, **data):
         raise ControllerGone()
     data["event"] = kind
     data["t"] = round(time.time(), 3)
-    line = "PATCHCTL-EVENT " + json.dumps(data, sort_keys=True) + "\n"
+    line = event_line(kind, data)
     with _emit_lock:
         try:
             sys.stderr.write(line)

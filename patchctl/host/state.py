@@ -31,6 +31,7 @@ import time
 from .atomic import write_atomic
 from .events import AgentError, event
 from .osutil import fsync_dir, now, read_json, sha256_bytes, sha256_file, write_json
+from .protocol import Change, HistoryEntry, Holder, Journal, Manifest, Meta, ProtocolError
 from .tree import clear_pycache
 
 
@@ -125,29 +126,54 @@ class TreeState(object):
             raise AgentError("attention", "backup blob %s is corrupt" % h)
         return data
 
-    # manifest / history ----------------------------------------------
+    # manifest / history (protocol.Manifest, protocol.HistoryEntry) ---
     def manifest(self):
-        return read_json(self.manifest_path)
+        """The applied Manifest, or None (a tree with no series)."""
+        return self._read(Manifest, self.manifest_path)
+
+    def journal(self):
+        return self._read(Journal, self.journal_path)
+
+    def _read(self, cls, path):
+        try:
+            return cls.from_wire(read_json(path))
+        except ProtocolError as e:
+            raise AgentError("attention", "%s is not a record this patchctl reads: %s" % (path, e))
 
     def history(self):
+        """Every HistoryEntry, oldest first."""
         out = []
         try:
             with open(self.history_path) as f:
-                for line in f:
+                for n, line in enumerate(f, 1):
                     if line.strip():
-                        out.append(json.loads(line))
+                        try:
+                            out.append(HistoryEntry.from_wire(json.loads(line)))
+                        except (ProtocolError, ValueError) as e:
+                            raise AgentError("attention", "%s:%d is not a history entry this patchctl reads: %s" % (
+                                self.history_path, n, e))
         except FileNotFoundError:
             pass
         return out
 
     def append_history(self, entry):
-        entry.setdefault("id", "%s-%04d" % (time.strftime("%Y%m%dT%H%M%S"), len(self.history()) + 1))
-        entry.setdefault("time", now())
+        """Append a HistoryEntry (its id and time given here); returns its id."""
+        if entry.id is None:
+            entry.id = "%s-%04d" % (time.strftime("%Y%m%dT%H%M%S"), self._history_lines() + 1)
+        if entry.time is None:
+            entry.time = now()
         with open(self.history_path, "a") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+            f.write(json.dumps(entry.to_wire(), sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        return entry["id"]
+        return entry.id
+
+    def _history_lines(self):
+        try:
+            with open(self.history_path) as f:
+                return sum(1 for line in f if line.strip())
+        except FileNotFoundError:
+            return 0
 
     def drift(self, manifest=None):
         """Files whose content no longer matches what patchctl left there."""
@@ -155,29 +181,32 @@ class TreeState(object):
         if not m:
             return []
         out = []
-        for rel, f in sorted(m.get("files", {}).items()):
+        for rel, f in sorted(m.files.items()):
             cur = sha256_file(os.path.join(self.root, rel))
-            if cur != f.get("applied"):
-                out.append({"path": rel, "expected": f.get("applied"), "found": cur})
+            if cur != f.applied:
+                out.append({"path": rel, "expected": f.applied, "found": cur})
         return out
 
     # lock -------------------------------------------------------------
     def lock_holder(self):
-        return read_json(self.lock_path)
+        """The holder of this tree's lock (protocol.Holder, as its wire dict), or None."""
+        h = self._read(Holder, self.lock_path)
+        return h and h.to_wire()
 
     def acquire(self, holder, break_stale=None):
         cur = self.lock_holder()
         if cur and cur.get("run_id") != holder["run_id"]:
             if break_stale and cur.get("run_id") == break_stale:
                 event("lock_broken", holder=cur)
-                self.append_history({"op": "unlock", "outcome": "broke stale lock", "holder": cur, "run_id": holder["run_id"]})
+                self.append_history(HistoryEntry(op="unlock", outcome="broke stale lock", holder=Holder.from_wire(cur),
+                                                 run_id=holder["run_id"]))
             else:
                 raise AgentError("locked", "locked by run %s" % cur.get("run_id"), holder=cur)
         if not cur or cur.get("run_id") != holder["run_id"]:
-            h = dict(holder)
-            h["since"] = now()
-            h["agent_host"] = socket.gethostname()
-            write_json(self.lock_path, h)
+            h = Holder.from_wire(holder)
+            h.since = now()
+            h.agent_host = socket.gethostname()
+            write_json(self.lock_path, h.to_wire())
 
     def release(self, run_id):
         cur = self.lock_holder()
@@ -214,31 +243,30 @@ class TreeState(object):
                 raise AgentError("attention", "no stored content for %s" % rel)
             if after_meta is not None:
                 self._check_may_own(rel, after_meta)
-            changes.append({"path": rel, "before": before, "after": after, "mode": before_meta and before_meta["mode"],
-                            "before_meta": before_meta, "after_meta": after_meta})
+            changes.append(Change(path=rel, before=before, after=after, mode=before_meta and before_meta["mode"],
+                                  before_meta=Meta.from_wire(before_meta), after_meta=Meta.from_wire(after_meta)))
         # the manifest in force before: an undo puts it back too (the new one may be written already)
-        journal = {"op": op, "run_id": run_id, "phase": "prepared", "changes": changes,
-                   "manifest": new_manifest, "manifest_before": read_json(self.manifest_path),
-                   "started": now(), "note": note}
-        write_json(self.journal_path, journal)
-        journal["phase"] = "committing"
-        write_json(self.journal_path, journal)
+        journal = Journal(op=op, run_id=run_id, phase="prepared", changes=changes, manifest=new_manifest,
+                          manifest_before=self.manifest(), started=now(), note=note)
+        write_json(self.journal_path, journal.to_wire())
+        journal.phase = "committing"
+        write_json(self.journal_path, journal.to_wire())
         for ch in changes:
-            self._put(ch["path"], ch["after"], ch["after_meta"])
+            self._put(ch.path, ch.after, ch.after_meta.to_wire() if ch.after_meta else None)
         self._set_manifest(new_manifest)
-        journal["phase"] = "done"
-        write_json(self.journal_path, journal)
+        journal.phase = "done"
+        write_json(self.journal_path, journal.to_wire())
         os.unlink(self.journal_path)
         fsync_dir(self.dir)
         return changes
 
     def _set_manifest(self, manifest):
-        """The tree's manifest becomes `manifest` (None: the tree has no series)."""
+        """The tree's manifest becomes `manifest` (a Manifest; None: the tree has no series)."""
         if manifest is None:
             if os.path.exists(self.manifest_path):
                 os.unlink(self.manifest_path)
         else:
-            write_json(self.manifest_path, manifest)
+            write_json(self.manifest_path, manifest.to_wire())
 
     def _check_may_own(self, rel, meta):
         """Refused before anything changes: a file this agent could not give its owner and group."""
@@ -271,26 +299,25 @@ class TreeState(object):
 
     def recover(self):
         """Finish or undo a transition an earlier run left behind; returns what was done, or None."""
-        j = read_json(self.journal_path)
-        if not j:
+        raw = read_json(self.journal_path)
+        if not raw:
             return None
-        phase = j.get("phase")
-        if phase == "done":
-            self._set_manifest(j.get("manifest"))
+        j = self.journal()
+        if j.phase == "done":
+            self._set_manifest(j.manifest)
             action = "finished"
-        elif phase == "committing":
-            for ch in j["changes"]:
-                self._put(ch["path"], ch["before"], ch.get("before_meta") or ch.get("mode"))
-            if "manifest_before" in j:  # a journal of an older patchctl has none: its manifest was not yet written
-                self._set_manifest(j["manifest_before"])
+        elif j.phase == "committing":
+            for ch in j.changes:
+                self._put(ch.path, ch.before, ch.before_meta.to_wire() if ch.before_meta else ch.mode)
+            if "manifest_before" in raw:  # a journal of an older patchctl has none: its manifest was not yet written
+                self._set_manifest(j.manifest_before)
             action = "undone"
         else:
             action = "discarded"  # nothing had been changed yet
         os.unlink(self.journal_path)
-        rec = {"op": j.get("op"), "run_id": j.get("run_id"), "action": action,
-               "files": [c["path"] for c in j.get("changes", [])]}
-        self.append_history({"op": "recover", "outcome": "%s interrupted %s of run %s" % (action, j.get("op"), j.get("run_id")),
-                             "run_id": j.get("run_id"), "detail": rec})
+        rec = {"op": j.op, "run_id": j.run_id, "action": action, "files": [c.path for c in j.changes]}
+        self.append_history(HistoryEntry(op="recover", outcome="%s interrupted %s of run %s" % (action, j.op, j.run_id),
+                                         run_id=j.run_id, detail=rec))
         event("recovered", **rec)
         return rec
 

@@ -45,8 +45,9 @@ from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file, write_atomic
 from patchctl.host import convert as hconvert
+from patchctl.host.protocol import Outcome
 from patchctl.host.smoke import check_layers
-from patchctl.core.session import OUTCOME_EXIT, Run, host_error, worst
+from patchctl.core.session import Run, host_error, worst
 
 INDEX, SUMMARY, DRAFT = "index.jsonl", "index.json", "draft-config.json"
 PARTIAL = ".patchctl-partial"  # our own temporary names: a crashed collect's leftovers are overwritten
@@ -349,7 +350,7 @@ class Collector:
             for it in items:
                 if it.status == "pending":
                     it.status, it.reason = "host error", f"{outcome}: {msg}"
-            return OUTCOME_EXIT.get(outcome, 3), f"{outcome}: {msg}"
+            return outcome.exit_code, f"{outcome}: {msg}"
         done = sum(it.status in OK_STATES for it in items)
         bad = len(items) - done
         return (1 if bad else 0), (f"{done} of {len(items)} files, {_mb(tally['bytes'])} in {secs:.1f}s "
@@ -405,7 +406,7 @@ class Collector:
                 self._drop(f)
             with self._lock:
                 if tally["error"] is None:
-                    tally["error"] = host_error(e) if not isinstance(e, RuntimeError) else ("failed", str(e))
+                    tally["error"] = host_error(e) if not isinstance(e, RuntimeError) else (Outcome.FAILED, str(e))
         finally:
             s.close()
 
@@ -614,8 +615,8 @@ def run_capture_collect(app: App, args) -> int:
             run.close()
         for host, (code, msg) in results:
             codes.append(code)
-            reporter.host_result(host, "ok" if code == 0 else ("failed" if code == 1 else "unknown" if code == 3 else "refused"),
-                                 code, msg)
+            outcome = {0: Outcome.OK, 1: Outcome.FAILED, 3: Outcome.UNKNOWN}.get(code, Outcome.REFUSED)
+            reporter.host_result(host, outcome, code, msg)
         summary, failures = _finish_collection(out, name, info, fmt, items, created, col.entry)
         for f in failures:
             if f["status"] != "not selected":
@@ -734,7 +735,7 @@ class OnHost:
             for it in items:
                 if it.status == "pending":
                     it.status, it.reason = "host error", f"{outcome}: {msg}"
-            return OUTCOME_EXIT.get(outcome, 3), f"{outcome}: {msg}", None
+            return outcome.exit_code, f"{outcome}: {msg}", None
         finally:
             s.close()
         left = [it for it in items if it.status == "pending"]

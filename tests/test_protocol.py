@@ -1,0 +1,232 @@
+"""The host <-> controller contract (patchctl/host/protocol.py): every record on the wire and in on-host
+state round-trips through its type, records written by the previous version (tests/data/protocol/v0,
+made by data/protocol/make_fixtures.py from that version's code) still read, and anything unknown
+(field, op, event, error kind, outcome) is an error, not a default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from patchctl.host import protocol as P
+from patchctl.host.events import AgentError
+from patchctl.core.remote import AgentFailure
+from patchctl.core.session import UnitResult, worst
+
+V0 = Path(__file__).parent / "data" / "protocol" / "v0"
+
+
+def calls() -> list[dict]:
+    return [json.loads(line) for line in (V0 / "wire.jsonl").read_text().splitlines()]
+
+
+def history_lines() -> list[dict]:
+    (h,) = V0.glob("state/trees/*/history.jsonl")
+    return [json.loads(line) for line in h.read_text().splitlines() if line.strip()]
+
+
+def same_or_default(old: dict, new: dict) -> None:
+    """`new` (an old record read and written again) keeps every field of `old` as it was; fields the old
+    record did not have are there with their defaults."""
+    for k, v in old.items():
+        assert k in new, k
+        if isinstance(v, dict) and isinstance(new[k], dict) and v.keys() <= new[k].keys():
+            same_or_default(v, new[k])
+        elif isinstance(v, list) and isinstance(new[k], list) and len(v) == len(new[k]):
+            for a, b in zip(v, new[k]):
+                same_or_default({"": a}, {"": b})
+        else:
+            assert new[k] == v, (k, v, new[k])
+
+
+def round_trips(cls, wire: dict):
+    rec = cls.from_wire(wire)
+    again = rec.to_wire()
+    same_or_default(wire, again)
+    assert cls.from_wire(again) == rec
+    assert json.loads(json.dumps(again)) == again  # plain JSON all the way down
+    return rec
+
+
+# --- outcomes and error kinds ------------------------------------------------------------------
+
+def test_outcomes_carry_their_exit_code_and_words():
+    assert P.Outcome.parse("failed, rolled back (verified)") is P.Outcome.FAILED_ROLLED_BACK
+    assert P.Outcome.FAILED_ROLLED_BACK.exit_code == 1 and P.Outcome.HALTED.exit_code == 3
+    assert P.Outcome.LOCKED.exit_code == 4 and P.Outcome.REFUSED.exit_code == 2
+    assert f"{P.Outcome.HALTED}" == str(P.Outcome.HALTED) == P.Outcome.HALTED.words == "halted (left as is)"
+    assert json.dumps({"o": P.Outcome.NOT_REACHED}) == '{"o": "not reached"}'
+    assert worst(UnitResult(["h"], o).exit_code for o in ("deployed", "locked", "failed")) == 4
+
+
+def test_a_misspelt_outcome_is_an_error_not_exit_3():
+    with pytest.raises(P.ProtocolError, match="unknown outcome 'deploy'"):
+        UnitResult(["h"], "deploy")
+    r = UnitResult(["h"], P.Outcome.DEPLOYED)
+    r.outcome = "rolled bak"  # set after construction, as rollback-all does
+    with pytest.raises(P.ProtocolError):
+        r.exit_code
+
+
+def test_error_kinds_are_defined_once_with_their_exit_codes():
+    codes = {k.value: k.exit_code for k in P.ErrorKind}
+    assert codes == {"bad_input": 2, "failed": 1, "drift": 3, "attention": 3, "locked": 4}
+    for kind, code in codes.items():
+        assert AgentFailure(kind, "x").exit_code == code
+        assert AgentError(kind, "x").kind == kind
+    from patchctl.core.session import host_error
+
+    assert {k.value: host_error(AgentFailure(k.value, "m"))[0] for k in P.ErrorKind} == {
+        "bad_input": "refused", "failed": "failed", "drift": "needs attention", "locked": "locked", "attention": "failed"}
+    with pytest.raises(P.ProtocolError):
+        AgentFailure("lockd", "x")
+    with pytest.raises(P.ProtocolError):
+        AgentError("gone", "x")
+
+
+# --- the previous version's wire ----------------------------------------------------------------
+
+def test_every_request_of_the_previous_version_reads_and_is_rebuilt_the_same():
+    seen = set()
+    for c in calls():
+        req = c["request"]
+        env, args = P.check_request(req)
+        seen.add(req["op"])
+        assert P.make_request(env, **args) == {**env.to_wire(), **{k: v for k, v in req.items() if k not in env.to_wire()}}
+        same_or_default(req, P.make_request(env, **args))
+    assert {"probe", "apply", "restart", "status", "service", "rollback", "history"} <= seen
+
+
+def test_every_answer_and_event_of_the_previous_version_reads():
+    kinds = set()
+    for c in calls():
+        ans = round_trips(P.Answer, dict(c["answer"], seconds=0.1, agent_pid=1))
+        assert ans.ok
+        for ev in c["events"]:
+            line = P.EVENT_PREFIX + json.dumps(ev)
+            assert P.parse_event(line) == ev
+            kinds.add(ev["event"])
+    assert {"server_stop", "server_start", "server_ready", "step", "smoke_passed"} <= kinds
+
+
+def test_manifests_snapshots_and_history_in_previous_answers_round_trip():
+    n = {"manifest": 0, "snapshot": 0, "history": 0}
+    for c in calls():
+        r = c["answer"]["result"]
+        if r.get("manifest"):
+            m = round_trips(P.Manifest, r["manifest"])
+            assert m.files and all(isinstance(f, P.FileRecord) for f in m.files.values())
+            n["manifest"] += 1
+        if r.get("replaced"):
+            round_trips(P.Snapshot, r["replaced"])
+            n["snapshot"] += 1
+        for h in r.get("history") or r.get("history_tail") or []:
+            round_trips(P.HistoryEntry, h)
+            n["history"] += 1
+    assert all(n.values()), n
+
+
+def test_on_host_state_of_the_previous_version_reads():
+    entries = [round_trips(P.HistoryEntry, h) for h in history_lines()]
+    ops = {e.op for e in entries}
+    assert {"apply", "deploy", "restart", "rollback"} <= ops
+    rb = next(e for e in entries if e.op == "rollback" and e.from_)
+    assert rb.to_wire()["from"] == {"series": rb.from_.series, "version": rb.from_.version}
+    deployed = next(e for e in entries if e.op == "deploy")
+    assert deployed.state.series == deployed.series and isinstance(deployed.state.profile, P.Profile)
+    j = round_trips(P.Journal, json.loads((V0 / "journal-committing.json").read_text()))
+    assert j.phase == "committing" and isinstance(j.manifest, P.Manifest) and j.changes[0].before_meta.mode == 0o644
+
+
+def test_records_of_an_older_patchctl_read_with_defaults():
+    """Manifests before owners were kept had no *_meta; journals before manifest_before had none."""
+    m = next(c["answer"]["result"]["manifest"] for c in calls() if c["request"]["op"] == "status")
+    old = dict(m, files={rel: {"original": f["original"], "applied": f["applied"], "action": f["action"]}
+                         for rel, f in m["files"].items()})
+    assert all(f.original_meta is None for f in P.Manifest.from_wire(old).files.values())
+    j = json.loads((V0 / "journal-committing.json").read_text())
+    del j["manifest_before"]
+    for ch in j["changes"]:
+        del ch["before_meta"], ch["after_meta"]
+    assert P.Journal.from_wire(j).manifest_before is None
+
+
+# --- unknown is an error ------------------------------------------------------------------------
+
+def test_unknown_fields_ops_and_events_are_errors():
+    m = next(c["answer"]["result"]["manifest"] for c in calls() if c["request"]["op"] == "status")
+    with pytest.raises(P.ProtocolError, match="Manifest: unknown field 'statsu'"):
+        P.Manifest.from_wire(dict(m, statsu="verified"))
+    with pytest.raises(P.ProtocolError, match="missing field 'series'"):
+        P.Manifest.from_wire({k: v for k, v in m.items() if k != "series"})
+    req = next(c["request"] for c in calls() if c["request"]["op"] == "rollback")
+    with pytest.raises(P.ProtocolError, match="request rollback: unknown field 'keep_lcok'"):
+        P.check_request(dict(req, keep_lcok=True))
+    with pytest.raises(P.ProtocolError, match="unknown agent op 'aply'"):
+        P.check_request(dict(req, op="aply"))
+    with pytest.raises(P.ProtocolError, match="unknown event 'sample_dnoe'"):
+        P.parse_event(P.EVENT_PREFIX + '{"event": "sample_dnoe", "t": 1}')
+    with pytest.raises(P.ProtocolError, match="event heartbeat: unknown field 'stpe'"):
+        P.parse_event(P.EVENT_PREFIX + '{"event": "heartbeat", "stpe": "x", "t": 1}')
+    assert P.parse_event("some other line") is None
+    with pytest.raises(P.ProtocolError, match="unknown error kind"):
+        P.Answer.from_wire({"ok": False, "error": {"kind": "oops", "message": "m"}})
+
+
+# --- the ops table and its dispatcher ---------------------------------------------------------
+
+def _tree(tmp_path) -> tuple[str, str]:
+    root = tmp_path / "site-packages"
+    (root / "sglang").mkdir(parents=True)
+    (root / "sglang" / "version.py").write_text('__version__ = "0.5.23"\n')
+    return str(root), str(tmp_path / "state")
+
+
+def _req(op, root, state, **fields):
+    return {"op": op, "run_id": "mine", "state_dir": state, "sglang_root": root, "python": "python3",
+            "holder": {"run_id": "mine", "who": "me@here"}, "server": {"port": 1, "command": ""}, **fields}
+
+
+def test_every_declared_op_has_one_handler_and_every_handler_is_declared():
+    from patchctl.host import agent
+
+    assert set(agent.HANDLERS) == set(P.OPS)
+    assert {n[3:] for n in dir(agent.Agent) if n.startswith("op_")} == set(P.OPS)
+    assert {n for n, o in P.OPS.items() if o.streamed} == {"capture", "regenerate", "convert"}
+
+
+def test_the_dispatcher_takes_the_locks_the_table_names(tmp_path):
+    import fcntl
+
+    from patchctl.host import agent
+    from patchctl.host.state import TreeState
+
+    root, state = _tree(tmp_path)
+    # a read-only op creates nothing, not even state_dir
+    assert agent.handle(_req("history", root, state))["history"] == []
+    assert not Path(state).exists()
+    TreeState(state, root).acquire({"run_id": "other", "who": "you@there"})
+    for op in (n for n, o in P.OPS.items() if P.REFUSE_HELD in o.locks):
+        with pytest.raises(AgentError) as e:  # refused at once, before the handler reads its fields
+            agent.handle(_req(op, root, state, action="restart") if op == "service" else _req(op, root, state))
+        assert e.value.kind == "locked" and e.value.details["holder"]["run_id"] == "other", op
+    with open(Path(state) / "agent.lock", "a+") as held:  # another agent at work: a streamed op does not wait
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert P.OPS["capture"].locks == (P.AGENT_NOW,)
+        with pytest.raises(AgentError, match="another patchctl agent"):
+            agent.handle(_req("capture", root, state, capture_run="r1"))
+
+
+def test_the_dispatcher_refuses_what_the_table_does_not_declare(tmp_path):
+    from patchctl.host import agent
+
+    root, state = _tree(tmp_path)
+    for req, what in ((_req("aply", root, state), "unknown agent op 'aply'"),
+                      (_req("history", root, state, series=None), "request history: unknown field 'series'"),
+                      (_req("service", root, state, action="reboot"), "unknown service action 'reboot'")):
+        with pytest.raises(AgentError, match=what) as e:
+            agent.handle(req)
+        assert e.value.kind == "bad_input"
+    assert not Path(state).exists()  # refused before anything was made
