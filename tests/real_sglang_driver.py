@@ -1,11 +1,14 @@
 """Run the patched hidden-dump module inside real SGLang 0.5.23 code, on CPU: one scenario per process.
 
 Usage: python real_sglang_driver.py SPEC.json   (the patched tree first on PYTHONPATH)
+       python real_sglang_driver.py --serve     (spec paths on stdin, one line each)
 
-The test (tests/test_real_sglang.py) starts one process per scenario and rank, so SGLang's
-imports and process-wide state (runtime context, process groups, the module's writer) never
-enter pytest.  Everything below is SGLang 0.5.23's own code, driven the way its scheduler and
-TP worker drive it:
+Every scenario and rank runs in a process of its own, so SGLang's process-wide state
+(runtime context, process groups, the module's writer) is never shared and never enters
+pytest.  The test (tests/test_real_sglang.py) runs `--serve` once per session: it imports
+SGLang once (most of a scenario's start-up) and forks one fresh process per spec it is sent,
+so each scenario starts from the same imported, not yet configured SGLang.  Everything below
+is SGLang 0.5.23's own code, driven the way its scheduler and TP worker drive it:
 
     ServerArgs        `prepare_server_args` (SGLang's argparse) on the series' [smoke]
                       server_args + the scenario's flags; `runtime_context.publish` runs
@@ -767,5 +770,98 @@ def main(argv) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- the fork server
+
+# Every SGLang module a scenario imports (what `--serve` imports once, before forking).
+PRELOAD = (
+    "sglang.srt.runtime_context", "sglang.srt.server_args", "sglang.srt.distributed.bootstrap",
+    "sglang.srt.configs.model_config", "sglang.srt.model_executor.model_runner",
+    "sglang.srt.managers.schedule_batch", "sglang.srt.managers.schedule_policy",
+    "sglang.srt.mem_cache.cache_init_params", "sglang.srt.mem_cache.registry",
+    "sglang.srt.mem_cache.common", "sglang.srt.managers.overlap_utils",
+    "sglang.srt.model_executor.forward_batch_info", "sglang.srt.sampling.sampling_params",
+    "sglang.srt.speculative.spec_info", "sglang.srt.arg_groups.overrides",
+    "sglang.srt.configs.shared_experts", "sglang.srt.layers.aux_hidden_states",
+    "sglang.srt.layers.logits_processor", "sglang.srt.models.llama", "sglang.srt.models.deepseek_v2",
+    "sglang.srt.managers.scheduler_components.dp_attn", "sglang.srt.utils.common",
+    "sglang.srt.constants", "sglang.srt.layers.dp_attention", "sglang.srt.managers.io_struct",
+    "sglang.srt.managers.tp_worker", "sglang.srt.managers.utils", "sglang.srt.hidden_dump",
+    "sglang.srt.models.registry",  # imports every model class (ModelRunner asks it for the architecture)
+)
+
+
+def _run_forked(spec_path: str) -> None:
+    """In the forked child: the spec's log as stdout/stderr, the spec's env, one scenario, exit."""
+    rc = 1
+    try:
+        spec = json.loads(Path(spec_path).read_text())
+        fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for k in [k for k in os.environ if k.startswith("SGLANG_")]:
+            del os.environ[k]
+        os.environ.update(spec.get("env", {}))
+        rc = main(["", spec_path])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
+def serve() -> int:
+    """Import SGLang once, then fork one process per spec path read from stdin.
+
+    Answers on stdout, one line each: `ready`, `started PID SPEC`, `exited CODE SPEC`.  Only the
+    main thread exists when it forks (checked), so a child holds no lock another thread held.
+    Ends when stdin closes and every child has exited."""
+    import gc
+    import importlib
+    import select
+    import threading
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # what was imported stays out of the children's collections (SGLang's memory probe collects)
+    extra = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if extra:
+        print("error threads before fork: %s" % extra, flush=True)
+        return 1
+    print("ready", flush=True)
+    children: dict = {}
+    pending = b""
+    eof = False
+    while not eof or children:
+        if not eof:
+            ready, _, _ = select.select([0], [], [], 0.1)
+            if ready:
+                chunk = os.read(0, 65536)
+                eof = not chunk
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    spec_path = line.decode()
+                    pid = os.fork()
+                    if pid == 0:
+                        _run_forked(spec_path)  # never returns
+                    children[pid] = spec_path
+                    print("started %d %s" % (pid, spec_path), flush=True)
+        while children:
+            pid, status = os.waitpid(-1, 0 if eof else os.WNOHANG)
+            if pid == 0:
+                break
+            print("exited %d %s" % (os.waitstatus_to_exitcode(status), children.pop(pid)), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # nothing left to do: skip tearing down everything SGLang imported
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv))

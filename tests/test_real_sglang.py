@@ -1,12 +1,13 @@
-"""The hidden-dump series inside real SGLang 0.5.23 code, on CPU (issue 11, first Build item).
+"""The hidden-dump series inside real SGLang 0.5.23 code on CPU: every file bit for bit against the real forward's output.
 
-Each scenario runs tests/real_sglang_driver.py in its own process (one per rank), with a copy
-of the pristine 0.5.23 tree, patched by the series, first on PYTHONPATH: SGLang's argparse and
-resolution build the ServerArgs from the series' [smoke] server_args, SGLang's scheduler
-pieces build the batches, the real (patched) ModelRunner.forward / EagerRunner /
-LogitsProcessor run a tiny deterministic model, and the module writes its files.  The driver
-saves the real LogitsProcessorOutput (and ForwardBatch.input_ids) of every forward; the files
-are compared with those slices bit for bit.  What the driver replaces, and why: its docstring.
+Each scenario runs tests/real_sglang_driver.py in processes of its own (one per rank), forked
+by one fork server that imported SGLang once, with a copy of the pristine 0.5.23 tree, patched
+by the series, first on PYTHONPATH: SGLang's argparse and resolution build the ServerArgs from
+the series' [smoke] server_args, SGLang's scheduler pieces build the batches, the real
+(patched) ModelRunner.forward / EagerRunner / LogitsProcessor run a tiny deterministic model,
+and the module writes its files.  The driver saves the real LogitsProcessorOutput (and
+ForwardBatch.input_ids) of every forward; the files are compared with those slices bit for
+bit.  What the driver replaces, and why: its docstring.
 
 Needs `pip install --no-deps -r tests/sglang-cpu-requirements.txt` in the venv (the README's
 test command does it).  Never skipped: a missing package fails the scenario with its error.
@@ -29,9 +30,11 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -157,19 +160,99 @@ def _planned_scenarios(items) -> list[tuple[tuple, dict]]:
     return [c for item in items if Path(item.path).resolve() == here for c in calls.get(item.originalname, [])]
 
 
+class ForkServer:
+    """real_sglang_driver.py --serve: SGLang imported once, one forked process per scenario rank.
+
+    A reader thread records what the server says (`started PID SPEC`, `exited CODE SPEC`)."""
+
+    def __init__(self, base: Path, env: dict):
+        self.log = open(base / "serve-log.txt", "w")
+        self.proc = subprocess.Popen([sys.executable, str(DRIVER), "--serve"], env=env, cwd=str(base),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+        self.pids: dict[str, int] = {}
+        self.codes: dict[str, int] = {}
+        self.said: list[str] = []
+        self.gone = False
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            with self.cond:
+                self.said.append(line)
+                if kind in ("started", "exited"):
+                    num, _, spec = rest.partition(" ")
+                    (self.pids if kind == "started" else self.codes)[spec] = int(num)
+                self.cond.notify_all()
+        with self.cond:
+            self.gone = True
+            self.cond.notify_all()
+
+    def start(self, spec: Path) -> None:
+        self.proc.stdin.write(f"{spec}\n")
+        self.proc.stdin.flush()
+
+    def wait(self, spec: Path, timeout: float) -> int | None:
+        """The exit code of the process that ran `spec`; None if it was still running at the
+        deadline (only catches a hang) or the server died."""
+        with self.cond:
+            self.cond.wait_for(lambda: str(spec) in self.codes or self.gone, timeout)
+            return self.codes.get(str(spec))
+
+    def kill(self, spec: Path) -> None:
+        with self.cond:
+            pid = self.pids.get(str(spec)) if str(spec) not in self.codes else None
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        with self.cond:
+            running = [pid for spec, pid in self.pids.items() if spec not in self.codes]
+        for pid in running:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+    def tail(self) -> str:
+        with self.cond:
+            said = "".join(self.said[-20:])
+        return f"fork server said:\n{said}stderr:\n" + Path(self.log.name).read_text()[-3000:]
+
+
 @pytest.fixture(scope="session")
 def scenario(real_tree, models, tmp_path_factory, request):
     """run(name, ...) -> Run; each named scenario runs once per session.
 
-    Each scenario's processes are CPU-bound and single-threaded: while a test waits for its own, the
-    scenarios the next selected tests ask for are started beside it, up to one rank per core (a
-    scenario with more ranks than cores runs alone). Results are the same: each scenario still has
-    its own processes, directory, port and dump directory."""
+    Every scenario and rank is a process of its own, forked by one fork server that imported
+    SGLang once (tests/real_sglang_driver.py --serve).  Each scenario's processes are CPU-bound
+    and single-threaded: while a test waits for its own, the scenarios the next selected tests
+    ask for are started beside it, up to one rank per core (a scenario with more ranks than
+    cores runs alone). Results are the same: each scenario still has its own processes,
+    directory, port and dump directory."""
     cache: dict = {}
     started: dict = {}
     smoke = _series()["smoke"]
     plan = _planned_scenarios(request.session.items)
     cores = os.cpu_count() or 1
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SGLANG_") and k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPATH=str(real_tree), TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    server = ForkServer(tmp_path_factory.mktemp("fork-server"), env)
 
     def start(name: str, driver_scenario: str, *, flags=(), ranks: int = 1, prefix=PREFIX,
               capture: bool = True, model: str = "llama", timeout: float = 420) -> dict:
@@ -180,32 +263,28 @@ def scenario(real_tree, models, tmp_path_factory, request):
             server_args = [a for a in server_args
                            if a not in ("--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3")]
         server_args += list(flags)
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("SGLANG_") and k != "PYTHONDONTWRITEBYTECODE"}
-        env.update(PYTHONPATH=str(real_tree), TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false",
-                   SGLANG_HIDDEN_DUMP_DIR=str(dump))
+        scn_env = {"SGLANG_HIDDEN_DUMP_DIR": str(dump)}  # the process's SGLANG_* env: only these
         if prefix:
-            env["SGLANG_HIDDEN_DUMP_RID_PREFIX"] = prefix
+            scn_env["SGLANG_HIDDEN_DUMP_RID_PREFIX"] = prefix
         if ranks > 1:  # SGLang's CPU path binds each rank to cores: give each rank one
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(ranks))
+            scn_env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(ranks))
         port = _free_port()
-        procs, logs = [], []
+        specs = []
         for rank in range(ranks):
             spec = {"scenario": driver_scenario, "model_dir": str(models[model]),
                     "dump_dir": str(dump), "out_dir": str(base / f"out{rank}"),
-                    "world_rank": rank, "dist_port": port, "server_args": server_args}
+                    "world_rank": rank, "dist_port": port, "server_args": server_args,
+                    "env": scn_env, "log": str(base / f"log{rank}.txt")}
             sp = base / f"spec{rank}.json"
             sp.write_text(json.dumps(spec, indent=1))
-            log = open(base / f"log{rank}.txt", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, str(DRIVER), str(sp)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=str(base)))
-        return {"base": base, "dump": dump, "procs": procs, "logs": logs, "ranks": ranks,
+            server.start(sp)
+            specs.append(sp)
+        return {"base": base, "dump": dump, "specs": specs, "ranks": ranks,
                 "timeout": timeout, "t0": time.monotonic()}
 
     def running_ranks() -> int:
-        return sum(st["ranks"] for st in started.values() if any(p.poll() is None for p in st["procs"]))
+        with server.cond:
+            return sum(1 for st in started.values() for sp in st["specs"] if str(sp) not in server.codes)
 
     def top_up() -> None:
         """Start planned scenarios while a core is free (never one that would share cores)."""
@@ -219,24 +298,24 @@ def scenario(real_tree, models, tmp_path_factory, request):
             started[name] = start(*args, **kwargs)
 
     def finish(name: str, st: dict) -> Run:
+        codes = []
         try:
-            for p in st["procs"]:
-                p.wait(timeout=max(1.0, st["timeout"] - (time.monotonic() - st["t0"])))
+            for sp in st["specs"]:
+                codes.append(server.wait(sp, max(1.0, st["timeout"] - (time.monotonic() - st["t0"]))))
         finally:
-            for p in st["procs"]:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in st["logs"]:
-                log.close()
+            for sp in st["specs"]:
+                server.kill(sp)
         base = st["base"]
         results = []
         for rank in range(st["ranks"]):
             out = base / f"out{rank}" / "result.json"
-            tail = (base / f"log{rank}.txt").read_text()[-4000:]
-            assert out.is_file(), f"scenario {name} rank {rank} wrote no result; log:\n{tail}"
+            log = base / f"log{rank}.txt"
+            tail = (log.read_text()[-4000:] if log.is_file() else "") + "\n" + server.tail()
+            assert codes[rank] is not None, f"scenario {name} rank {rank} did not end in {st['timeout']} s; log:\n{tail}"
+            assert out.is_file(), f"scenario {name} rank {rank} wrote no result (exit {codes[rank]}); log:\n{tail}"
             res = json.loads(out.read_text())
             assert res["ok"], f"scenario {name} rank {rank}: {res['error']}\n{res['traceback']}\nlog:\n{tail}"
+            assert codes[rank] == 0, f"scenario {name} rank {rank} exited {codes[rank]}; log:\n{tail}"
             results.append(res)
         run_ = cache[name] = Run(base, results, st["dump"])
         run_.seconds = round(time.monotonic() - st["t0"], 1)
@@ -251,13 +330,7 @@ def scenario(real_tree, models, tmp_path_factory, request):
         return finish(name, started.pop(name))
 
     yield run
-    for st in started.values():  # started ahead for a test that did not get to ask
-        for p in st["procs"]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in st["logs"]:
-            log.close()
+    server.close()  # kills what was started ahead for a test that did not get to ask
 
 
 # --------------------------------------------------------------------------- checks
