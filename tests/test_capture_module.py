@@ -1,4 +1,4 @@
-"""The hidden-dump series' module and hooks on their own (real: the patches, git apply, torch; duck-typed batches).
+"""The capture module (hidden_dump.py) and its hooks on their own: real patches, git apply, torch and disk; duck-typed batches.
 
 hidden_dump.py is loaded from a scratch tree patched with `git apply` (the sglang package is
 never imported) and driven with duck-typed batches of CPU bfloat16 tensors.
@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from hidden_dump_util import (DEAD_SERIES, FORWARD_BATCH_INFO, LLAMA, MODEL_RUNNER, MODULE, SERIES,
                               Batch, load_module, make_runner, patched_tree, series_patch_paths)
+from patchctl.simserver.ducks import ForwardMode
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+\.safetensors")
 
@@ -82,17 +83,25 @@ def gated_writes(monkeypatch, hd) -> threading.Event:
     return gate
 
 
-def slow_writes(monkeypatch, hd, delay: float, chunk: int | None = None):
-    """Make every os.write of the writer slow (and optionally small)."""
+def watched_writes(monkeypatch, hd) -> list:
+    """Before each os.write of the writer: (the path it writes to, the dump directory's names)."""
     real = hd._write_all
+    seen: list = []
 
-    def slow(fd, mv):
-        time.sleep(delay)
+    def watched(fd, mv):
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), sorted(os.listdir(hd.dir))))
         real(fd, mv)
 
-    monkeypatch.setattr(hd, "_write_all", slow)
-    if chunk:
-        monkeypatch.setattr(hd, "WRITE_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(hd, "_write_all", watched)
+    return seen
+
+
+def wait_for(cond, what: str, timeout: float = 60) -> None:
+    """Poll until cond() holds; the deadline only catches a hang."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------- the patches
@@ -125,16 +134,14 @@ def test_hook_patch_applies_to_pristine_and_compiles(patched, sglang_tree):
         py_compile.compile(str(patched / rel), doraise=True)
 
 
-def test_batch_hook_records_prompt_lengths_in_init_new(patched, hd):
+def test_batch_hook_records_prompt_lengths_in_init_new(patched, hd, monkeypatch):
     tree = ast.parse((patched / FORWARD_BATCH_INFO).read_text())
     init_new = _forward_of(tree, "ForwardBatch", "init_new")
     ifs = [n for n in init_new.body if isinstance(n, ast.If) and "note_batch" in ast.unparse(n)]
     assert len(ifs) == 1
-    assert ast.unparse(ifs[0]) == ("if _hidden_dump.enabled() and (not model_runner.is_draft_worker):\n"
-                                   "    _hidden_dump.note_batch(ret, batch)")
     # right after the ForwardBatch is built
     prev = init_new.body[init_new.body.index(ifs[0]) - 1]
-    assert ast.unparse(prev).startswith("ret = cls(")
+    assert isinstance(prev, ast.Assign) and [t.id for t in prev.targets] == ["ret"]
     code = compile(ast.Module(body=ifs, type_ignores=[]), "<batch hook>", "exec")
     done = types.SimpleNamespace(origin_input_ids=[1] * 4, to_finish=None, finished=lambda: True)
     reqs = [types.SimpleNamespace(origin_input_ids=[1] * 5, to_finish=None, finished=lambda: False),
@@ -142,11 +149,21 @@ def test_batch_hook_records_prompt_lengths_in_init_new(patched, hd):
             # what Req.set_finish_with_abort leaves: the 1-token stub with to_finish set
             types.SimpleNamespace(origin_input_ids=[0], to_finish=object(), finished=lambda: False),
             done]
-    ret = types.SimpleNamespace()
-    exec(code, {"_hidden_dump": hd, "model_runner": make_runner(), "ret": ret,
-                "batch": types.SimpleNamespace(reqs=reqs)})
+
+    def run(runner) -> types.SimpleNamespace:
+        ret = types.SimpleNamespace()
+        exec(code, {"_hidden_dump": hd, "model_runner": runner, "ret": ret,
+                    "batch": types.SimpleNamespace(reqs=reqs)})
+        return ret
+
+    ret = run(make_runner())
     assert ret.hidden_dump_prompt_lens == [5, 9, 1, 4]
     assert ret.hidden_dump_aborted == [False, False, True, True]
+    draft = make_runner()
+    draft.is_draft_worker = True
+    assert vars(run(draft)) == {}  # a draft worker's batches are not noted
+    monkeypatch.delenv("SGLANG_HIDDEN_DUMP_DIR")
+    assert vars(run(make_runner())) == {}  # dumping off: nothing noted
 
 
 def _forward_of(tree: ast.Module, cls: str, fn: str) -> ast.FunctionDef:
@@ -197,12 +214,11 @@ def test_hook_is_one_if_directly_in_model_runner_forward(patched):
     raw = [j for j, s in enumerate(body) if "_forward_raw" in ast.unparse(s)]
     ep = [j for j, s in enumerate(body) if "enable_elastic_ep" in ast.unparse(s)]
     assert raw and ep and raw[0] < ep[0] < i
-    text = ast.unparse(hook)
-    assert "_hidden_dump.enabled()" in text and "not self.is_draft_worker" in text
-    assert "_hidden_dump.on_forward_end(self, forward_batch, output.logits_output, mode=_hd_mode)" in text
-    # the mode is read right before the `with` (EagerRunner rewrites MIXED to EXTEND inside it)
+    # the mode it passes is bound before the `with` (EagerRunner rewrites MIXED to EXTEND inside
+    # it); what the hook does with it: test_hook_statement_executes_with_duck_typed_objects
     top = fwd.body.index(withs[0])
-    assert ast.unparse(fwd.body[top - 1]) == "_hd_mode = forward_batch.forward_mode"
+    assert any(isinstance(st, ast.Assign) and [getattr(t, "id", None) for t in st.targets] == ["_hd_mode"]
+               for st in fwd.body[:top])
     # self-contained: only self, forward_batch, output, the mode and the module alias
     names = {n.id for n in ast.walk(hook) if isinstance(n, ast.Name)}
     assert names <= {"self", "forward_batch", "output", "_hidden_dump", "_hd_mode"}
@@ -216,15 +232,23 @@ def test_hook_statement_executes_with_duck_typed_objects(patched, hd):
     hook = _hook_ifs(_forward_of(tree, "ModelRunner", "forward"))[0]
     code = compile(ast.Module(body=[hook], type_ignores=[]), "<hook>", "exec")
     b = Batch(["exec-0", "exec-1"], [3, 4])
-    for draft in (True, False):
+
+    def run(draft=False, mode=b.forward_batch.forward_mode):
         runner = make_runner()
         runner.is_draft_worker = draft
-        ns = {"self": runner, "forward_batch": b.forward_batch, "_hidden_dump": hd,
-              "_hd_mode": b.forward_batch.forward_mode,
-              "output": types.SimpleNamespace(logits_output=b.logits_output)}
-        exec(code, ns)
-        hd.flush(10)
-        assert dumped(hd.dir) == ([] if draft else ["exec-0.safetensors", "exec-1.safetensors"])
+        exec(code, {"self": runner, "forward_batch": b.forward_batch, "_hidden_dump": hd, "_hd_mode": mode,
+                    "output": types.SimpleNamespace(logits_output=b.logits_output)})
+        assert hd.flush(60)
+        return dumped(hd.dir)
+
+    assert run(draft=True) == []  # a draft worker's forward is not the target's
+    # the mode as scheduled, not the batch's mode after the forward: a decode batch whose
+    # forward ran as an extend is still a decode
+    assert run(mode=ForwardMode("DECODE")) == []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("SGLANG_HIDDEN_DUMP_DIR")
+        assert run() == []  # dumping off
+    assert run() == ["exec-0.safetensors", "exec-1.safetensors"]
 
 
 def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree, tmp_path):
@@ -278,7 +302,7 @@ def test_module_imports_only_stdlib_and_torch_at_module_level(patched):
 def test_one_correct_file_per_request(hd):
     b = Batch(["req-a", "req-b", "req-c"], [5, 17, 1], hidden=16, k=3)
     hd.on_forward_end(make_runner(hidden=16, num_layers=12), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["req-a.safetensors", "req-b.safetensors", "req-c.safetensors"]
     for i, rid in enumerate(b.rids):
         tensors, meta = load(hd.dir / f"{rid}.safetensors")
@@ -318,7 +342,7 @@ def test_layers_metadata_names_what_the_model_captured(hd, arch, ids, captured):
     b = Batch(["p-0"], [4], hidden=8, k=3)
     runner = make_runner(hidden=8, num_layers=61, layer_ids=ids, arch=arch, layers_to_capture=captured)
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     _, meta = load(hd.dir / "p-0.safetensors")
     assert json.loads(meta["layers"]) == json.loads(meta["layers_to_capture"]) == captured
     assert meta["layers_convention"] == "layers_to_capture"
@@ -332,7 +356,7 @@ def test_chunks_of_a_prompt_are_never_written_as_samples(hd):
     b = Batch(["p-0", "p-1", "p-1"], [4, 8, 8], hidden=8, k=3, prefix=[0, 0, 32],
               prompt_lens=[4, 40, 40])
     hd.on_forward_end(make_runner(hidden=8), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["p-0.safetensors"]
     s = hd.stats()
     assert s["skipped_chunks"] == 2 and s["files_written"] == 1
@@ -350,7 +374,7 @@ def test_decode_rows_run_as_extend_are_never_written(hd):
                   prompt_lens=[6, 7, 12])
         hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output,
                           mode=hd_mode(mode_before))
-        assert hd.flush(10)
+        assert hd.flush(60)
         assert dumped(hd.dir) == ["new-0.safetensors"]
         t, _ = load(hd.dir / "new-0.safetensors")
         assert torch.equal(t["input_ids"], b.expected(0)[0])
@@ -364,7 +388,7 @@ def test_dp_attention_padding_rows_are_not_data(hd):
     # unpad after the forward: the old module dropped the whole batch (shape_mismatch).
     b = Batch(["dp-0", "dp-1"], [3, 5], hidden=8, k=3, pad=11)
     hd.on_forward_end(make_runner(hidden=8), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["dp-0.safetensors", "dp-1.safetensors"]
     for i, rid in enumerate(b.rids):
         t, _ = load(hd.dir / f"{rid}.safetensors")
@@ -380,7 +404,7 @@ def test_hidden_states_of_some_rows_only_write_nothing(hd):
     b = Batch(["swa-0"], [4])
     b.logits_output.hidden_states_token_indices = torch.tensor([2, 3])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == []
     assert "rows_subset" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
@@ -390,7 +414,7 @@ def test_warm_up_and_other_unnamed_requests_are_not_dumped(hd):
     warm = "3f2b8c9d0e1f4a5b8c7d6e5f4a3b2c1d"
     b = Batch([warm, "client-1"], [6, 3])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["client-1.safetensors"]
     assert hd.stats()["skipped_unnamed"] == 1
 
@@ -401,7 +425,7 @@ def test_aborted_requests_are_never_written(hd):
     b = Batch(["ok-0", "too-long", "ok-1", "gone"], [3, 1, 4, 2], prompt_lens=[3, 1, 4, 2],
               aborted=[False, True, False, True])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["ok-0.safetensors", "ok-1.safetensors"]
     t, _ = load(hd.dir / "ok-1.safetensors")
     assert torch.equal(t["input_ids"], b.expected(2)[0])  # rows after the stub still line up
@@ -414,7 +438,7 @@ def test_missing_prompt_lengths_write_nothing_and_say_why(hd):
     b = Batch(["n-0"], [3])
     del b.forward_batch.hidden_dump_prompt_lens  # the ForwardBatch.init_new hook did not run
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == []
     assert "no_prompt_lens" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
@@ -425,7 +449,7 @@ def test_model_arch_unknown_and_hidden_size_from_tensor(hd):
     runner = types.SimpleNamespace(server_args=None, model=types.SimpleNamespace(
         layers_to_capture=[2, 5, 7]))
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     _, meta = load(hd.dir / "u-0.safetensors")
     assert meta["model_arch"] == "unknown" and meta["hidden_size"] == "8"
     assert meta["layers"] == "[2, 5, 7]" and meta["eagle_aux_hidden_state_layer_ids"] == "null"
@@ -436,7 +460,7 @@ def test_no_layers_to_capture_on_the_model_writes_nothing(hd):
     runner = make_runner(hidden=8)
     runner.model = types.SimpleNamespace()  # a model that never ran set_eagle3_layers_to_capture
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == []
     assert "no_layers_to_capture" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
@@ -445,7 +469,7 @@ def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
     monkeypatch.setenv("SGLANG_HIDDEN_DUMP_RID_PREFIX", "smoke-")
     b = Batch(["smoke-0", "user-1", "HEALTH_CHECK_abc", "smoke-1"], [2, 3, 1, 4])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["smoke-0.safetensors", "smoke-1.safetensors"]
     _, meta = load(hd.dir / "smoke-1.safetensors")
     t, _ = load(hd.dir / "smoke-1.safetensors")
@@ -454,7 +478,7 @@ def test_rid_prefix_filter_and_health_checks(hd, monkeypatch):
     monkeypatch.delenv("SGLANG_HIDDEN_DUMP_RID_PREFIX")
     b = Batch(["HEALTH_CHECK_1", "other"], [1, 2])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert "other.safetensors" in dumped(hd.dir)
     assert not [n for n in dumped(hd.dir) if "HEALTH" in n]
 
@@ -468,7 +492,7 @@ def hd_mode(name):
 def test_non_prefill_forwards_are_ignored(hd, mode):
     b = Batch(["m-0", "m-1"], [1, 1], mode=mode)
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == []
     s = hd.stats()
     assert s["errors"] == 0 and s["files_written"] == 0 and s["skipped_forwards"] == 1
@@ -479,7 +503,7 @@ def test_mode_before_the_forward_wins(hd):
     # forward but was scheduled as TARGET_VERIFY is not a prefill.
     b = Batch(["v-0"], [3])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output, mode=hd_mode("TARGET_VERIFY"))
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == [] and hd.stats()["skipped_forwards"] == 1
 
 
@@ -489,7 +513,7 @@ def test_only_attention_tp_rank_zero_dumps(hd, rank, expect):
     # attention-DP group; ModelRunner has no rank attribute in 0.5.23
     b = Batch(["r-0"], [3])
     hd.on_forward_end(make_runner(attn_tp_rank=rank), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == (["r-0.safetensors"] if expect else [])
 
 
@@ -498,7 +522,7 @@ def test_disabled_without_env(hd, monkeypatch):
     assert not hd.enabled()
     b = Batch(["off"], [2])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10) and not hd.dir.exists()
+    assert hd.flush(60) and not hd.dir.exists()
     monkeypatch.setenv("SGLANG_HIDDEN_DUMP_DIR", str(hd.dir))
     assert hd.enabled()
 
@@ -508,7 +532,7 @@ def test_hostile_rids_get_safe_unique_names_and_verbatim_metadata(hd, tmp_path):
             "ünïcode", "/etc/passwd", "tab\there", "x" * 400, "ok_name-1.2", "C:\\win"]
     b = Batch(rids, [1] * len(rids))
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     names = dumped(hd.dir)
     assert len(names) == len(rids) and len(set(names)) == len(rids)
     # nothing escaped the dump directory, no sub-directories were made
@@ -533,7 +557,7 @@ def test_unwritable_directory_is_logged_and_counted_never_raised(hd, monkeypatch
     b = Batch(["w-0", "w-1"], [2, 3])
     with caplog.at_level(logging.ERROR, logger="sglang.hidden_dump"):
         hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)  # must not raise
-        assert hd.flush(10)
+        assert hd.flush(60)
     s = hd.stats()
     assert s["errors"] == 2 and s["files_written"] == 0
     recs = [r for r in caplog.records if r.name == "sglang.hidden_dump"]
@@ -545,7 +569,7 @@ def test_failed_write_goes_to_error_log_and_leaves_no_temporary(hd):
     (hd.dir / "clash.safetensors").mkdir()  # the rename target is a directory
     b = Batch(["clash", "fine"], [2, 2])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert (hd.dir / "fine.safetensors").is_file()
     log = (hd.dir / "_hidden_dump_errors.log").read_text()
     assert "write_failed" in log and "clash" in log and len(log.splitlines()) == 1
@@ -566,7 +590,7 @@ def test_bad_inputs_never_raise(hd):
     b = Batch(["bad-rows"], [3])
     b.forward_batch.extend_seq_lens_cpu = [5]
     hd.on_forward_end(runner, b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == []
     log = (hd.dir / "_hidden_dump_errors.log").read_text()
     for kind in ("no_hidden_states", "width_mismatch", "rows_missing"):
@@ -575,36 +599,36 @@ def test_bad_inputs_never_raise(hd):
 
 
 def test_atomic_writes_no_partial_file_under_the_final_name(hd, monkeypatch):
-    slow_writes(monkeypatch, hd, delay=0.01, chunk=512)
+    """Every byte goes to a temporary name while the final name does not exist yet: a file
+    under its final name is complete the moment it appears (written, then renamed)."""
+    seen = watched_writes(monkeypatch, hd)
     b = Batch([f"atom-{i}" for i in range(4)], [40, 60, 30, 50], hidden=32, k=3)
-    seen_tmp = False
-    checked = set()
     hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
-    deadline = time.time() + 30
-    while len(checked) < 4 and time.time() < deadline:
-        names = os.listdir(hd.dir) if hd.dir.exists() else []
-        seen_tmp |= any(n.endswith(".tmp") for n in names)
-        for n in names:
-            if n.endswith(".safetensors") and n not in checked:
-                i = int(n.split("-")[1].split(".")[0])
-                t, _ = load(hd.dir / n)  # complete the moment it is visible
-                assert torch.equal(t["hidden_states"], b.expected(i)[2])
-                checked.add(n)
-        time.sleep(0.002)
-    assert hd.flush(10)
-    assert seen_tmp, "the writer never used a temporary name"
-    assert len(checked) == 4
+    assert hd.flush(60)
+    written = {Path(path).name for path, _ in seen}
+    assert len(written) == 4 and len(seen) >= 4 * 2  # each file in several writes
+    for path, names in seen:
+        tmp = Path(path).name
+        assert Path(path).parent == hd.dir and tmp.startswith(".") and tmp.endswith(".tmp"), path
+        final = next(f"atom-{i}.safetensors" for i in range(4) if f".atom-{i}.safetensors." in tmp)
+        assert tmp in names and final not in names, (tmp, names)
+    assert dumped(hd.dir) == [f"atom-{i}.safetensors" for i in range(4)]
+    for i in range(4):
+        t, _ = load(hd.dir / f"atom-{i}.safetensors")
+        assert torch.equal(t["hidden_states"].view(torch.int16), b.expected(i)[2].view(torch.int16))
+    assert not [n for n in os.listdir(hd.dir) if n.endswith(".tmp")]
 
 
 def test_snapshot_is_taken_before_the_forward_reuses_its_buffers(hd, monkeypatch):
-    slow_writes(monkeypatch, hd, delay=0.02)
+    gate = gated_writes(monkeypatch, hd)  # nothing is written before the buffers are reused
     b = Batch(["snap"], [8])
     want = [t.clone() for t in b.expected(0)]
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
     b.aux.fill_(0)  # the next forward overwrites its output buffers in place
     b.last.fill_(0)
     b.input_ids.fill_(0)
-    assert hd.flush(10)
+    gate.set()
+    assert hd.flush(60)
     t, _ = load(hd.dir / "snap.safetensors")
     assert torch.equal(t["aux_hidden_states"], want[1]) and torch.equal(t["input_ids"], want[0])
 
@@ -619,12 +643,24 @@ def test_queue_bound_back_pressure(hd, monkeypatch):
     monkeypatch.setenv("SGLANG_HIDDEN_DUMP_MAX_QUEUE_BYTES", str(cap))
     monkeypatch.setenv("SGLANG_HIDDEN_DUMP_ON_FULL", "block")
     hd.reset()
-    slow_writes(monkeypatch, hd, delay=0.03)
-    for j in range(4):
-        b = Batch([f"bp-{j}-{i}" for i in range(3)], [64] * 3, hidden=32, seed=j)
-        hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
-        assert hd.stats()["host_bytes_queued"] <= cap
-    assert hd.flush(20)
+    gate = gated_writes(monkeypatch, hd)  # the disk answers once a forward waits for it
+    queued = []
+
+    def forwards():
+        for j in range(4):
+            b = Batch([f"bp-{j}-{i}" for i in range(3)], [64] * 3, hidden=32, seed=j)
+            hd.on_forward_end(make_runner(hidden=32), b.forward_batch, b.logits_output)
+            queued.append(hd.stats()["host_bytes_queued"])
+
+    fw = threading.Thread(target=forwards)
+    fw.start()
+    wait_for(lambda: hd.stats()["blocked"] > 0, "a forward waiting for the full queue")
+    assert fw.is_alive() and len(queued) < 4  # the forward waits
+    gate.set()
+    fw.join(60)
+    assert not fw.is_alive()
+    assert all(q <= cap for q in queued), queued
+    assert hd.flush(60)
     s = hd.stats()
     assert s["host_bytes_peak"] <= cap and s["queued_bytes_peak"] <= cap
     assert s["host_bytes_peak"] >= 2 * per  # it did queue
@@ -652,7 +688,7 @@ def test_queue_bound_counted_drop(hd, monkeypatch, caplog):
         fw.join(60)
         assert not fw.is_alive(), "the forward waited for the disk"
         gate.set()
-        assert hd.flush(20)
+        assert hd.flush(60)
     s = hd.stats()
     assert s["host_bytes_peak"] <= cap
     assert s["dropped"] > 0 and s["blocked"] == 0
@@ -667,7 +703,7 @@ def test_request_larger_than_the_cap_is_dropped_with_an_error(hd, monkeypatch):
     hd.reset()
     b = Batch(["huge", "tiny"], [64, 1], hidden=8)
     hd.on_forward_end(make_runner(hidden=8), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["tiny.safetensors"]
     s = hd.stats()
     assert s["dropped"] == 1 and s["errors"] == 1
@@ -681,7 +717,7 @@ def test_flush_timeout_and_stats(hd, monkeypatch):
     assert hd.flush(0.05) is False  # honest about not being done (the disk has not answered)
     assert hd.stats()["files_written"] == 0
     gate.set()
-    assert hd.flush(10) is True
+    assert hd.flush(60) is True
     s = hd.stats()
     assert (s["files_written"], s["dropped"], s["errors"], s["blocked"]) == (2, 0, 0, 0)
     assert s["bytes_written"] == sum((hd.dir / n).stat().st_size for n in dumped(hd.dir))
@@ -711,7 +747,7 @@ def test_flush_at_exit(patched, tmp_path):
     """)
     env = dict(os.environ, SGLANG_HIDDEN_DUMP_DIR=str(d))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=60)
+                       timeout=600)
     assert r.returncode == 0, r.stderr
     assert dumped(d) == ["exit-0.safetensors", "exit-1.safetensors", "exit-2.safetensors"]
     for n in dumped(d):
@@ -737,7 +773,7 @@ def test_writer_survives_concurrent_forwards(hd):
         t.start()
     for t in ts:
         t.join()
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert len(dumped(hd.dir)) == 10 and hd.stats()["errors"] == 0
 
 
@@ -757,7 +793,7 @@ def test_failed_snapshot_gives_its_budget_back(hd, monkeypatch):
     assert hd.stats()["host_bytes_queued"] == 0 and hd.stats()["errors"] == 1
     b = Batch(["oom-1"], [4])
     hd.on_forward_end(make_runner(), b.forward_batch, b.logits_output)
-    assert hd.flush(10)
+    assert hd.flush(60)
     assert dumped(hd.dir) == ["oom-1.safetensors"]
     assert "hook_failed" in (hd.dir / "_hidden_dump_errors.log").read_text()
 
