@@ -329,7 +329,7 @@ def test_knob_hang_and_sigterm_while_starting(sglang_tree, start):
     slow = start(sglang_tree, env={"PATCHCTL_SIM_START_DELAY": "600"})
     hang.wait_port()
     slow.wait_port()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # only catches a hang
     while "will never become ready" not in hang.text():
         assert time.monotonic() < deadline and hang.proc.poll() is None, hang.text()
         time.sleep(0.05)
@@ -345,7 +345,7 @@ def test_knob_start_gate_holds_loading_until_the_file_exists(sglang_tree, start,
     gate = tmp_path / "gate"
     s = start(sglang_tree, env={"PATCHCTL_SIM_START_GATE": str(gate)})
     s.wait_port()
-    deadline = time.monotonic() + 60  # only catches a hang
+    deadline = time.monotonic() + 120  # only catches a hang
     while "PATCHCTL_SIM_START_GATE" not in s.text():
         assert time.monotonic() < deadline and s.proc.poll() is None, s.text()
         time.sleep(0.05)
@@ -447,7 +447,7 @@ def test_multi_node_head_waits_for_followers(sglang_tree, start, tmp_path):
     multi = ["--nnodes", "2", "--dist-init-addr", dist, "--tp", "16"]
     head = start(sglang_tree, env=light, args=multi + ["--node-rank", "0"])
     head.wait_port()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # only catches a hang
     while "waiting for 1 other node" not in head.text():
         assert time.monotonic() < deadline and head.proc.poll() is None, head.text()
         time.sleep(0.05)

@@ -30,7 +30,7 @@ STREAM_SCRIPT = r"""
 import os, sys, time
 flag = {flag!r}
 print("waiting for flag", file=sys.stderr, flush=True)
-deadline = time.time() + 20
+deadline = time.time() + 300  # only catches a hang
 while not os.path.exists(flag):
     if time.time() > deadline:
         print("flag never came", file=sys.stderr, flush=True)
@@ -72,9 +72,9 @@ def test_round_trip_stdout_exit_code_and_streamed_stderr(inv, tmp_path):
         if line == "waiting for flag":
             flag.write_text("go")  # the command can only finish after we saw its first line
 
-    with open_transport(inv.hosts["host0"], connect_timeout=5) as t:
+    with open_transport(inv.hosts["host0"], connect_timeout=30) as t:
         assert isinstance(t, SSHTransport)
-        r = t.run_python(STREAM_SCRIPT.format(flag=str(flag)), timeout=30, on_stderr_line=on_line)
+        r = t.run_python(STREAM_SCRIPT.format(flag=str(flag)), timeout=300, on_stderr_line=on_line)
     assert r == RunResult(5, "done\n", "waiting for flag\ngot flag\n")
     assert [line for _, line in seen] == ["waiting for flag", "got flag"]
 
@@ -82,7 +82,7 @@ def test_round_trip_stdout_exit_code_and_streamed_stderr(inv, tmp_path):
 def test_one_connection_reused_for_several_commands(inv, hosts):
     h = hosts[1]
     conns, cmds = h.count_connections(), h.count_commands()
-    with open_transport(inv.hosts["host1"], connect_timeout=5) as t:
+    with open_transport(inv.hosts["host1"], connect_timeout=30) as t:
         assert t.connections_opened == 0  # lazy
         outs = [t.run_python(f"print({i} * 7)").stdout for i in range(4)]
         assert outs == ["0\n", "7\n", "14\n", "21\n"]
@@ -95,7 +95,7 @@ def test_large_script_and_binary_safe_output(inv):
     body = "".join(f"v{i} = {i!r}\n" for i in range(40000))  # ~0.5 MB of script
     script = body + "import sys\nsys.stdout.write('é' * 100000 + str(v39999))\n"
     with open_transport(inv.hosts["host0"]) as t:
-        r = t.run_python(script, timeout=60)
+        r = t.run_python(script, timeout=300)
     assert r.exit_code == 0 and r.stdout == "é" * 100000 + "39999"
 
 
@@ -113,7 +113,7 @@ def test_unknown_host_key_refused_with_fingerprint(tmp_path, hosts):
     h = hosts[0]
     inv = _inventory(tmp_path, hosts, known_hosts=tmp_path / "empty_known_hosts")
     conns = h.count_connections()
-    t = open_transport(inv.hosts["host0"], connect_timeout=5)
+    t = open_transport(inv.hosts["host0"], connect_timeout=30)
     with pytest.raises(HostKeyRefused) as e:
         t.run_python("print(1)")
     msg = str(e.value)
@@ -228,7 +228,7 @@ def test_cut_connection_mid_command_is_connection_lost(inv, hosts, tmp_path):
         if line == "started":
             killed.append(h.kill_sessions())
 
-    t = open_transport(inv.hosts["host0"], connect_timeout=5)
+    t = open_transport(inv.hosts["host0"], connect_timeout=30)
     with pytest.raises(ConnectionLost) as e:  # not the script's 'finished' 30 s later
         t.run_python(script, on_stderr_line=on_line)
     assert killed and killed[0] >= 1
@@ -340,7 +340,7 @@ def test_local_transport_same_semantics(tmp_path):
     host = _local(tmp_path)
     with open_transport(host) as t:
         assert isinstance(t, LocalTransport)
-        r = t.run_python(STREAM_SCRIPT.format(flag=str(flag)), timeout=30, on_stderr_line=on_line)
+        r = t.run_python(STREAM_SCRIPT.format(flag=str(flag)), timeout=300, on_stderr_line=on_line)
         assert r == RunResult(5, "done\n", "waiting for flag\ngot flag\n")
         assert seen == ["waiting for flag", "got flag"]
         assert t.run_python("import os\nos.kill(os.getpid(), 9)\n").exit_code == -9
@@ -376,7 +376,7 @@ def test_wrong_key_is_unreachable_with_cause(tmp_path, hosts):
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     inv = _inventory(tmp_path, hosts, identity_file=key)
     with pytest.raises(HostUnreachable) as e:
-        open_transport(inv.hosts["host0"], connect_timeout=5).run_python("pass")
+        open_transport(inv.hosts["host0"], connect_timeout=30).run_python("pass")
     assert "authentication failed as 'root'" in str(e.value) and "host0" in str(e.value)
 
 
@@ -385,8 +385,9 @@ def test_idle_connection_cut_between_commands_reconnects(inv, hosts):
     with open_transport(inv.hosts["host1"]) as t:
         assert t.run_python("print(1)").stdout == "1\n"
         assert h.kill_sessions() >= 1
-        deadline = time.monotonic() + 5
-        while t._conn.is_connected and time.monotonic() < deadline:  # paramiko notices the EOF
+        deadline = time.monotonic() + 60  # only catches a hang
+        while t._conn.is_connected:  # paramiko notices the EOF
+            assert time.monotonic() < deadline, "the cut connection still looks connected"
             time.sleep(0.01)
         assert t.run_python("print(2)").stdout == "2\n"  # nothing was running: a fresh connection is safe
         assert t.connections_opened == 2
@@ -412,7 +413,7 @@ def test_hung_link_is_declared_lost_after_the_silence_limit(tmp_path, hosts):
         text = inventory_toml(hosts, known_hosts=kh, host_overrides={"host0": {"address": proxy.address, "port": proxy.port}})
         (tmp_path / "inv.toml").write_text(text)
         host = load_inventory(tmp_path / "inv.toml").hosts["host0"]
-        with open_transport(host, connect_timeout=5) as t:
+        with open_transport(host, connect_timeout=30) as t:
             # regular beats keep a long command alive under a short silence limit
             r = t.run_python(BEATING_SCRIPT.format(beats=8, every=0.25), silence=1.5)
             assert r.ok and r.stdout == "done\n" and r.stderr.count("beat") == 8
@@ -508,7 +509,7 @@ def test_cpu_starved_host_is_waited_for_until_its_agent_speaks(tmp_path, hosts):
     starver = threading.Thread(target=starve, daemon=True)
     starver.start()
     try:
-        with open_transport(host, connect_timeout=5) as t:
+        with open_transport(host, connect_timeout=30) as t:
             t0 = time.monotonic()
             r = t.run_python(BEATING_SCRIPT.format(beats=12, every=0.25), silence=silence,
                              on_stderr_line=lambda line: first_line.append(time.monotonic() - t0))
@@ -531,7 +532,7 @@ def test_a_link_that_freezes_before_the_agent_speaks_is_still_caught(tmp_path, h
         kh.write_text(f"[{proxy.address}]:{proxy.port} {h.host_key_pub}\n")
         host = _inventory(tmp_path, hosts, known_hosts=kh, python=str(wrapper),
                           host_overrides={"host0": {"address": proxy.address, "port": proxy.port}}).hosts["host0"]
-        with open_transport(host, connect_timeout=5) as t:
+        with open_transport(host, connect_timeout=30) as t:
             threading.Thread(target=lambda: (_wait_pid(pidfile), proxy.frozen.set()), daemon=True).start()
             with pytest.raises(ConnectionLost) as e:
                 t.run_python(BEATING_SCRIPT.format(beats=40, every=0.25), silence=1.5)
@@ -549,7 +550,7 @@ def test_a_command_that_never_starts_on_a_live_host_is_given_up_after_the_start_
     wrapper, pidfile, _go = _slow_start_python(tmp_path, "sleep 0.05")  # never told to go
     host = _inventory(tmp_path, hosts, python=str(wrapper)).hosts["host1"]
     try:
-        with open_transport(host, connect_timeout=5) as t:
+        with open_transport(host, connect_timeout=30) as t:
             t0 = time.monotonic()
             with pytest.raises(ConnectionLost) as e:
                 t.run_python("print('never')", silence=0.4)
