@@ -27,9 +27,7 @@ FAST_LANE = {
     "test_hostops.py": {"test_host_keys_are_checked_strictly", "test_unlock_refuses_a_live_holder_and_releases_a_stale_one"},
     "test_fleet.py": {"test_plan_touches_nothing_and_tells_what_apply_would_do"},
     "test_real_sglang.py": {"test_multi_request_extend"},  # one real-SGLang scenario, bit for bit
-    "test_operator.py": {"test_help_for_every_command_and_flag_and_global_flags_after_the_command",
-                         "test_bad_rollout_numbers_are_refused_before_anything", "test_rollout_parsers_refuse_the_same_values",
-                         "test_check_latest_is_not_a_version", "test_piped_tables_never_break_words"},
+    "test_operator.py": {"test_json_apply_still_prints_progress_on_stderr"},  # the operator's 2-host fleet
     "test_capture_run.py": {"test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent"},
     "test_capture_collect.py": {"test_collect_from_a_local_host_and_through_sudo"},
     "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},

@@ -1,5 +1,7 @@
-"""The operator's day (issue 13): interrupts through a real terminal, honest status, help, input
-checks, the reachability preflight of apply, a readable plan, private and masked logs, the demo."""
+"""What an operator sees on a real 2-host sshd fleet: Ctrl-C through a real terminal, status exit 3 and what to run,
+--json with progress on stderr, apply's reachability preflight, a readable plan, masked env and private logs; the demo.
+
+The command line on its own (help, flag checks, tables): test_cli.py."""
 
 from __future__ import annotations
 
@@ -168,7 +170,7 @@ def fleet(fleet2m):
         assert lf is None, f"{h.name}: lock left behind: {lf.read_text()}"
 
 
-# --- item 2: Ctrl-C ------------------------------------------------------------------------------
+# --- Ctrl-C ------------------------------------------------------------------------------------
 
 def test_first_ctrl_c_finishes_in_flight_units_and_starts_no_new_one(fleet):
     f = fleet
@@ -230,7 +232,7 @@ def test_second_ctrl_c_aborts_and_prints_how_to_recover_each_host(fleet):
     ev = run_events(last_run(f))
     assert ev[-1]["event"] == "run_end" and ev[-1]["exit_code"] == 3 and ev[-1]["aborted"] is True
     assert {e["host"]: e["outcome"] for e in ev if e["event"] == "host_result"} == {"host0": "unknown", "host1": "not reached"}
-    # status agrees that host0 needs attention (item 3) and names the same command
+    # status agrees that host0 needs attention and names the same command
     p, st = f.json("status", expect=3)
     assert st[0]["state"] == "pending" and st[0]["attention"]
     assert recover.split("   #")[0] in p.stderr
@@ -244,7 +246,7 @@ def test_second_ctrl_c_aborts_and_prints_how_to_recover_each_host(fleet):
     assert [s["state"] for s in st] == ["clean", "clean"] and all(s["lock"] is None for s in st)
 
 
-# --- item 3: status exits 3 and says what to run ------------------------------------------------
+# --- status exits 3 and says what to run ----------------------------------------------------
 
 def test_status_exits_3_and_says_what_to_run(fleet):
     f = fleet
@@ -280,7 +282,7 @@ def test_status_exits_3_and_says_what_to_run(fleet):
     assert f.patchctl("rollback", "--limit", "host0", "--force", "--no-restart").returncode == 0
 
 
-# --- item 4: --json apply keeps human progress on stderr ---------------------------------------
+# --- --json apply keeps human progress on stderr -------------------------------------------
 
 def test_json_apply_still_prints_progress_on_stderr(fleet):
     f = fleet
@@ -293,7 +295,7 @@ def test_json_apply_still_prints_progress_on_stderr(fleet):
     assert "run ended: exit 0" in p.stderr
 
 
-# --- item 5: apply runs plan's reachability preflight ------------------------------------------
+# --- apply runs plan's reachability preflight ----------------------------------------------
 
 def test_apply_refuses_a_dead_hook_before_any_change(fleet):
     f = fleet
@@ -318,7 +320,7 @@ def test_apply_refuses_a_dead_hook_before_any_change(fleet):
     assert '"hidden-dump-dead-hook", "--limit", "local", "--skip-trace"' in demo
 
 
-# --- item 13: plan shows what it read, the verdict, the restart, and the diff -------------------
+# --- plan shows what it read, the verdict, the restart, and the diff -------------------------
 
 def test_plan_shows_arch_trace_restart_command_env_and_diff(fleet):
     f = fleet
@@ -346,7 +348,7 @@ def test_plan_shows_arch_trace_restart_command_env_and_diff(fleet):
     assert re.search(r"\x1b\[[0-9;]*36m@@", term.raw), "hunk headers in cyan"
 
 
-# --- item 15: private logs, masked env ------------------------------------------------------------
+# --- private logs, masked env ------------------------------------------------------------------
 
 def test_env_values_are_masked_and_run_logs_are_private(fleet):
     f = fleet
@@ -379,100 +381,6 @@ def test_env_values_are_masked_and_run_logs_are_private(fleet):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     for x in logs:
         assert stat.S_IMODE(x.stat().st_mode) == 0o600, x
-
-
-# --- items 6, 7, 9, 11: the command line ---------------------------------------------------------
-
-def _help(*args: str) -> str:
-    p = subprocess.run([sys.executable, "-m", "patchctl", *args, "--help"], capture_output=True, text=True,
-                       env=dict(os.environ, COLUMNS="100"))
-    assert p.returncode == 0, p.stderr
-    return p.stdout
-
-
-def test_help_for_every_command_and_flag_and_global_flags_after_the_command():
-    from patchctl.cli import build_parser
-
-    top = _help()
-    assert "dispatch" not in top and "Apply versioned patch series" in top
-    assert "130" in top and "Ctrl-C" in top
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    for name, sp in sub.choices.items():
-        for a in sp._actions:
-            if a.help == "==SUPPRESS==":
-                continue
-            assert a.help and a.help.strip(), f"patchctl {name}: {a.option_strings or a.dest} has no help"
-    for a in parser._actions:
-        assert a.help, a.option_strings
-    trace = _help("trace")
-    for flag in ("--arch ARCH", "--sglang VER", "--tree PATH"):
-        assert re.search(re.escape(flag) + r"\s+\S", trace), flag
-    apply = " ".join(_help("apply").split())  # help text is wrapped: compare words
-    for needle in ("--on-fail", "rollback-all: also return", "--junit FILE", "also write a JUnit", "--log-dir DIR",
-                   "where run logs go", "--skip-trace", "SERIES", "the series to deploy", "130", "-v, --verbose"):
-        assert needle in apply, needle
-    assert "restore files only" in " ".join(_help("rollback").split())
-    # global flags after the command
-    args = parser.parse_args(["status", "--json", "-v", "--inventory", "x.toml"])
-    assert args.json and args.verbose and str(args.inventory) == "x.toml"
-    args = parser.parse_args(["--json", "status"])
-    assert args.json and args.inventory is None
-    p = subprocess.run([sys.executable, "-m", "patchctl", "series", "--json"], capture_output=True, text=True, cwd=REPO)
-    assert p.returncode == 0 and json.loads(p.stdout)["series"], p.stderr
-
-
-@pytest.mark.parametrize("argv,needle", [
-    (["--batch", "0%"], "--batch"),
-    (["--batch", "1,,2"], "--batch"),
-    (["--forks", "0"], "--forks"),
-    (["--forks=-3"], "--forks"),
-    (["--max-fail", "200%"], "--max-fail"),
-    (["--canary", "-1"], "--canary"),
-])
-def test_bad_rollout_numbers_are_refused_before_anything(tmp_path, argv, needle):
-    # an inventory that does not exist: the flag must be refused first, before anything is read
-    p = subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(tmp_path / "none.toml"),
-                        "apply", "hidden-dump", *argv], capture_output=True, text=True)
-    assert p.returncode == 2, p.stdout + p.stderr
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("patchctl: error: argument " + needle), last
-    assert "inventory" not in last
-
-
-def test_rollout_parsers_refuse_the_same_values():
-    from patchctl.core.rollout import parse_max_fail, plan_batches
-    from patchctl.core.errors import BadInput
-
-    for batch in ("0%", "1,,2", "0", "150%"):
-        with pytest.raises(BadInput):
-            plan_batches(8, 0, batch)
-    with pytest.raises(BadInput):
-        parse_max_fail("200%", 8)
-    assert plan_batches(8, 1, "1,25%,100%") == [1, 1, 2, 4] and parse_max_fail("25%", 8) == 2
-
-
-def test_check_latest_is_not_a_version(capsys):
-    from patchctl.cli import main
-
-    rc = main(["check", "hidden-dump", "--sglang", "latest"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "'latest' is not a version number" in err and "--force" not in err, err
-
-
-def test_piped_tables_never_break_words():
-    p = subprocess.run([sys.executable, "-m", "patchctl", "series"], capture_output=True, text=True, cwd=REPO,
-                       env=dict(os.environ, COLUMNS="80"))
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
-    assert any("hidden-dump-dead-hook" in l for l in lines), p.stdout
-    assert any("0001-hidden-dump-module.patch" in l for l in lines)
-    for l in lines:  # every cell whole: no name cut at the column edge
-        for cell in re.split(r"[│┃]", l):
-            c = cell.strip()
-            if c.startswith("hidden-dum"):  # a series name, or a reference to a patch of hidden-dump (issue 12)
-                assert c in ("hidden-dump", "hidden-dump-dead-hook", "hidden-dump/0001-hidden-dump-module.patch",
-                             "hidden-dump/0003-forward-batch-prompt-lens.patch"), l
 
 
 # --- item 10: the demo with XDG_CACHE_HOME, and what it leaves running --------------------------
