@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import ast
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -110,6 +111,19 @@ class _ClassRef:
         return f"<class {self.mod.name}.{self.name}>"
 
 
+def _parse(path: Path, rel: str) -> ast.Module:
+    """ast.parse of a file, shared by every index of this process while the file is the same one
+    (inode, size, mtime): parsing is most of a trace, and a sweep's scratch overlay and every later
+    trace of the same release read the same unpatched files. Nothing mutates the trees."""
+    st = path.stat()
+    return _parse_file(str(path), rel, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=2048)
+def _parse_file(path: str, rel: str, dev: int, ino: int, size: int, mtime_ns: int) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8", errors="replace"), filename=rel)
+
+
 class SourceIndex:
     """Lazily parsed view of an SGLang tree, with a scratch overlay for patched files."""
 
@@ -146,7 +160,7 @@ class SourceIndex:
                 p = self.path_of(rel)
                 if p is not None:
                     try:
-                        tree = ast.parse(p.read_text(encoding="utf-8", errors="replace"), filename=rel)
+                        tree = _parse(p, rel)
                     except SyntaxError:
                         break
                     self.parsed += 1
