@@ -28,6 +28,9 @@ FAST_LANE = {
     "test_fleet.py": {"test_plan_touches_nothing_and_tells_what_apply_would_do"},
     "test_real_sglang.py": {"test_multi_request_extend"},  # one real-SGLang scenario, bit for bit
     "test_operator.py": {"test_json_apply_still_prints_progress_on_stderr"},  # the operator's 2-host fleet
+    # the stand-in: its HTTP surface, a dump through a tree's hook, a tree that does not compile
+    "test_simserver.py": {"test_pristine_tree_readiness_and_http_surface", "test_dump_through_tree_hook",
+                          "test_syntax_error_fails_startup"},
     "test_capture_run.py": {"test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent"},
     "test_capture_collect.py": {"test_collect_from_a_local_host_and_through_sudo"},
     "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},
