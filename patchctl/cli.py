@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import re
 import shlex
@@ -15,33 +16,42 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.core.console import App
 from patchctl.core.errors import EXIT_BAD_INPUT, PatchctlError
+from patchctl.core.options import CaptureOptions, DeployOptions, QueryOptions
 from patchctl.core.rollout import parse_batch, parse_max_fail_spec
 
-# command -> (module, function). Modules are imported on use so that `patchctl series`
-# does not pay for Fabric, and a missing optional dependency only breaks its own command.
+# command -> (module, function, options). Modules are imported on use so that `patchctl series` does not
+# pay for Fabric, and a missing optional dependency only breaks its own command. A fleet command gets its
+# options as one frozen object built here (core.options); a local command gets the parsed arguments.
 COMMANDS = {
-    "series": ("patchctl.core.series", "run_series"),
-    "check": ("patchctl.commands.check", "run_check"),
-    "new": ("patchctl.commands.authoring", "run_new"),
-    "refresh": ("patchctl.commands.authoring", "run_refresh"),
-    "trace": ("patchctl.core.trace", "run_trace"),
-    "inventory": ("patchctl.core.inventory", "run_inventory"),
-    "plan": ("patchctl.commands.queries", "run_plan"),
-    "apply": ("patchctl.commands.deploy", "run_apply"),
-    "rollback": ("patchctl.commands.deploy", "run_rollback"),
-    "status": ("patchctl.commands.queries", "run_status"),
-    "smoke": ("patchctl.commands.deploy", "run_smoke"),
-    "history": ("patchctl.commands.queries", "run_history"),
-    "unlock": ("patchctl.commands.queries", "run_unlock"),
-    "restart": ("patchctl.commands.service", "run_restart"),
-    "start": ("patchctl.commands.service", "run_start"),
-    "stop": ("patchctl.commands.service", "run_stop"),
-    "capture prepare": ("patchctl.commands.capture.prepare", "run_prepare"),
-    "capture regenerate": ("patchctl.commands.capture.regenerate", "run_regenerate"),
-    "capture run": ("patchctl.commands.capture.runner", "run_capture"),
-    "capture status": ("patchctl.commands.capture.collect", "run_capture_status"),
-    "capture collect": ("patchctl.commands.capture.collect", "run_capture_collect"),
+    "series": ("patchctl.core.series", "run_series", None),
+    "check": ("patchctl.commands.check", "run_check", None),
+    "new": ("patchctl.commands.authoring", "run_new", None),
+    "refresh": ("patchctl.commands.authoring", "run_refresh", None),
+    "trace": ("patchctl.core.trace", "run_trace", None),
+    "inventory": ("patchctl.core.inventory", "run_inventory", None),
+    "plan": ("patchctl.commands.queries", "run_plan", QueryOptions),
+    "apply": ("patchctl.commands.deploy", "run_apply", DeployOptions),
+    "rollback": ("patchctl.commands.deploy", "run_rollback", DeployOptions),
+    "status": ("patchctl.commands.queries", "run_status", QueryOptions),
+    "smoke": ("patchctl.commands.deploy", "run_smoke", DeployOptions),
+    "history": ("patchctl.commands.queries", "run_history", QueryOptions),
+    "unlock": ("patchctl.commands.queries", "run_unlock", QueryOptions),
+    "restart": ("patchctl.commands.service", "run_restart", DeployOptions),
+    "start": ("patchctl.commands.service", "run_start", DeployOptions),
+    "stop": ("patchctl.commands.service", "run_stop", DeployOptions),
+    "capture prepare": ("patchctl.commands.capture.prepare", "run_prepare", None),
+    "capture regenerate": ("patchctl.commands.capture.regenerate", "run_regenerate", CaptureOptions),
+    "capture run": ("patchctl.commands.capture.runner", "run_capture", CaptureOptions),
+    "capture status": ("patchctl.commands.capture.collect", "run_capture_status", None),
+    "capture collect": ("patchctl.commands.capture.collect", "run_capture_collect", CaptureOptions),
 }
+
+
+def options(cls, args: argparse.Namespace):
+    """The frozen options of a fleet command, from its parsed arguments: every field its parser has
+    (the others keep their defaults). The only place that reads the Namespace for them."""
+    given = vars(args)
+    return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
 
 
 def _default_patches_dir() -> Path:
@@ -539,9 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         command_prefix=_command_prefix(args),
     )
     key = args.command if args.command != "capture" else f"capture {args.capture_command}"
-    module, func = COMMANDS[key]
+    module, func, opts_cls = COMMANDS[key]
     try:
-        return int(getattr(importlib.import_module(module), func)(app, args) or 0)
+        return int(getattr(importlib.import_module(module), func)(app, options(opts_cls, args) if opts_cls else args) or 0)
     except PatchctlError as e:
         print(f"patchctl: {e}", file=sys.stderr)
         return e.exit_code

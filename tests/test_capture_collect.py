@@ -469,13 +469,11 @@ def test_specforge_refuses_a_run_of_four_layers_before_any_work(fleet, tmp_path)
 def _pull(f, host, run, paths):
     """The agent's pull op over the host's real SSH connection, as collect calls it."""
     from patchctl.core.console import App
+    from patchctl.core.options import RunOptions
     from patchctl.core.session import Run
 
-    class Args:
-        limit = host.name
-
     app = App(patches_dir=f.patches, inventory_path=f.inventory)
-    r = Run(app, Args(), "test")
+    r = Run(app, RunOptions(limit=host.name), "test")
     try:
         return r.session(r.hosts[0]).call("pull", run=run, files=[{"path": str(p)} for p in paths])["files"]
     finally:

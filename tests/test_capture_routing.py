@@ -2,7 +2,8 @@
 played exactly, not left to the timing of real hosts (test_capture_run.py runs the whole thing over
 real sshd hosts; a server killed there at one moment rather than another once left samples pending).
 
-Real: the dataset file and its loader, the run's journal on disk, the routing code. Replaced: the
+Real: the dataset file and its loader, the run's journal on disk, the routing code, the Run (over an
+inventory of local hosts it never contacts). Replaced: the
 hosts (each is a stream whose lines the test reads, and events the test plays back as an agent would
 send them) and the live progress display (a recorder: it draws nothing here).
 """
@@ -10,21 +11,25 @@ send them) and the live progress display (a recorder: it draws nothing here).
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 from patchctl.commands.capture import dataset as datasets
 from patchctl.commands.capture.journal import Journal
 from patchctl.commands.capture.runner import CaptureRun, Item, Lane, _Stream
+from patchctl.core.console import App
+from patchctl.core.options import CaptureOptions
+from patchctl.core.session import Run
 
 
 class Progress:
+    noun = "samples"
+
     def __init__(self):
         self.said = []
 
     def announce(self, msg):
         self.said.append(msg)
 
-    def sample_done(self, *a):
+    def sample_done(self, *a, **kw):
         pass
 
     def sample_failed(self, *a):
@@ -35,9 +40,12 @@ def setup(tmp_path, n, hosts=("a", "b", "c"), max_fail="1"):
     path = tmp_path / "ds.jsonl"
     path.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": [1, 2, 3 + i]}) + "\n" for i in range(n)))
     ds = datasets.load_dataset(path, "patchctl-cap-t-")
-    args = SimpleNamespace(in_flight=1, max_fail=max_fail)
-    cr = CaptureRun(None, args, None, "t", "patchctl-cap-t", ds, Journal(tmp_path), Progress())
-    lanes = [Lane(SimpleNamespace(name=h), {}, stream=_Stream()) for h in hosts]
+    inv = tmp_path / "inventory.toml"  # local hosts: the Run is real, no host is ever contacted
+    inv.write_text("".join(f'[hosts.{h}]\nconnection = "local"\nsglang_root = "{tmp_path}"\n' for h in hosts))
+    opts = CaptureOptions(in_flight=1, max_fail=max_fail)
+    run = Run(App(patches_dir=tmp_path, inventory_path=inv), opts, "capture run")
+    cr = CaptureRun(run.app, opts, run, "t", "patchctl-cap-t", ds, Journal(tmp_path), Progress())
+    lanes = [Lane(h, {}, stream=_Stream()) for h in run.hosts]
     cr.lanes = {l.host.name: l for l in lanes}
     cr.max_fail = 1
     cr.pending.extend(Item(s) for s in ds.samples)

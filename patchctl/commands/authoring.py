@@ -224,7 +224,7 @@ def _record(app, args, *, refresh: bool) -> int:
     if not refresh and (sdir / fname).exists():
         raise BadInput(f"{sdir / fname} exists but is not recorded in {SERIES_FILE}; remove it or pick another name")
 
-    text, facts = capture_diff(args.from_tree, getattr(args, "base", None), log=app.info)
+    text, facts = capture_diff(args.from_tree, args.base, log=app.info)
     files = validate_patch_text(text, file=f"{args.from_tree} (diff for {fname})")
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     description = args.description if args.description is not None else (

@@ -155,8 +155,8 @@ def check_tree(series: Series, root: Path, scratch: Path) -> dict:
 
 
 def _resolve_target(series: Series, args, app) -> tuple[Path, str | None, str]:
-    force = bool(getattr(args, "force", False))
-    if getattr(args, "tree", None):
+    force = args.force
+    if args.tree:
         root = tree_root(args.tree)
         version = tree_version(root)
         source = f"tree {root}"
@@ -164,7 +164,7 @@ def _resolve_target(series: Series, args, app) -> tuple[Path, str | None, str]:
             raise BadInput(f"cannot tell the SGLang version of {args.tree} (no sglang/_version.py, version.py "
                            f"or dist-info); pass --force to check anyway")
     else:
-        version = getattr(args, "sglang", None) or series.pinned_version()
+        version = args.sglang or series.pinned_version()
         if not version:
             raise BadInput(f"series {series.name} targets SGLang {series.sglang}, not one exact release; "
                            f"pass --sglang VER or --tree PATH")
@@ -253,7 +253,7 @@ def run_check(app, args) -> int:
         series = load_series(app.patches_dir, args.series)
         root, version, source = _resolve_target(series, args, app)
     except BadInput as e:
-        if getattr(args, "junit", None):
+        if args.junit:
             write_junit(args.junit, f"patchctl check {args.series}", [
                 {"name": f"series {args.series}", "classname": f"check.{args.series}", "time": 0.0,
                  "status": "error", "message": str(e)}])
@@ -265,7 +265,7 @@ def run_check(app, args) -> int:
         report = check_tree(series, root, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    archs = list(getattr(args, "arch", []) or [])
+    archs = list(args.arch)
     report["trace"] = _trace(root, series, archs, app) if report["applied"] else None
     if report["trace"] is not None and report["trace"].get("ok") is False:
         report["ok"] = False
@@ -293,7 +293,7 @@ def run_check(app, args) -> int:
     if cc is not None:
         t.add_row("capture config", "ok" if cc["ok"] else "REFUSED", "; ".join(cc["refusals"]) or cc["detail"])
     app.result(report, t)
-    if getattr(args, "junit", None):
+    if args.junit:
         write_junit(args.junit, f"patchctl check {series.name}", _junit_cases(series, report))
 
     if not report["applied"]:

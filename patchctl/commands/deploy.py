@@ -20,9 +20,9 @@ from pathlib import Path
 from patchctl.core.console import App
 from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
+from patchctl.core.options import DeployOptions
 from patchctl.core.remote import AgentFailure, AgentLost
 from patchctl.core.preflight import preflight
-from patchctl.core.report import Reporter
 from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, UnitResult, host_error
@@ -51,7 +51,7 @@ def repo_commit(patches_dir: Path) -> str | None:
 
 
 class UnitDeploy:
-    def __init__(self, run: Run, series: Series | None, nodes: list[Host], opts):
+    def __init__(self, run: Run, series: Series | None, nodes: list[Host], opts: DeployOptions):
         self.run = run
         self.series = series
         self.nodes = nodes
@@ -222,26 +222,19 @@ def failure_reason(e: Exception, msg: str, host: str | None = None) -> str:
     return (f"{host}: " if host else "") + said
 
 
-def run_apply(app: App, args) -> int:
-    series = load_series(app.patches_dir, args.series)
-    run = Run(app, args, "apply")
-    app.masker = app.masker.with_public(series.smoke.env)
-    run.series_req, run.repo_commit = series.to_request(), repo_commit(app.patches_dir)
-    units = run.units()
-    for u in units:
-        for h in u:
-            run.unit_of[h.name] = [n.name for n in u]
-    sizes = plan_batches(len(units), args.canary, args.batch)
-    max_fail = parse_max_fail(args.max_fail, len(units))
-    rep = Reporter(app, run.run_id, f"apply {series.name} {series.version}", [h.name for u in units for h in u],
-                   log_dir=args.log_dir)
-    run.reporter = rep
+def run_apply(app: App, opts: DeployOptions) -> int:
+    series = load_series(app.patches_dir, opts.series)
+    run = Run(app, opts, "apply", title=f"apply {series.name} {series.version}", public_env=series.smoke.env,
+              series_req=series.to_request(), repo_commit=repo_commit(app.patches_dir))
+    units, rep = run.units(), run.reporter
+    sizes = plan_batches(len(units), opts.canary, opts.batch)
+    max_fail = parse_max_fail(opts.max_fail, len(units))
     results: list[UnitResult] = []
     deploys: list[UnitDeploy] = []
     stopped = None
     try:
         with rep, Interrupts(run) as intr:
-            blocked = {} if getattr(args, "skip_trace", False) else preflight(run, series, run.hosts)
+            blocked = {} if opts.skip_trace else preflight(run, series, run.hosts)
             if blocked:  # refuse the whole run before any change: nothing touched anywhere
                 stopped = "refused by the reachability preflight (nothing touched; --skip-trace deploys anyway)"
                 for u in units:
@@ -252,17 +245,17 @@ def run_apply(app: App, args) -> int:
                                                   + "; ".join(why) + ". Nothing was touched; --skip-trace deploys "
                                                   "anyway and lets the smoke decide"))
                 sizes = []
-            stopped = rollout(run, args, units, sizes, max_fail, lambda u: UnitDeploy(run, series, u, args),
+            stopped = rollout(run, opts, units, sizes, max_fail, lambda u: UnitDeploy(run, series, u, opts),
                               results, deploys, stopped)
             if intr.interrupted:
                 stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
             if stopped:
                 rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
                 app.info(f"run stopped: {stopped}")
-                if args.on_fail == "rollback-all" and intr.interrupted:
+                if opts.on_fail == "rollback-all" and intr.interrupted:
                     app.info("--on-fail rollback-all is not applied after Ctrl-C: units this run deployed stay "
                              f"deployed (return them with: {app.cmd('rollback', '--limit', ','.join(h for r in results if r.touched and not r.failed for h in r.hosts) or 'HOSTS')})")
-                elif args.on_fail == "rollback-all":
+                elif opts.on_fail == "rollback-all":
                     ok_units = [(d, r) for d, r in zip(deploys, results) if r.touched and not r.failed]
 
                     def undo(pair):
@@ -275,7 +268,7 @@ def run_apply(app: App, args) -> int:
                             rep.host_result(h, r.outcome, r.exit_code, r.message)
 
                     run.parallel(undo, ok_units)
-            code = finish(app, run, rep, results, args.junit, {"stopped": stopped, "interrupted": intr.interrupted})
+            code = finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
             if stopped and code == 0:
                 code = 1
             return code
@@ -283,16 +276,14 @@ def run_apply(app: App, args) -> int:
         run.close()
 
 
-def run_rollback(app: App, args) -> int:
-    run = Run(app, args, "rollback")
-    units = run.units()
-    rep = Reporter(app, run.run_id, "rollback", [h.name for u in units for h in u])
-    run.reporter = rep
+def run_rollback(app: App, opts: DeployOptions) -> int:
+    run = Run(app, opts, "rollback", title="rollback")
+    units, rep = run.units(), run.reporter
 
     def one(nodes: list[Host]) -> UnitResult:
-        d = UnitDeploy(run, None, nodes, args)
+        d = UnitDeploy(run, None, nodes, opts)
         try:
-            changed, msg = d.rollback_requested(args.to, args.force, restart_server=not args.no_restart)
+            changed, msg = d.rollback_requested(opts.to, opts.force, restart_server=not opts.no_restart)
             return UnitResult(d.names, "rolled back" if changed else "unchanged", msg, touched=changed)
         except PatchctlError as e:
             outcome, msg = host_error(e)
@@ -306,11 +297,10 @@ def run_rollback(app: App, args) -> int:
         run.close()
 
 
-def run_smoke(app: App, args) -> int:
-    series = load_series(app.patches_dir, args.series) if args.series else None
-    run = Run(app, args, "smoke")
-    rep = Reporter(app, run.run_id, "smoke", [h.name for h in run.hosts])
-    run.reporter = rep
+def run_smoke(app: App, opts: DeployOptions) -> int:
+    series = load_series(app.patches_dir, opts.series) if opts.series else None
+    run = Run(app, opts, "smoke", title="smoke", by_unit=False)
+    rep = run.reporter
 
     def one(h: Host) -> UnitResult:
         s = run.session(h)
@@ -332,6 +322,6 @@ def run_smoke(app: App, args) -> int:
     try:
         with rep:
             results = run.parallel(one, run.hosts)
-            return finish(app, run, rep, results, args.junit)
+            return finish(app, run, rep, results, opts.junit)
     finally:
         run.close()

@@ -18,6 +18,7 @@ import sys
 
 from patchctl.core.console import App, table
 from patchctl.core.inventory import CONTROLLER_PYTHON, Host
+from patchctl.core.options import QueryOptions
 from patchctl.core.preflight import Reachability
 from patchctl.core.redact import MASK
 from patchctl.core.remote import AgentFailure
@@ -25,9 +26,10 @@ from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, describe_holder, holder_is_stale, host_error, worst
 
 
-def _simple(app: App, args, command: str, per_host, render, exit_of=None, after=None, page: bool = False) -> int:
+def _simple(app: App, opts: QueryOptions, command: str, per_host, render, exit_of=None, after=None, page: bool = False,
+            public_env=()) -> int:
     """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
-    run = Run(app, args, command)
+    run = Run(app, opts, command, public_env=public_env)
 
     def one(h: Host):
         s = run.session(h)
@@ -86,7 +88,7 @@ def attention_of(app: App, d: dict) -> list[dict]:
     return out
 
 
-def run_status(app: App, args) -> int:
+def run_status(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
         r = s.call("status")
         m = r.get("manifest") or {}
@@ -129,7 +131,7 @@ def run_status(app: App, args) -> int:
         d["attention"] = attention_of(app, dict(d, host=s.host.name))
         return d
 
-    return _simple(app, args, "status", with_attention, render, exit_of=exit_of, after=hints)
+    return _simple(app, opts, "status", with_attention, render, exit_of=exit_of, after=hints)
 
 
 def uptime_text(seconds) -> str:
@@ -194,8 +196,8 @@ def history_plain(data: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_history(app: App, args) -> int:
-    last = getattr(args, "last", None)
+def run_history(app: App, opts: QueryOptions) -> int:
+    last = opts.last
 
     def per_host(s: HostSession):
         r = s.call("history")
@@ -217,16 +219,16 @@ def run_history(app: App, args) -> int:
                 t.add_row(d["host"], hid, time_, op, series, _short(outcome), _short(why, 240), run)
         return t
 
-    return _simple(app, args, "history", per_host, render)
+    return _simple(app, opts, "history", per_host, render)
 
 
-def run_unlock(app: App, args) -> int:
+def run_unlock(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
         r = s.call("status")
         h = r.get("lock")
         if not h:
             return {"unlocked": None, "message": "not locked"}
-        if not args.force and not holder_is_stale(h):
+        if not opts.force and not holder_is_stale(h):
             raise AgentFailure("locked", f"held by {describe_holder(h)}, which may still be alive; use --force to release it", {"holder": h})
         s.call("unlock", expect_run_id=h.get("run_id"))
         return {"unlocked": h, "message": f"released lock of {describe_holder(h)}"}
@@ -237,11 +239,11 @@ def run_unlock(app: App, args) -> int:
             t.add_row(d["host"], d.get("message") or d.get("error", ""))
         return t
 
-    return _simple(app, args, "unlock", per_host, render)
+    return _simple(app, opts, "unlock", per_host, render)
 
 
-def run_plan(app: App, args) -> int:
-    series = load_series(app.patches_dir, args.series)
+def run_plan(app: App, opts: QueryOptions) -> int:
+    series = load_series(app.patches_dir, opts.series)
     sreq = series.to_request()
     reach = Reachability(series)
 
@@ -256,17 +258,16 @@ def run_plan(app: App, args) -> int:
                 d["reachability"] = dict(v, arch=arch)
                 if not v["ok"]:
                     d["blockers"].append(f"{arch}: {v['detail']}")
-        if getattr(args, "diff", False):
+        if opts.diff:
             d["file_diffs"] = file_diffs(series)
         return d
 
     def render(data):
-        app.masker = app.masker.with_public(series.smoke.env)
-        return render_plan(app, series, data, show_diff=getattr(args, "diff", False))
+        return render_plan(app, series, data, show_diff=opts.diff)
 
-    return _simple(app, args, "plan", per_host, render,
+    return _simple(app, opts, "plan", per_host, render,
                    exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2),
-                   page=getattr(args, "diff", False))
+                   page=opts.diff, public_env=series.smoke.env)
 
 
 def file_diffs(series: Series) -> dict[str, str]:

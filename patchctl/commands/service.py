@@ -15,7 +15,7 @@ from patchctl.core.console import App
 from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
-from patchctl.core.report import Reporter
+from patchctl.core.options import DeployOptions
 from patchctl.core.session import Run, UnitResult, host_error
 
 PAST = {"start": "started", "stop": "stopped", "restart": "restarted"}
@@ -25,14 +25,14 @@ class ServiceUnit:
     """One unit's server: one agent command for a one-node unit; a multi-node unit stops every node,
     starts the head, then the others, waits on (and smokes through) the head, then gives the locks back."""
 
-    def __init__(self, run: Run, nodes: list[Host], args, action: str):
-        self.run, self.nodes, self.args, self.action = run, nodes, args, action
+    def __init__(self, run: Run, nodes: list[Host], opts: DeployOptions, action: str):
+        self.run, self.nodes, self.opts, self.action = run, nodes, opts, action
         self.sessions = [run.session(h) for h in nodes]
         self.head = self.sessions[0]
         self.names = [h.name for h in nodes]
 
     def fields(self, host: Host) -> dict:
-        smoke = getattr(self.args, "smoke", None)  # None: where a capture series is deployed
+        smoke = self.opts.smoke  # None: where a capture series is deployed
         f = {"action": self.action, "smoke": smoke}
         if host.server.capture_layers:
             f["capture_layers"] = host.server.capture_layers
@@ -60,7 +60,7 @@ class ServiceUnit:
         if sm:
             msg += f"; smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s"
         elif self.action != "stop":
-            msg += "; no smoke (" + ("--no-smoke" if getattr(self.args, "smoke", None) is False
+            msg += "; no smoke (" + ("--no-smoke" if self.opts.smoke is False
                                      else "no capture series deployed") + ")"
         return UnitResult(self.names, PAST[self.action], msg, touched=True)
 
@@ -112,28 +112,22 @@ def _state_left(action: str):
     return describe
 
 
-def run_service(app: App, args, action: str) -> int:
-    run = Run(app, args, action)
-    units = run.units()
-    for u in units:
-        for h in u:
-            run.unit_of[h.name] = [n.name for n in u]
-    run.recover_verb = "stop" if action == "stop" else "restart"
-    run.state_left = _state_left(action)
-    sizes = plan_batches(len(units), args.canary, args.batch)
-    max_fail = parse_max_fail(args.max_fail, len(units))
-    rep = Reporter(app, run.run_id, action, [h.name for u in units for h in u], log_dir=args.log_dir)
-    run.reporter = rep
+def run_service(app: App, opts: DeployOptions, action: str) -> int:
+    run = Run(app, opts, action, title=action, recover_verb="stop" if action == "stop" else "restart",
+              state_left=_state_left(action))
+    units, rep = run.units(), run.reporter
+    sizes = plan_batches(len(units), opts.canary, opts.batch)
+    max_fail = parse_max_fail(opts.max_fail, len(units))
     results: list[UnitResult] = []
     try:
         with rep, Interrupts(run) as intr:
-            stopped = rollout(run, args, units, sizes, max_fail, lambda u: ServiceUnit(run, u, args, action), results, [])
+            stopped = rollout(run, opts, units, sizes, max_fail, lambda u: ServiceUnit(run, u, opts, action), results, [])
             if intr.interrupted:
                 stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
             if stopped:
                 rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
                 app.info(f"run stopped: {stopped}")
-            code = finish(app, run, rep, results, args.junit, {"stopped": stopped, "interrupted": intr.interrupted})
+            code = finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
             if stopped and code == 0:
                 code = 1
             return code
@@ -141,13 +135,13 @@ def run_service(app: App, args, action: str) -> int:
         run.close()
 
 
-def run_restart(app: App, args) -> int:
-    return run_service(app, args, "restart")
+def run_restart(app: App, opts: DeployOptions) -> int:
+    return run_service(app, opts, "restart")
 
 
-def run_start(app: App, args) -> int:
-    return run_service(app, args, "start")
+def run_start(app: App, opts: DeployOptions) -> int:
+    return run_service(app, opts, "start")
 
 
-def run_stop(app: App, args) -> int:
-    return run_service(app, args, "stop")
+def run_stop(app: App, opts: DeployOptions) -> int:
+    return run_service(app, opts, "stop")

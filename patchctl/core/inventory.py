@@ -564,7 +564,7 @@ def run_inventory(app, args) -> int:
 
     inv = load_inventory(app.inventory_path)
     app.masker = Masker.from_inventory(inv)
-    selected = inv.select(getattr(args, "limit", None))
+    selected = inv.select(args.limit)
     if app.json:
         hosts = []
         for h in selected:

@@ -21,6 +21,7 @@ from patchctl.host.protocol import Outcome
 if TYPE_CHECKING:  # the CLI imports the parsers at start-up: no SSH stack for them
     from patchctl.core.console import App
     from patchctl.core.inventory import Host
+    from patchctl.core.options import DeployOptions
     from patchctl.core.report import Reporter
     from patchctl.core.session import Run, UnitResult
 
@@ -116,7 +117,7 @@ def plan_batches(n_units: int, canary: int, batch: str | None) -> list[int]:
     return sizes
 
 
-def rollout(run: Run, args, units: list[list[Host]], sizes: list[int], max_fail: int, make, results: list,
+def rollout(run: Run, opts: DeployOptions, units: list[list[Host]], sizes: list[int], max_fail: int, make, results: list,
             workers: list, stopped: str | None = None) -> str | None:
     """Units in batches (canary first), each batch's units at once (--forks); stops starting batches on
     Ctrl-C, once more than `max_fail` units failed, or after a halted unit (--on-fail halt). `make(unit)`
@@ -129,7 +130,7 @@ def rollout(run: Run, args, units: list[list[Host]], sizes: list[int], max_fail:
             break
         batch = units[pos:pos + size]
         pos += size
-        label = "canary" if (bi == 0 and args.canary) else f"batch {bi + (0 if args.canary else 1)}"
+        label = "canary" if (bi == 0 and opts.canary) else f"batch {bi + (0 if opts.canary else 1)}"
         rep.emit({"event": "batch_start", "run_id": run.run_id, "batch": label, "hosts": [h.name for u in batch for h in u]})
         ds = [make(u) for u in batch]
         workers += ds
@@ -140,8 +141,8 @@ def rollout(run: Run, args, units: list[list[Host]], sizes: list[int], max_fail:
         results += batch_results
         failures = sum(1 for r in results if r.failed)
         if failures > max_fail:
-            return f"{failures} failed unit(s) > --max-fail {args.max_fail} (= {max_fail}) after {label}"
-        if getattr(args, "on_fail", None) == "halt" and any(r.outcome is Outcome.HALTED for r in batch_results):
+            return f"{failures} failed unit(s) > --max-fail {opts.max_fail} (= {max_fail}) after {label}"
+        if opts.on_fail == "halt" and any(r.outcome is Outcome.HALTED for r in batch_results):
             return f"halted after {label}"
     return stopped
 

@@ -22,6 +22,7 @@ from patchctl.core import remote
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.inventory import CONTROLLER_PYTHON, Host, Inventory, load_inventory
+from patchctl.core.options import RunOptions
 from patchctl.core.redact import Masker
 from patchctl.core.remote import AgentFailure, AgentLost
 from patchctl.core.report import Reporter
@@ -213,35 +214,45 @@ def beat_interval(silence: float) -> float:
 
 
 class Run:
-    """Global state of one command over the fleet."""
+    """Global state of one command over the fleet, complete once constructed: the inventory, the hosts
+    selected and their units, the masker (built once: the inventory's env, plus `public_env` names, e.g.
+    the series' smoke env that series.toml commits), the reporter when the command reports steps
+    (`title`), and what apply sends (`series_req`, `repo_commit`) or a cut-off unit is recovered with."""
 
-    def __init__(self, app: App, args, command: str):
+    def __init__(self, app: App, opts: RunOptions, command: str, *, title: str | None = None,
+                 public_env=(), series_req: SeriesRequest | None = None, repo_commit: str | None = None,
+                 recover_verb: str = "rollback", state_left=None, by_unit: bool = True):
         self.app = app
-        self.args = args
+        self.opts = opts
         self.command = command
         self.inventory: Inventory = load_inventory(app.inventory_path)
-        app.masker = Masker.from_inventory(self.inventory)
-        self.hosts = self.inventory.select(getattr(args, "limit", None))
+        app.masker = Masker.from_inventory(self.inventory, extra_public=public_env)
+        self.hosts = self.inventory.select(opts.limit)
         if not self.hosts:
             raise BadInput("no hosts selected", file=str(app.inventory_path))
         self.run_id = new_run_id()
         self.holder = holder_info(self.run_id, " ".join(["patchctl"] + sys.argv[1:]))
-        self.accept_new_host_keys = getattr(args, "accept_new_host_keys", False)
+        self.accept_new_host_keys = opts.accept_new_host_keys
         self.connect_timeout = env_seconds("PATCHCTL_CONNECT_TIMEOUT", 10.0)
         self.silence = env_seconds("PATCHCTL_SILENCE_S", 30.0)
         # the agents' heartbeat interval: 4 beats per silence limit (7.5 s at the default 30 s), bounded
         # to 0.5 .. 15 s. Each beat costs this controller CPU; a link probe (transport) covers the gaps
         self.beat_s = beat_interval(self.silence)
-        self.forks = getattr(args, "forks", None) or DEFAULT_FORKS
+        self.forks = opts.forks or DEFAULT_FORKS
         self.sessions: dict[str, HostSession] = {}
-        self.reporter: Reporter | None = None
-        self.series_req: SeriesRequest | None = None  # apply: the series as sent to every host (built once)
-        self.repo_commit: str | None = None
+        self.series_req = series_req  # apply: the series as sent to every host (built once)
+        self.repo_commit = repo_commit
         self.stopping = threading.Event()  # first Ctrl-C: start no new unit
         self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
+        self.recover_verb = recover_verb  # after a second Ctrl-C: the command that recovers a cut-off unit
+        self.state_left = state_left  # steps -> what a cut-off unit was left in (None: apply's reading)
+        self._units: list[list[Host]] | None = None
         self.unit_of: dict[str, list[str]] = {}  # host -> the names of its unit (recovery commands)
-        self.recover_verb = "rollback"  # after a second Ctrl-C: the command that recovers a cut-off unit
-        self.state_left = None  # steps -> what a cut-off unit was left in (None: apply's reading)
+        self.reporter: Reporter | None = None
+        if title is not None:  # by_unit: a server's nodes are reported (and recovered) together
+            units = self.units() if by_unit else [[h] for h in self.hosts]
+            self.unit_of = {h.name: [n.name for n in u] for u in units for h in u} if by_unit else {}
+            self.reporter = Reporter(app, self.run_id, title, [h.name for u in units for h in u], log_dir=opts.log_dir)
 
     def session(self, host: Host) -> HostSession:
         if host.name not in self.sessions:
@@ -249,7 +260,10 @@ class Run:
         return self.sessions[host.name]
 
     def units(self) -> list[list[Host]]:
-        """Selected hosts grouped into deploy units; selecting one node of a server selects all its nodes."""
+        """Selected hosts grouped into deploy units; selecting one node of a server selects all its nodes
+        (said once)."""
+        if self._units is not None:
+            return self._units
         out, seen = [], set()
         for h in self.hosts:
             if h.name in seen:
@@ -265,6 +279,7 @@ class Run:
             else:
                 out.append([h])
                 seen.add(h.name)
+        self._units = out
         return out
 
     def parallel(self, fn, items):

@@ -44,6 +44,7 @@ from patchctl.commands.capture.journal import Journal, RunState, check_run_name,
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file, write_atomic
+from patchctl.core.options import CaptureOptions
 from patchctl.host import convert as hconvert
 from patchctl.host.protocol import Outcome
 from patchctl.host.smoke import check_layers
@@ -561,16 +562,16 @@ def _prepare_to(out: Path, name: str, fmt: str, st: RunState) -> dict[str, dict]
     return prev
 
 
-def run_capture_collect(app: App, args) -> int:
+def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     from patchctl.core.report import Reporter
 
-    name = args.name
+    name = opts.name
     info, st = _load(name)
-    on_host = getattr(args, "on_host", None)
-    fmt = "in-place" if args.in_place else args.format
-    if args.in_place and args.format != "safetensors":
+    on_host = opts.on_host
+    fmt = "in-place" if opts.in_place else opts.format
+    if opts.in_place and opts.format != "safetensors":
         raise BadInput("--in-place pulls nothing, so there is nothing to convert: leave out --format")
-    if on_host is not None and (args.format != "specforge" or args.in_place):
+    if on_host is not None and (opts.format != "specforge" or opts.in_place):
         raise BadInput("--on-host DIR converts on the hosts into SpecForge's format: use it with --format specforge "
                        "(and without --in-place)")
     if fmt == "specforge":
@@ -582,15 +583,15 @@ def run_capture_collect(app: App, args) -> int:
 
             require_torch()
     if on_host is not None:
-        return run_on_host(app, args, name, info, st, on_host)
-    if args.to is None:
+        return run_on_host(app, opts, name, info, st, on_host)
+    if opts.to is None:
         raise BadInput("--to DIR is required (only --on-host has a default)")
-    out = Path(args.to).expanduser().absolute()
+    out = Path(opts.to).expanduser().absolute()
     prev = _prepare_to(out, name, fmt, st)
     dataset = None
     if fmt == "specforge" and (info.get("dataset") or {}).get("loss_mask"):
         dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
-    run = Run(app, args, "capture collect")
+    run = Run(app, opts, "capture collect")
     selected = {h.name for h in run.hosts}
     items = plan_items(st, out, fmt, prev, selected, set(run.inventory.hosts), info.get("hosts") or {})
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -601,7 +602,7 @@ def run_capture_collect(app: App, args) -> int:
             by_host.setdefault(it.host, []).append(it)
     hosts = [h for h in run.hosts if h.name in by_host]
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
-    col = Collector(app, run, name, info, out, fmt, reporter, args.streams or PULL_STREAMS)
+    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams or PULL_STREAMS)
     col.dataset = dataset
     codes: list[int] = []
     with reporter:
@@ -747,16 +748,16 @@ class OnHost:
         return (1 if bad else 0), msg, res
 
 
-def run_on_host(app: App, args, name: str, info: dict, st: RunState, host_dir: str) -> int:
+def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunState, host_dir: str) -> int:
     if not host_dir or "\0" in host_dir:
         raise BadInput("--on-host: expected a directory path on the hosts")
-    out = Path(args.to).expanduser().absolute() if args.to is not None else run_dir(name) / "on-host"
+    out = Path(opts.to).expanduser().absolute() if opts.to is not None else run_dir(name) / "on-host"
     fmt = "specforge-on-host"
     prev = _prepare_to(out, name, fmt, st)
     dataset = None
     if (info.get("dataset") or {}).get("loss_mask"):
         dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
-    run = Run(app, args, "capture collect")
+    run = Run(app, opts, "capture collect")
     selected = {h.name for h in run.hosts}
     items = plan_items(st, out, fmt, {}, selected, set(run.inventory.hosts), info.get("hosts") or {})
     for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
@@ -775,7 +776,7 @@ def run_on_host(app: App, args, name: str, info: dict, st: RunState, host_dir: s
 
     progress = Progress(app, run_dir(name), run.run_id, total=sum(len(v) for v in by_host.values()), already=0,
                         hosts=[h.name for h in hosts])
-    job = OnHost(app, run, name, info, st, out, host_dir, args.workers, dataset, progress)
+    job = OnHost(app, run, name, info, st, out, host_dir, opts.workers, dataset, progress)
     results: dict[str, tuple] = {}
     finished = threading.Event()
     codes: list[int] = []

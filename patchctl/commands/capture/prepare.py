@@ -34,6 +34,7 @@ from pathlib import Path
 from patchctl.commands.capture import provenance
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short
 from patchctl.core.errors import BadInput
+from patchctl.core.options import RunOptions
 from patchctl.core.fsutil import sha256_file
 
 SPECFORGE_VERSION = "0.2.0"
@@ -203,7 +204,8 @@ def run_prepare(app, args) -> int:
     if args.from_host:
         from patchctl.commands.capture.tokenizer import fetch  # noqa: PLC0415
 
-        tok_files = fetch(app, args, args.from_host)
+        tok_files = fetch(app, RunOptions(forks=args.forks, accept_new_host_keys=args.accept_new_host_keys),
+                          args.from_host)
     else:
         from patchctl.commands.capture.tokenizer import local  # noqa: PLC0415
 

@@ -18,6 +18,7 @@ keeps only role/content of a message).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from patchctl.commands.capture.progress import Progress, _eta
 from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
 from patchctl.core.console import table
 from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.options import CaptureOptions
 from patchctl.core.report import private_dir
 from patchctl.core.session import Run, host_error
 
@@ -273,22 +275,22 @@ class RegenerateRun(CaptureRun):
         return {"rec": "done", "id": sid, "host": lane.host.name, "turns": ev["turns"], "tokens": ev["tokens"]}
 
     def host_request(self, s) -> dict:
-        a = self.args
+        a = self.opts
         return s.request("regenerate", in_flight=a.in_flight, request_timeout=a.request_timeout,
                          max_new_tokens=a.max_new_tokens, temperature=a.temperature)
 
     def resume_command(self) -> str:
-        a = self.args
+        a = self.opts
         return self.app.cmd("capture", "regenerate", str(self.ds.path), "--name", self.name, "--out", str(a.out),
                             "--max-new-tokens", str(a.max_new_tokens),
                             *(["--temperature", str(a.temperature)] if a.temperature else []),
-                            *(["--limit", a.limit] if getattr(a, "limit", None) else []),
+                            *(["--limit", a.limit] if a.limit else []),
                             *(["--drop-original"] if a.drop_original else []))
 
     def finish(self) -> dict:
         """The output file, rewritten from the journal after every invocation (interrupted ones too)."""
-        n = write_output(self.ds, self.journal, self.args.out, self.name, drop_original=self.args.drop_original)
-        return {"out": str(self.args.out), "written": n, "drop_original": bool(self.args.drop_original)}
+        n = write_output(self.ds, self.journal, self.opts.out, self.name, drop_original=self.opts.drop_original)
+        return {"out": str(self.opts.out), "written": n, "drop_original": bool(self.opts.drop_original)}
 
 
 def regen_dir(name: str, create: bool = False) -> Path:
@@ -312,13 +314,13 @@ def _probe(run: Run) -> tuple[list[Lane], dict[str, str]]:
     return lanes, skipped
 
 
-def run_regenerate(app, args) -> int:
-    src = load_conversations(args.conversations)
-    out = Path(args.out).expanduser().absolute()
-    name = check_run_name(args.name or default_name(src.path))
+def run_regenerate(app, opts: CaptureOptions) -> int:
+    src = load_conversations(opts.conversations)
+    out = Path(opts.out).expanduser().absolute()
+    name = check_run_name(opts.name or default_name(src.path))
     if out == src.path or out.is_dir() or not out.parent.is_dir():
         raise BadInput(f"--out {out}: expected a new file beside an existing directory, not the input")
-    if args.max_new_tokens < 1 or args.temperature < 0:
+    if opts.max_new_tokens < 1 or opts.temperature < 0:
         raise BadInput("--max-new-tokens must be positive and --temperature non-negative")
     info_path = regen_dir(name) / "run.json"
     before = json.loads(info_path.read_text()) if info_path.exists() else None
@@ -327,12 +329,12 @@ def run_regenerate(app, args) -> int:
                        "resume with that file, or start another run with --name")
     if out.exists() and not (before and before.get("out") == str(out)):
         raise BadInput(f"--out {out}: exists and is not this regeneration's output: choose another name or move it away")
-    if before and (before.get("max_new_tokens"), before.get("temperature")) != (args.max_new_tokens, args.temperature):
+    if before and (before.get("max_new_tokens"), before.get("temperature")) != (opts.max_new_tokens, opts.temperature):
         raise BadInput(f"regeneration {name!r} was started with --max-new-tokens {before.get('max_new_tokens')} "
                        f"--temperature {before.get('temperature')}: resume with those (its conversations would "
                        "otherwise be answered under two settings), or start another run with --name")
-    args.out = out
-    run = Run(app, args, "capture regenerate")
+    opts = dataclasses.replace(opts, out=out)  # as resolved: the output and the resume command name this path
+    run = Run(app, opts, "capture regenerate")
     try:
         lanes, skipped = _probe(run)
         for host, why in skipped.items():
@@ -347,12 +349,11 @@ def run_regenerate(app, args) -> int:
         directory = regen_dir(name, create=True)
         info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "out": str(out),
                           "conversations": {"path": str(src.path), "sha256": src.sha256, "count": len(src.samples)},
-                          "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                          "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature,
                           "hosts": {l.host.name: {"model_path": l.info.get("model_path"),
                                                   "tokenizer": l.info.get("tokenizer")} for l in lanes}}
         write_run_info(directory, info)
-        args.log_dir = getattr(args, "log_dir", None)
-        return _capture(app, args, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
+        return _capture(app, opts, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
     finally:
         run.close()
 

@@ -32,6 +32,7 @@ from patchctl.core.rollout import parse_max_fail
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.host.capture import run_prefix
 from patchctl.core.inventory import Host
+from patchctl.core.options import CaptureOptions
 from patchctl.core.session import Run, host_error
 
 ATTEMPTS = 2  # a sample whose dump fails validation is retried once, on another host where there is one
@@ -106,8 +107,8 @@ def default_name(path) -> str:
 class CaptureRun:
     progress_cls = Progress  # what the operator sees (capture/regenerate.py has its own)
 
-    def __init__(self, app: App, args, run: Run, name: str, prefix: str, ds, journal: Journal, progress: Progress):
-        self.app, self.args, self.run, self.name, self.prefix = app, args, run, name, prefix
+    def __init__(self, app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds, journal: Journal, progress: Progress):
+        self.app, self.opts, self.run, self.name, self.prefix = app, opts, run, name, prefix
         self.ds = ds
         self.journal = journal
         self.progress = progress
@@ -131,7 +132,7 @@ class CaptureRun:
 
     def _fill(self, lane: Lane) -> None:
         """Top the host up to PREFETCH x in-flight outstanding samples (caller holds the lock)."""
-        cap = PREFETCH * self.args.in_flight
+        cap = PREFETCH * self.opts.in_flight
         while lane.active and not self.stopping and len(lane.outstanding) < cap:
             it = self._pick(lane)
             if it is None:
@@ -155,17 +156,17 @@ class CaptureRun:
     def host_request(self, s) -> dict:
         """The long-running agent op each taking-part host runs (s: its HostSession)."""
         host = s.host
-        return s.request("capture", capture_run=self.name, in_flight=self.args.in_flight, keep_free=self.args.keep_free,
-                         request_timeout=self.args.request_timeout, capture_layers=host.server.capture_layers,
+        return s.request("capture", capture_run=self.name, in_flight=self.opts.in_flight, keep_free=self.opts.keep_free,
+                         request_timeout=self.opts.request_timeout, capture_layers=host.server.capture_layers,
                          hidden_size=host.server.hidden_size,
                          # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
                          pool_from_bytes=int(os.environ.get("PATCHCTL_CAPTURE_POOL_FROM_BYTES") or 0) or None)
 
     def resume_command(self) -> str:
         """The command that resumes this run (journalled with each invocation; `capture status` prints it)."""
-        a = self.args
+        a = self.opts
         return self.app.cmd("capture", "run", str(self.ds.path), "--name", self.name,
-                            *(["--limit", a.limit] if getattr(a, "limit", None) else []))
+                            *(["--limit", a.limit] if a.limit else []))
 
     def finish(self) -> dict | None:
         """After each invocation, the journal closed: what the job makes of it (capture run: nothing)."""
@@ -247,7 +248,7 @@ class CaptureRun:
             lane.stream.close()
         self.host_failures += 1
         if self.host_failures > self.max_fail and not self.stopping:
-            self.stop(f"{self.host_failures} host(s) stopped, more than --max-fail {self.args.max_fail} allows")
+            self.stop(f"{self.host_failures} host(s) stopped, more than --max-fail {self.opts.max_fail} allows")
         self._fill_all()
 
     # one host ------------------------------------------------------------------------------------
@@ -275,7 +276,7 @@ class CaptureRun:
 
     def go(self, lanes: list[Lane], todo: list) -> None:
         self.lanes = {l.host.name: l for l in lanes}
-        self.max_fail = parse_max_fail(self.args.max_fail, len(lanes))  # of the taking-part hosts
+        self.max_fail = parse_max_fail(self.opts.max_fail, len(lanes))  # of the taking-part hosts
         self.pending.extend(Item(s) for s in todo)
         self.running = len(lanes)
         threads = [threading.Thread(target=self.drive, args=(l,), name=f"capture {l.host.name}", daemon=True) for l in lanes]
@@ -327,17 +328,17 @@ def restart_hint(app: App, down: list[str]) -> str:
     return app.cmd("restart", "--limit", ",".join(down))
 
 
-def run_capture(app: App, args) -> int:
-    name = check_run_name(default_name(args.dataset) if args.name is None else args.name)
+def run_capture(app: App, opts: CaptureOptions) -> int:
+    name = check_run_name(default_name(opts.dataset) if opts.name is None else opts.name)
     # bad input: exit 2 naming the lines, nothing sent (file names judged with the default series prefix;
     # the module's naming is injective whatever the prefix)
-    ds = datasets.load_dataset(args.dataset, run_prefix("patchctl-", name) + "-")
-    run = Run(app, args, "capture run")
+    ds = datasets.load_dataset(opts.dataset, run_prefix("patchctl-", name) + "-")
+    run = Run(app, opts, "capture run")
     info_path = run_dir(name) / "run.json"
     before = json.loads(info_path.read_text()) if info_path.exists() else None
     if before and before["dataset"]["sha256"] != ds.sha256:
         raise BadInput(f"run {name!r} was started with dataset {before['dataset']['path']} (sha256 "
-                       f"{before['dataset']['sha256'][:12]}…); {args.dataset} differs: resume with that file, or "
+                       f"{before['dataset']['sha256'][:12]}…); {opts.dataset} differs: resume with that file, or "
                        f"start another run with --name")
     try:
         lanes, skipped, down = _probe(run, run.units())
@@ -355,9 +356,9 @@ def run_capture(app: App, args) -> int:
                            "): one run needs one prefix (SGLANG_HIDDEN_DUMP_RID_PREFIX): nothing sent")
         prefix = prefixes.pop()
         app.info(datasets.check_against_model(ds, {l.host.name: l.info for l in lanes},
-                                              length_check=not args.no_length_check))
+                                              length_check=not opts.no_length_check))
         provenance.check_tokenizer(ds.path, ds.sha256, {l.host.name: l.info.get("tokenizer") for l in lanes},
-                                   getattr(args, "allow_tokenizer_mismatch", False), app.info)
+                                   opts.allow_tokenizer_mismatch, app.info)
         directory = run_dir(name, create=True)
         info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}
@@ -367,12 +368,12 @@ def run_capture(app: App, args) -> int:
                 "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect")},
                 run_dir=f"{l.info['dump_dir']}/captures/{name}")
         write_run_info(directory, info)
-        return _capture(app, args, run, name, prefix, ds, directory, lanes, skipped, down)
+        return _capture(app, opts, run, name, prefix, ds, directory, lanes, skipped, down)
     finally:
         run.close()
 
 
-def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
+def _capture(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
              skipped: dict[str, str], down: list[str], job: type = None) -> int:
     """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass)."""
     journal = Journal(directory)
@@ -381,8 +382,8 @@ def _capture(app: App, args, run: Run, name: str, prefix: str, ds, directory, la
     resumed = len(ds.samples) - len(todo)
     job = job or CaptureRun
     progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
-                                hosts=[l.host.name for l in lanes], log_dir=args.log_dir)
-    cr = job(app, args, run, name, prefix, ds, journal, progress)
+                                hosts=[l.host.name for l in lanes], log_dir=opts.log_dir)
+    cr = job(app, opts, run, name, prefix, ds, journal, progress)
     journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
                     "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped,
                     "command": cr.resume_command()})

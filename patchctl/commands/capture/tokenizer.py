@@ -18,9 +18,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.options import RunOptions
 from patchctl.host.tokenizer import digest, listing
 
 
@@ -52,12 +52,12 @@ def local(path) -> TokenizerFiles:
     return _store(got, str(p))
 
 
-def fetch(app, args, host_name: str) -> TokenizerFiles:
+def fetch(app, opts: RunOptions, host_name: str) -> TokenizerFiles:
     """The tokenizer files of the model served on `host_name` (inventory name), from the cache when the host's
     digest is there already, else fetched through the host's agent."""
     from patchctl.core.session import Run, host_error  # noqa: PLC0415 (the SSH stack only when a host is asked)
 
-    run = Run(app, SimpleNamespace(**dict(vars(args), limit=None)), "capture prepare")
+    run = Run(app, opts, "capture prepare")
     try:
         host = run.inventory.hosts.get(host_name)
         if host is None:

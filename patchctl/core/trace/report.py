@@ -230,7 +230,7 @@ def check_reachability(tree: Path, series, archs: list[str], app) -> bool:
 
 def _resolve_tree(args, series, app) -> tuple[Path, str | None]:
     """(tree, the release version when it is a pinned release's immutable tree; None for --tree)."""
-    if getattr(args, "tree", None):
+    if args.tree:
         p = Path(args.tree).expanduser()
         for cand in (p, p / "python"):
             if (cand / "sglang" / "srt").is_dir():
@@ -238,7 +238,7 @@ def _resolve_tree(args, series, app) -> tuple[Path, str | None]:
         raise BadInput(f"--tree {p}: no sglang/ package there (expected the directory that contains sglang/)")
     from patchctl.core.release import fetch_release
 
-    version = getattr(args, "sglang", None) or series.pinned_version()
+    version = args.sglang or series.pinned_version()
     if not version:
         raise BadInput(f"series {series.name} does not pin one SGLang release ({series.sglang}); pass --sglang VER or --tree PATH")
     return fetch_release(version, log=app.info), version
@@ -273,7 +273,7 @@ def run_trace(app, args) -> int:
 
     series = load_series(app.patches_dir, args.series)
     tree, version = _resolve_tree(args, series, app)
-    archs = list(getattr(args, "arch", None) or [])
+    archs = list(args.arch)
     app.info(f"tracing series {series.name} {series.version} on {tree} "
              f"({', '.join(archs) if archs else 'every architecture in the registry'})")
     report = cached_check(tree, series, archs, version)

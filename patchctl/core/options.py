@@ -1,0 +1,75 @@
+"""What a command was asked to do, as frozen objects the CLI builds once from its arguments.
+
+Nothing below the CLI reads argparse: a command gets one of these, `Run` reads `RunOptions`, the rollout
+reads `DeployOptions`' --canary/--batch/--max-fail/--on-fail (already checked by the CLI with
+`core.rollout`'s rules), and a test builds them as it builds any value. Field names are the flags'
+(--max-fail: max_fail); a field a command has no flag for keeps its default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Any command over the fleet: which hosts, how many at once, host keys, where logs and reports go."""
+
+    limit: str | None = None  # --limit: host, group and server names and globs; None: every host
+    forks: int | None = None  # None: session.DEFAULT_FORKS
+    accept_new_host_keys: bool = False
+    log_dir: Path | None = None
+    junit: Path | None = None
+
+
+@dataclass(frozen=True)
+class DeployOptions(RunOptions):
+    """apply, rollback, smoke and restart/start/stop: the rollout and what each unit goes through."""
+
+    series: str | None = None
+    canary: int = 0
+    batch: str | None = None  # None: all at once
+    max_fail: str = "0"
+    on_fail: str = "rollback-failed"
+    no_restart: bool = False
+    no_smoke: bool = False
+    skip_trace: bool = False
+    smoke: bool | None = None  # restart/start: None = where a capture series is deployed
+    to: str | None = None  # rollback --to
+    force: bool = False  # rollback --force
+
+
+@dataclass(frozen=True)
+class QueryOptions(RunOptions):
+    """status, history, plan, unlock: read-only (unlock: the lock only)."""
+
+    series: str | None = None  # plan
+    diff: bool = False  # plan --diff
+    last: int | None = None  # history --last
+    force: bool = False  # unlock --force
+
+
+@dataclass(frozen=True)
+class CaptureOptions(RunOptions):
+    """capture run, regenerate and collect: the extraction run over the fleet."""
+
+    name: str | None = None  # the run (None: from the input file's name)
+    dataset: Path | None = None  # capture run
+    conversations: Path | None = None  # capture regenerate
+    out: Path | None = None
+    in_flight: int = 8
+    max_fail: str = "0"
+    keep_free: int = 2**30
+    request_timeout: int = 600
+    no_length_check: bool = False
+    allow_tokenizer_mismatch: bool = False
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    drop_original: bool = False
+    to: Path | None = None  # collect --to
+    format: str = "safetensors"
+    in_place: bool = False
+    on_host: str | None = None
+    streams: int | None = None
+    workers: int | None = None
