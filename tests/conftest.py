@@ -24,7 +24,7 @@ SGLANG_VERSION = "0.5.23"
 # module -> the tests of it that stay in the fast lane (by function name; all their parameters)
 FAST_LANE = {
     "test_deploy.py": {"test_success_path"},  # a real-sshd deploy: apply, restart, smoke, status
-    "test_hostops.py": {"test_host_keys_are_checked_strictly", "test_unlock_refuses_a_live_holder_and_releases_a_stale_one"},
+    "test_apply_rollback_files.py": {"test_host_keys_are_checked_strictly", "test_unlock_refuses_a_live_holder_and_releases_a_stale_one"},
     "test_fleet.py": {"test_plan_touches_nothing_and_tells_what_apply_would_do"},
     "test_real_sglang.py": {"test_multi_request_extend"},  # one real-SGLang scenario, bit for bit
     "test_operator.py": {"test_json_apply_still_prints_progress_on_stderr"},  # the operator's 2-host fleet

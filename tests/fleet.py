@@ -1,7 +1,10 @@
-"""A test fleet: real sshd hosts, each with its own SGLang 0.5.23 tree, model dir and stand-in server.
+"""A test fleet: real sshd hosts (or `connection = "local"` ones), each with its own SGLang 0.5.23 tree,
+model dir and stand-in server.
 
 Tests drive `patchctl` as a user would (a subprocess with an inventory) and look
-at the hosts' disks and servers directly.
+at the hosts' disks and servers directly. Local hosts are for tests of the state machine (apply,
+rollback, drift, locks): they skip sshd and the SSH handshake of every command; the transport, host
+keys, become and fleet behaviour are tested over real sshd.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sshhosts import SSHHost, free_ports, inventory_toml, known_hosts_for, start_hosts, stop_hosts
-from trees import git_checkout, link_tree, tree_digest, unshare, write_by_rename  # noqa: F401 (re-exported)
+from sshhosts import LocalHost, SSHHost, free_ports, inventory_toml, known_hosts_for, local_hosts, start_hosts, stop_hosts
+from trees import (git_checkout, link_tree, paths_digest, pristine, series_paths, tree_digest, unshare,  # noqa: F401
+                   write_by_rename)
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -107,7 +111,7 @@ def hidden_dump_patches() -> dict[str, str]:
 
 @dataclass
 class TestHost:
-    ssh: SSHHost
+    ssh: SSHHost | LocalHost
     server_port: int
 
     @property
@@ -134,19 +138,19 @@ class TestHost:
 class Fleet:
     def __init__(self, base: Path, n: int, sglang_tree: Path, *, layout: str = "wheel", server: dict | None = None,
                  host_overrides: dict | None = None, servers: dict | None = None, groups: dict | None = None,
-                 light: bool = False):
+                 light: bool = False, connection: str = "ssh"):
         self.base = Path(base)
         self.sglang_tree = sglang_tree
         self._popens: list[subprocess.Popen] = []
-        self.ssh = start_hosts(n, self.base)
-        ports = free_ports("127.0.0.1", n, avoid={h.port for h in self.ssh})
+        self.ssh = start_hosts(n, self.base) if connection == "ssh" else local_hosts(n, self.base)
+        ports = free_ports("127.0.0.1", n, avoid={getattr(h, "port", 0) for h in self.ssh})
         self.hosts = [TestHost(h, port) for h, port in zip(self.ssh, ports)]
         self.patches = self.base / "patches"
         shutil.copytree(PATCHES, self.patches)
         self.light = light
         for h in self.hosts:
             self._lay_host(h, layout)
-        self.known_hosts = known_hosts_for(self.ssh, self.base / "known_hosts")
+        self.known_hosts = known_hosts_for([h for h in self.ssh if h.connection == "ssh"], self.base / "known_hosts")
         self.layout = layout
         self.inventory = self.base / "inventory.toml"
         self.write_inventory(server=server, host_overrides=host_overrides, servers=servers, groups=groups)
@@ -293,21 +297,26 @@ class Fleet:
         stop_hosts(self.ssh)
 
 
-def started_fleet(base: Path, n: int, sglang_tree: Path, *, light: bool = False) -> "Fleet":
+def started_fleet(base: Path, n: int, sglang_tree: Path, *, light: bool = False, connection: str = "ssh") -> "Fleet":
     """A fleet of n hosts with their unpatched servers running and each tree's pristine digest
     recorded (for module-scoped fixtures shared by many tests). `light`: those first servers start
-    without torch (PATCHCTL_SIM_LIGHT); a deploy still starts full stand-ins with the hook."""
-    f = Fleet(base, n, sglang_tree, light=light)
+    without torch (PATCHCTL_SIM_LIGHT); a deploy still starts full stand-ins with the hook, and a
+    rollback the light one it replaced (patchctl restarts the server it found, environment included)."""
+    f = Fleet(base, n, sglang_tree, light=light, connection=connection)
     f.start_servers()
     f.pristine = {h.name: f.digest(h) for h in f.hosts}
     return f
 
 
 def clean_fleet(f: "Fleet"):
-    """Per-test use of a shared fleet: checked clean and healthy before, put back after."""
+    """Per-test use of a shared fleet: checked clean and healthy before, put back after. Clean: every
+    file a series of the fleet's patches dir names (and its directory's listing) is the pristine
+    one; the rest of a tree no series reaches (tests that change more check whole trees themselves)."""
     f.write_inventory()
+    touched = series_paths(f.patches)
+    want = paths_digest(pristine(f.sglang_tree), touched)
     for h in f.hosts:
-        assert f.digest(h) == f.pristine[h.name] and f.healthy(h), f"{h.name} not clean before the test"
+        assert paths_digest(f.root_of(h), touched) == want and f.healthy(h), f"{h.name} not clean before the test"
     yield f
     f.reap()
     f.write_inventory()

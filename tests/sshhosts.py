@@ -141,6 +141,7 @@ class SSHHost:
     identity_file: Path  # the client's private key (shared by all hosts of a start_hosts call)
     user: str = "root"
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    connection: str = "ssh"
 
     @property
     def host_key_pub(self) -> str:
@@ -305,6 +306,28 @@ def start_hosts(n: int, base_dir: Path, *, first: int = 2) -> list[SSHHost]:
     return hosts
 
 
+@dataclass
+class LocalHost:
+    """A test host patchctl reaches with `connection = "local"` (a subprocess, no SSH): for tests of
+    the state machine (apply, rollback, drift, locks), not of the transport. Its directory is its disk."""
+
+    name: str
+    dir: Path
+    connection: str = "local"
+
+    def stop(self) -> None:
+        pass
+
+
+def local_hosts(n: int, base_dir: Path) -> list[LocalHost]:
+    """n local hosts with base_dir/host<i>/ as their disks (laid out like start_hosts' hosts)."""
+    base_dir = Path(base_dir).resolve()
+    hosts = [LocalHost(name=f"host{i}", dir=base_dir / f"host{i}") for i in range(n)]
+    for h in hosts:
+        h.dir.mkdir(parents=True, exist_ok=True)
+    return hosts
+
+
 def stop_hosts(hosts) -> None:
     for h in hosts:
         h.stop()
@@ -353,8 +376,8 @@ def inventory_toml(hosts, *, known_hosts: Path | str | None = None, python: str 
                    identity_file: Path | str | None = None, server: dict | None = None,
                    groups: dict[str, list[str]] | None = None, servers: dict[str, list[str]] | None = None,
                    host_overrides: dict[str, dict] | None = None, extra: str = "") -> str:
-    """Inventory text for these hosts: user root, their addresses/ports, the shared client key,
-    per-host `state_dir` = <dir>/state and `sglang_root` = <dir>/site-packages.
+    """Inventory text for these hosts: user root, their addresses/ports (`connection = "local"` for a
+    LocalHost), the shared client key, per-host `state_dir` = <dir>/state and `sglang_root` = <dir>/site-packages.
 
     known_hosts defaults to <base_dir>/known_hosts (not written here: see known_hosts_for).
     `server` gives [defaults.server] keys; `host_overrides[name]` adds/overrides keys of a host
@@ -363,7 +386,8 @@ def inventory_toml(hosts, *, known_hosts: Path | str | None = None, python: str 
     hosts = list(hosts)
     base = hosts[0].dir.parent if hosts else Path(".")
     known_hosts = known_hosts or base / "known_hosts"
-    identity_file = identity_file or (hosts[0].identity_file if hosts else None)
+    ssh = [h for h in hosts if getattr(h, "connection", "ssh") == "ssh"]
+    identity_file = identity_file or (ssh[0].identity_file if ssh else None)
     out = ["[defaults]", 'user = "root"', f"known_hosts = {_q(str(known_hosts))}", f"python = {_q(python)}"]
     if identity_file:
         out.append(f"identity_file = {_q(str(identity_file))}")
@@ -374,9 +398,11 @@ def inventory_toml(hosts, *, known_hosts: Path | str | None = None, python: str 
         out.append(f"{k} = {_q(v)}")
     out.append("")
     for h in hosts:
-        table = {
+        table = {"connection": "local"} if getattr(h, "connection", "ssh") == "local" else {
             "address": h.address,
             "port": h.port,
+        }
+        table |= {
             "state_dir": str(h.dir / "state"),
             "sglang_root": str(h.dir / "site-packages"),
         }

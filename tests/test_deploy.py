@@ -1,4 +1,8 @@
-"""Deploys over real sshd hosts with stand-in servers: success, every failure → verified rollback."""
+"""Deploys with stand-in servers: success, every failure → verified rollback, kills and cut links.
+
+Real: patchctl's CLI and agent, the SGLang 0.5.23 tree, the servers' processes and HTTP. The success
+path, the smoke command and the cut, killed and frozen links run over real sshd hosts; the failure →
+rollback cases (the state machine) on a `connection = "local"` host, the agent run as a subprocess."""
 
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ from fleet import Fleet, clean_fleet, hidden_dump_patches, make_patch, real_patc
 
 @pytest.fixture(scope="module")
 def fleet1m(tmp_path_factory, sglang_tree):
-    f = started_fleet(tmp_path_factory.mktemp("deploy"), 1, sglang_tree)
+    # light first server (no torch): every deploy starts a full stand-in with the hook, and every
+    # rollback the light one it replaced, so each test's rollbacks start in a fraction of the time
+    f = started_fleet(tmp_path_factory.mktemp("deploy"), 1, sglang_tree, light=True)
     yield f
     f.close()
 
@@ -23,6 +29,19 @@ def fleet1(fleet1m):
     """The module's one-host fleet, its tree pristine and its server healthy before each test and put
     back after it (its history and run logs carry over: tests look at their own entries)."""
     yield from clean_fleet(fleet1m)
+
+
+@pytest.fixture(scope="module")
+def local1m(tmp_path_factory, sglang_tree):
+    f = started_fleet(tmp_path_factory.mktemp("deploy-local"), 1, sglang_tree, light=True, connection="local")
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def local1(local1m):
+    """The same for the module's `connection = "local"` host."""
+    yield from clean_fleet(local1m)
 
 
 def hidden_dump_source(sglang_tree, tmp_path) -> str:
@@ -99,8 +118,8 @@ def _assert_rolled_back(f, h, p, digest, old_pid=None):
     assert st[0]["series"] is None and st[0]["state"] == "clean" and st[0]["lock"] is None
 
 
-def test_dead_hook_rolls_back(fleet1):
-    f, h = fleet1, fleet1.hosts[0]
+def test_dead_hook_rolls_back(local1):
+    f, h = local1, local1.hosts[0]
     digest = f.digest(h)
     p = f.patchctl("apply", "hidden-dump-dead-hook", "--skip-trace")  # past the trace: the smoke must catch it
     _assert_rolled_back(f, h, p, digest)
@@ -117,8 +136,8 @@ def test_dead_hook_rolls_back(fleet1):
     assert re.search(r"smoke failed: no dump file for (\d+) of \1 prompts", lines[i + 1]), p.stdout
 
 
-def test_import_error_rolls_back(fleet1, sglang_tree, tmp_path):
-    f, h = fleet1, fleet1.hosts[0]
+def test_import_error_rolls_back(local1, sglang_tree, tmp_path):
+    f, h = local1, local1.hosts[0]
     src = hidden_dump_source(sglang_tree, tmp_path)
     lines = src.splitlines(keepends=True)
     at = max(i for i, l in enumerate(lines) if l.startswith("from __future__")) + 1
@@ -147,8 +166,8 @@ def _log(f, name):
     # the server captures its default 3 layers, the profile expects 4
     ("wrong-layers", {}, "layers = [1, 3, 5, 6]\nlayers_arg = \"--x-no-such-flag\"", "layers"),
 ])
-def test_failures_roll_back(fleet1, case, env, extra, expect):
-    f, h = fleet1, fleet1.hosts[0]
+def test_failures_roll_back(local1, case, env, extra, expect):
+    f, h = local1, local1.hosts[0]
     extra = extra.replace('layers_arg = "--x-no-such-flag"', "")
     d = write_series(f.patches, f"bad-{case}", hidden_dump_patches(), smoke_env=env, smoke_extra=extra)
     if case == "wrong-layers":  # server gets no layer flag: it captures its default [2, 4, 5]
@@ -216,7 +235,7 @@ def test_a_host_that_hangs_mid_deploy_is_declared_lost_and_never_holds_up_the_ot
     limit can tell); host1 deploys regardless, and the run ends with host0's state called unknown."""
     from sshhosts import FreezableProxy
 
-    f = Fleet(tmp_path, 2, sglang_tree)
+    f = Fleet(tmp_path, 2, sglang_tree, light=True)
     proxy = None
     try:
         f.start_servers()
@@ -252,8 +271,8 @@ def test_a_host_that_hangs_mid_deploy_is_declared_lost_and_never_holds_up_the_ot
         f.close()
 
 
-def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(fleet1):
-    f, h = fleet1, fleet1.hosts[0]
+def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(local1):
+    f, h = local1, local1.hosts[0]
     write_series(f.patches, "crashes", hidden_dump_patches(),
         smoke_env={"PATCHCTL_SIM_CRASH_AT_START": "1"})
     digest = f.digest(h)
@@ -272,10 +291,10 @@ def test_on_fail_halt_leaves_the_host_for_inspection_then_rollback_restores_it(f
     assert f.digest(h) == digest and f.healthy(h)
 
 
-def test_the_inventorys_layer_outputs_reach_the_smoke(fleet1):
+def test_the_inventorys_layer_outputs_reach_the_smoke(local1):
     """layer_outputs (the decoder layers a drafter is trained on) is checked against every dump: a wrong
     value rolls the deploy back naming both conventions; the right one passes."""
-    f, h = fleet1, fleet1.hosts[0]
+    f, h = local1, local1.hosts[0]
     digest = f.digest(h)
     f.write_inventory(host_overrides={"host0": {"server": {"layer_outputs": [2, 30, 58]}}})
     p = f.patchctl("apply", "hidden-dump")

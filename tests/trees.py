@@ -16,6 +16,7 @@ import atexit
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -147,18 +148,59 @@ def file_sha256(p: str, st: os.stat_result) -> bytes:
 def tree_digest(root: Path, ignore_pycache: bool = True) -> str:
     """sha256 over every file path, mode and content under root (symlinks by target)."""
     h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        if ignore_pycache and "__pycache__" in dirnames:
-            dirnames.remove("__pycache__")
-        for f in sorted(filenames):
-            p = os.path.join(dirpath, f)
-            rel = os.path.relpath(p, root).replace(os.sep, "/")
-            h.update(rel.encode() + b"\0")
-            st = os.lstat(p)
-            if os.path.islink(p):
-                h.update(b"L" + os.readlink(p).encode())
+
+    def walk(d: str, rel: str) -> None:
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        subdirs = []
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                if not (ignore_pycache and e.name == "__pycache__"):
+                    subdirs.append(e)
+                continue
+            st = e.stat(follow_symlinks=False)
+            h.update((rel + e.name).encode() + b"\0")
+            if stat.S_ISLNK(st.st_mode):
+                h.update(b"L" + os.readlink(e.path).encode())
             else:
                 h.update(oct(st.st_mode & 0o777).encode())
-                h.update(file_sha256(p, st))
+                h.update(file_sha256(e.path, st))
+        for e in subdirs:
+            walk(e.path, rel + e.name + "/")
+
+    walk(str(root), "")
+    return h.hexdigest()
+
+
+def series_paths(patches_dir: Path) -> set[str]:
+    """Every path (relative to the tree's root) that a patch of any series under patches_dir names."""
+    out = set()
+    for patch in Path(patches_dir).glob("*/*.patch"):
+        for line in patch.read_text(errors="replace").splitlines():
+            if line.startswith(("--- a/", "+++ b/")):
+                out.add(line[6:].split("\t")[0].strip())
+    return out
+
+
+def paths_digest(root: Path, rels) -> str:
+    """sha256 over the given paths under root (absent, or mode and content) and the names in their
+    directories (so a file left beside them shows): what a series can have changed in a tree."""
+    root = Path(root)
+    h = hashlib.sha256()
+    dirs = sorted({os.path.dirname(r) for r in rels})
+    for d in dirs:
+        try:
+            names = sorted(n for n in os.listdir(root / d) if n != "__pycache__")
+        except FileNotFoundError:
+            names = None
+        h.update(f"D{d}\0{names}\0".encode())
+    for r in sorted(rels):
+        p = root / r
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            h.update(f"-{r}\0".encode())
+            continue
+        h.update(f"F{r}\0{oct(st.st_mode)}\0".encode())
+        h.update(os.readlink(p).encode() if stat.S_ISLNK(st.st_mode) else file_sha256(str(p), st))
     return h.hexdigest()
