@@ -13,6 +13,14 @@ from fleet import Fleet, clean_fleet, started_fleet, wait_for
 from sshhosts import free_port, free_ports
 
 CRASH = {"server": {"env": {"PATCHCTL_SIM_CRASH_AT_START": "1"}}}
+LIGHT = {"PATCHCTL_SIM_LIGHT": "1"}
+
+
+def light_deploys(f, crash=()) -> dict:
+    """host_overrides for a deploy without a smoke: every new server light (no torch: nothing reads a
+    dump), those in `crash` crashing at start."""
+    return {h.name: {"server": {"env": {**LIGHT, **(CRASH["server"]["env"] if h.name in crash else {})}}}
+            for h in f.hosts}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,7 @@ def test_failing_canary_stops_the_run_before_any_other_host(fleet, tmp_path):
 ])
 def test_max_fail_boundaries(fleet, max_fail, batch, crash, expect_reached, expect_code):
     f = fleet
-    f.write_inventory(host_overrides={h: CRASH for h in crash})
+    f.write_inventory(host_overrides=light_deploys(f, crash))
     before = snapshot(f)
     p = f.patchctl("--json", "apply", "hidden-dump", "--no-smoke", "--batch", batch, "--max-fail", max_fail)
     assert p.returncode == expect_code, p.stderr
@@ -97,9 +105,10 @@ def test_max_fail_boundaries(fleet, max_fail, batch, crash, expect_reached, expe
     assert len(reached) == expect_reached, results
     for h in crash:
         assert results[h] == "failed, rolled back (verified)"
+    after = snapshot(f)
     for h in f.hosts:
         if results[h.name] == "not reached":
-            assert snapshot(f)[h.name] == before[h.name]
+            assert after[h.name] == before[h.name]
         elif h.name not in crash:
             assert results[h.name] == "deployed"
     stopped = ev[-1].get("stopped")
@@ -109,7 +118,7 @@ def test_max_fail_boundaries(fleet, max_fail, batch, crash, expect_reached, expe
 def test_unreachable_host_counts_as_a_failure(fleet):
     f = fleet
     dead = f'[hosts."dead"]\naddress = "127.0.1.99"\nport = {free_port("127.0.1.99")}\nstate_dir = "/tmp/nowhere"\n'
-    f.write_inventory(host_overrides={"host0": CRASH}, prepend=dead)
+    f.write_inventory(host_overrides=light_deploys(f, ["host0"]), prepend=dead)
     # units: dead, host0 | host1, host2 | ...: two failures in batch 1
     p = f.patchctl("--json", "apply", "hidden-dump", "--no-smoke", "--batch", "2", "--max-fail", "1",
                    env={"PATCHCTL_CONNECT_TIMEOUT": "3"})
@@ -166,7 +175,7 @@ def test_plan_touches_nothing_and_tells_what_apply_would_do(fleet):
 
 
 def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
-    f = Fleet(tmp_path, 3, sglang_tree)
+    f = Fleet(tmp_path, 3, sglang_tree, light=True)  # the operator's servers: light until a deploy
     try:
         dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
         mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
