@@ -800,14 +800,19 @@ def test_failed_snapshot_gives_its_budget_back(hd, monkeypatch):
 
 @pytest.mark.slow  # a whole benchmark run (two sizes, sustained and hook phases)
 def test_capture_cost_bench_runs_on_cpu(tmp_path):
-    """bench/capture_cost.py --cpu --quick: the GPU benchmark must not rot on CPU-only CI."""
+    """bench/capture_cost.py --cpu --quick: the GPU benchmark must not rot on CPU-only CI.
+
+    One torch thread (its stand-in prefill is a tiny MLP: threads only wait for each other on a busy
+    machine) and a sustained phase of 10 MB, still twice the --quick host cap it must run past."""
     out = tmp_path / "cost.json"
     r = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" /
-                        "capture_cost.py"), "--cpu", "--quick", "--dir", str(tmp_path / "d"),
-                        "--json", str(out)], capture_output=True, text=True, timeout=1800)  # only catches a hang
+                        "capture_cost.py"), "--cpu", "--quick", "--sustained-gb", "0.01", "--dir", str(tmp_path / "d"),
+                        "--json", str(out)], capture_output=True, text=True, timeout=1800,  # only catches a hang
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["corrupted_total"] == 0 and set(res["sizes"]) == {"256", "512"}
     for s in res["sizes"].values():
         assert s["sustained"]["verify"]["verified"] > 0 and s["hook_phase"]["verify"]["corrupted"] == 0
+        assert s["sustained"]["bytes"] > res["host_cap_bytes"]  # past the cap: back-pressure was possible
     assert "| T tokens |" in r.stdout
