@@ -197,8 +197,6 @@ prompt_tokens = 32
 
 
 def _record(app, args, *, refresh: bool) -> int:
-    import tomlkit
-
     from patchctl.core.console import table
 
     series_name = _series_name(args.series)
@@ -212,18 +210,7 @@ def _record(app, args, *, refresh: bool) -> int:
     elif refresh:
         raise BadInput(f"unknown series {series_name!r} (no {toml_path}); `patchctl new` creates it")
 
-    recorded = next((p for p in series.patches if p.file == fname), None) if series else None
-    if refresh and recorded is None:
-        raise BadInput(f"{fname} is not recorded in {toml_path}; use `patchctl new`")
-    if recorded is not None and recorded.series:
-        raise BadInput(f"{fname} in {toml_path} is series {recorded.series}'s patch (a reference); "
-                       + (f"refresh it there (`patchctl refresh {recorded.series} {fname} --from-tree PATH`), "
-                          f"then update this series' pin" if refresh else "pick another name"))
-    if not refresh and recorded is not None:
-        raise BadInput(f"{fname} is already recorded in {toml_path}; use `patchctl refresh`")
-    if not refresh and (sdir / fname).exists():
-        raise BadInput(f"{sdir / fname} exists but is not recorded in {SERIES_FILE}; remove it or pick another name")
-
+    recorded = _recorded(series, fname, toml_path, sdir, refresh)
     text, facts = capture_diff(args.from_tree, args.base, log=app.info)
     files = validate_patch_text(text, file=f"{args.from_tree} (diff for {fname})")
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -244,53 +231,9 @@ def _record(app, args, *, refresh: bool) -> int:
     new_version = recorded.version + 1 if recorded else 1
     entry = {"file": fname, "version": new_version, "sha256": sha, "description": description}
     old_toml = toml_path.read_text(encoding="utf-8") if exists else None
-    if exists:
-        doc = tomlkit.parse(old_toml)
-        if refresh:
-            tbl = next(t for t in doc["patch"] if t.get("file") == fname)
-            tbl["version"] = new_version
-            tbl["sha256"] = sha
-            if args.description is not None:
-                tbl["description"] = description
-        else:
-            tbl = tomlkit.table()
-            for k, v in entry.items():
-                tbl.add(k, v)
-            tbl.add(tomlkit.nl())
-            if "patch" in doc:
-                doc["patch"].append(tbl)
-            else:
-                aot = tomlkit.aot()
-                aot.append(tbl)
-                doc.append("patch", aot)
-        new_toml = tomlkit.dumps(doc)
-    else:
-        if not version:
-            raise BadInput(f"cannot tell the SGLang version of {args.from_tree} (no sglang/_version.py, "
-                           f"dist-info or version tag) to pin the new series; create {toml_path} by hand")
-        new_toml = _new_series_toml(series_name, version, entry)
-
-    # Write, then load the series as every other command will; undo on refusal.
-    created_dir = not sdir.exists()
-    old_patch = (sdir / fname).read_bytes() if (sdir / fname).exists() else None
-    sdir.mkdir(parents=True, exist_ok=True)
-    try:
-        write_atomic(sdir / fname, text.encode("utf-8"))
-        write_atomic(toml_path, new_toml.encode("utf-8"))
-        load_series(app.patches_dir, series_name, verify_hashes=False)
-    except BaseException:
-        if old_patch is None:
-            (sdir / fname).unlink(missing_ok=True)
-        else:
-            (sdir / fname).write_bytes(old_patch)
-        if old_toml is None:
-            toml_path.unlink(missing_ok=True)
-        else:
-            toml_path.write_text(old_toml, encoding="utf-8")
-        if created_dir:
-            shutil.rmtree(sdir, ignore_errors=True)
-        raise
-
+    new_toml = _updated_toml(old_toml, entry, refresh, args.description is not None, series_name, version,
+                             args.from_tree, toml_path)
+    _write_checked(app.patches_dir, series_name, fname, text, new_toml, old_toml)
     verb = "refreshed" if refresh else "recorded"
     app.info(f"{verb} {sdir / fname} (version {new_version}, {len(files)} files, sha256 {sha[:12]})"
              + ("" if exists else f"; created {toml_path} targeting SGLang =={version}"))
@@ -306,6 +249,80 @@ def _record(app, args, *, refresh: bool) -> int:
                 "files": [{"path": f.path, "action": f.action} for f in files],
                 "from_tree": facts, **({"referenced_by": referrers} if referrers else {})}, t)
     return 0
+
+
+def _recorded(series, fname: str, toml_path: Path, sdir: Path, refresh: bool):
+    """The [[patch]] entry `fname` has now (None: new), after refusing what new/refresh must not do."""
+    recorded = next((p for p in series.patches if p.file == fname), None) if series else None
+    if refresh and recorded is None:
+        raise BadInput(f"{fname} is not recorded in {toml_path}; use `patchctl new`")
+    if recorded is not None and recorded.series:
+        raise BadInput(f"{fname} in {toml_path} is series {recorded.series}'s patch (a reference); "
+                       + (f"refresh it there (`patchctl refresh {recorded.series} {fname} --from-tree PATH`), "
+                          f"then update this series' pin" if refresh else "pick another name"))
+    if not refresh and recorded is not None:
+        raise BadInput(f"{fname} is already recorded in {toml_path}; use `patchctl refresh`")
+    if not refresh and (sdir / fname).exists():
+        raise BadInput(f"{sdir / fname} exists but is not recorded in {SERIES_FILE}; remove it or pick another name")
+    return recorded
+
+
+def _updated_toml(old_toml: str | None, entry: dict, refresh: bool, new_description: bool, series_name: str,
+                  version: str | None, from_tree, toml_path: Path) -> str:
+    """series.toml with the patch's entry added or updated (comments and layout kept), or a new one."""
+    import tomlkit
+
+    if old_toml is not None:
+        doc = tomlkit.parse(old_toml)
+        if refresh:
+            tbl = next(t for t in doc["patch"] if t.get("file") == entry["file"])
+            tbl["version"] = entry["version"]
+            tbl["sha256"] = entry["sha256"]
+            if new_description:
+                tbl["description"] = entry["description"]
+        else:
+            tbl = tomlkit.table()
+            for k, v in entry.items():
+                tbl.add(k, v)
+            tbl.add(tomlkit.nl())
+            if "patch" in doc:
+                doc["patch"].append(tbl)
+            else:
+                aot = tomlkit.aot()
+                aot.append(tbl)
+                doc.append("patch", aot)
+        return tomlkit.dumps(doc)
+    else:
+        if not version:
+            raise BadInput(f"cannot tell the SGLang version of {from_tree} (no sglang/_version.py, "
+                           f"dist-info or version tag) to pin the new series; create {toml_path} by hand")
+        return _new_series_toml(series_name, version, entry)
+
+
+def _write_checked(patches_dir, series_name: str, fname: str, text: str, new_toml: str, old_toml: str | None) -> None:
+    """Write the patch and series.toml, then load the series as every other command will; a refusal
+    (or anything else) puts back what was there, byte for byte."""
+    sdir = Path(patches_dir) / series_name
+    toml_path = sdir / SERIES_FILE
+    created_dir = not sdir.exists()
+    old_patch = (sdir / fname).read_bytes() if (sdir / fname).exists() else None
+    sdir.mkdir(parents=True, exist_ok=True)
+    try:
+        write_atomic(sdir / fname, text.encode("utf-8"))
+        write_atomic(toml_path, new_toml.encode("utf-8"))
+        load_series(patches_dir, series_name, verify_hashes=False)
+    except BaseException:
+        if old_patch is None:
+            (sdir / fname).unlink(missing_ok=True)
+        else:
+            (sdir / fname).write_bytes(old_patch)
+        if old_toml is None:
+            toml_path.unlink(missing_ok=True)
+        else:
+            toml_path.write_text(old_toml, encoding="utf-8")
+        if created_dir:
+            shutil.rmtree(sdir, ignore_errors=True)
+        raise
 
 
 def _referrers(patches_dir: Path, owner: str, fname: str) -> list[str]:

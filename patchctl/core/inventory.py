@@ -294,6 +294,28 @@ def find_inventory(environ=None) -> tuple[Path, str]:
 
 
 def load_inventory(path: Path) -> Inventory:
+    """The inventory at `path`, every key checked: a bad one is BadInput naming its file and line."""
+    path = Path(path)
+    text, data = _read_toml(path)
+    L = _Loader(path, text)
+    L.check_keys(data, _TOP_KEYS, ())
+
+    # [defaults] and [defaults.server] -----------------------------------------------------------
+    defaults = L.want_table(data.get("defaults", {}), ("defaults",))
+    L.check_keys(defaults, _DEFAULT_KEYS, ("defaults",))
+    dserver = L.want_table(defaults.get("server", {}), ("defaults", "server"))
+    L.check_keys(dserver, _SERVER_KEYS, ("defaults", "server"))
+
+    hosts_raw = L.want_table(data.get("hosts", {}), ("hosts",))
+    gateways: dict[str, tuple[str, tuple[str, ...]]] = {}  # host -> (gateway value, key path it came from)
+    hosts = {name: _host(L, name, table, defaults, dserver, gateways) for name, table in hosts_raw.items()}
+    _resolve_gateways(L, hosts, gateways)
+    groups = _groups(L, data, hosts)
+    servers = _servers(L, data, hosts, groups)
+    return Inventory(path=path, hosts=hosts, groups=groups, servers=servers)
+
+
+def _read_toml(path: Path) -> tuple[str, dict]:
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -310,77 +332,70 @@ def load_inventory(path: Path) -> Inventory:
         m = re.search(r"line (\d+)", str(e))
         raise BadInput(f"TOML syntax error: {e}", file=str(path), line=int(m.group(1)) if m else None) from None
 
-    L = _Loader(path, text)
-    L.check_keys(data, _TOP_KEYS, ())
+    return text, data
 
-    # [defaults] and [defaults.server] -----------------------------------------------------------
-    defaults = L.want_table(data.get("defaults", {}), ("defaults",))
-    L.check_keys(defaults, _DEFAULT_KEYS, ("defaults",))
-    dserver = L.want_table(defaults.get("server", {}), ("defaults", "server"))
-    L.check_keys(dserver, _SERVER_KEYS, ("defaults", "server"))
 
-    # [hosts.X] ----------------------------------------------------------------------------------
-    hosts_raw = L.want_table(data.get("hosts", {}), ("hosts",))
-    hosts: dict[str, Host] = {}
-    gateways: dict[str, tuple[str, tuple[str, ...]]] = {}  # host -> (gateway value, key path it came from)
-    for name, table in hosts_raw.items():
-        hp = ("hosts", name)
-        if not name.strip():
-            L.fail(hp, "a host name must not be empty or blank")
-        table = L.want_table(table, hp)
-        L.check_keys(table, _HOST_KEYS, hp)
-        hserver = L.want_table(table.get("server", {}), hp + ("server",))
-        L.check_keys(hserver, _SERVER_KEYS, hp + ("server",))
+def _host(L: _Loader, name: str, table, defaults: dict, dserver: dict, gateways: dict) -> Host:
+    """[hosts.NAME] over [defaults]; a gateway it names is noted in `gateways`, resolved once all hosts are read."""
+    hp = ("hosts", name)
+    if not name.strip():
+        L.fail(hp, "a host name must not be empty or blank")
+    table = L.want_table(table, hp)
+    L.check_keys(table, _HOST_KEYS, hp)
+    hserver = L.want_table(table.get("server", {}), hp + ("server",))
+    L.check_keys(hserver, _SERVER_KEYS, hp + ("server",))
 
-        def pick(key, default=None, _t=table, _hp=hp):
-            """(value, key path) from the host table, else [defaults], else the built-in default."""
-            if key in _t:
-                return _t[key], _hp + (key,)
-            if key in defaults:
-                return defaults[key], ("defaults", key)
-            return default, None
+    def pick(key, default=None, _t=table, _hp=hp):
+        """(value, key path) from the host table, else [defaults], else the built-in default."""
+        if key in _t:
+            return _t[key], _hp + (key,)
+        if key in defaults:
+            return defaults[key], ("defaults", key)
+        return default, None
 
-        explicit = frozenset(k for k in _HOST_KEYS if k in table or k in defaults)
-        h = Host(name=name, address=name, explicit=explicit)
-        if "address" in table:
-            h.address = L.want_str(table["address"], hp + ("address",))
-            if "@" in h.address or any(c.isspace() for c in h.address):
-                L.fail(hp + ("address",), f"{h.address!r} is not a host address (give the user in 'user')")
-        v, p = pick("connection", "ssh")
-        h.connection = L.want_choice(v, p, CONNECTIONS) if p else v
-        v, p = pick("port", 22)
-        h.port = L.want_port(v, p) if p else v
-        for key in ("user", "identity_file"):
-            v, p = pick(key)
-            setattr(h, key, L.want_str(v, p) if p else None)
-        for key, default in (("known_hosts", "~/.ssh/known_hosts"), ("python", "python3"),
-                             ("sglang_root", "auto"), ("state_dir", "~/.patchctl")):
-            v, p = pick(key, default)
-            setattr(h, key, L.want_str(v, p) if p else v)
-        v, p = pick("ssh_config", True)
-        h.ssh_config = L.want_bool(v, p) if p else v
-        if h.python == CONTROLLER_PYTHON:
-            if h.connection != "local":
-                _, p = pick("python")
-                L.fail(p, f"python = {CONTROLLER_PYTHON!r} (patchctl's own interpreter) is only for connection = \"local\"",
-                       line_of=p if p[0] == "hosts" else hp)
-            h.python = sys.executable
-        v, p = pick("gateway")
-        if p is not None:
-            gw = L.want_str(v, p, nonempty=False)
-            if gw.strip():
-                if h.connection == "local":
-                    if p[0] == "hosts":
-                        L.fail(p, "a local host has no gateway")
-                elif p[0] == "defaults" and gw == name:
-                    pass  # the bastion named in [defaults] is itself reached directly
-                else:
-                    gateways[name] = (gw, p)
-        _become(L, h, pick, hp)
-        h.server = _server(L, dserver, hserver, hp + ("server",))
-        hosts[name] = h
+    explicit = frozenset(k for k in _HOST_KEYS if k in table or k in defaults)
+    h = Host(name=name, address=name, explicit=explicit)
+    if "address" in table:
+        h.address = L.want_str(table["address"], hp + ("address",))
+        if "@" in h.address or any(c.isspace() for c in h.address):
+            L.fail(hp + ("address",), f"{h.address!r} is not a host address (give the user in 'user')")
+    v, p = pick("connection", "ssh")
+    h.connection = L.want_choice(v, p, CONNECTIONS) if p else v
+    v, p = pick("port", 22)
+    h.port = L.want_port(v, p) if p else v
+    for key in ("user", "identity_file"):
+        v, p = pick(key)
+        setattr(h, key, L.want_str(v, p) if p else None)
+    for key, default in (("known_hosts", "~/.ssh/known_hosts"), ("python", "python3"),
+                         ("sglang_root", "auto"), ("state_dir", "~/.patchctl")):
+        v, p = pick(key, default)
+        setattr(h, key, L.want_str(v, p) if p else v)
+    v, p = pick("ssh_config", True)
+    h.ssh_config = L.want_bool(v, p) if p else v
+    if h.python == CONTROLLER_PYTHON:
+        if h.connection != "local":
+            _, p = pick("python")
+            L.fail(p, f"python = {CONTROLLER_PYTHON!r} (patchctl's own interpreter) is only for connection = \"local\"",
+                   line_of=p if p[0] == "hosts" else hp)
+        h.python = sys.executable
+    v, p = pick("gateway")
+    if p is not None:
+        gw = L.want_str(v, p, nonempty=False)
+        if gw.strip():
+            if h.connection == "local":
+                if p[0] == "hosts":
+                    L.fail(p, "a local host has no gateway")
+            elif p[0] == "defaults" and gw == name:
+                pass  # the bastion named in [defaults] is itself reached directly
+            else:
+                gateways[name] = (gw, p)
+    _become(L, h, pick, hp)
+    h.server = _server(L, dserver, hserver, hp + ("server",))
+    return h
 
-    # gateways ------------------------------------------------------------------------------------
+
+def _resolve_gateways(L: _Loader, hosts: dict[str, Host], gateways: dict) -> None:
+    """Each gateway: a host of the inventory (an SSH one) or user@host:port outside it; no cycle."""
     for name, (gw, p) in gateways.items():
         line_of = p if p[0] == "hosts" else ("hosts", name)
         if gw in hosts:
@@ -416,7 +431,9 @@ def load_inventory(path: Path) -> Inventory:
             seen.append(cur)
         hosts[name].gateway_host = hosts[name].gateway_host or hosts.get(hosts[name].gateway)
 
-    # [groups] ------------------------------------------------------------------------------------
+
+def _groups(L: _Loader, data: dict, hosts: dict[str, Host]) -> dict[str, list[str]]:
+    """[groups]: members are hosts or groups (resolved, no cycle); each host learns its groups."""
     groups_raw = L.want_table(data.get("groups", {}), ("groups",))
     for g, members in groups_raw.items():
         L.want_names(members, ("groups", g))
@@ -440,8 +457,11 @@ def load_inventory(path: Path) -> Inventory:
     for g, members in groups.items():
         for n in members:
             hosts[n].groups.append(g)
+    return groups
 
-    # [servers.NAME] ------------------------------------------------------------------------------
+
+def _servers(L: _Loader, data: dict, hosts: dict[str, Host], groups: dict) -> dict[str, ServerGroup]:
+    """[servers.NAME]: the nodes serving one model (head first); a host serves one model."""
     servers_raw = L.want_table(data.get("servers", {}), ("servers",))
     servers: dict[str, ServerGroup] = {}
     owner: dict[str, str] = {}
@@ -467,8 +487,7 @@ def load_inventory(path: Path) -> Inventory:
         if len(set(nodes)) != len(nodes):
             L.fail(sp + ("nodes",), "a node is listed twice")
         servers[s] = ServerGroup(name=s, nodes=list(nodes))
-
-    return Inventory(path=path, hosts=hosts, groups=groups, servers=servers)
+    return servers
 
 
 _USER_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*\$?|#[0-9]+)$")  # a login name, or sudo's #uid

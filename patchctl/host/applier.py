@@ -106,17 +106,14 @@ def parse_sections(text):
     "header": text}. Text outside sections (a commit message) is ignored, as git
     apply ignores it. Header lines are only recognised outside hunks, so a
     removed line that reads '--- x' is not mistaken for one.
+    (Longer than most: one pass over the lines, whose header cases read best side by side; a hunk's
+    lines, the git extended headers and each section's final paths are helpers below.)
     """
     sections = []
     cur = None
     hunk = None  # [old_left, new_left, start, lines]
     lines = text.splitlines(True)
     i = 0
-
-    def new_section():
-        return {"old": None, "new": None, "git_old": None, "git_new": None, "action": None,
-                "binary": False, "mode": None, "copy_from": None, "rename_from": None,
-                "hunks": [], "header": [], "has_minus": False, "has_plus": False}
 
     def close_hunk():
         if cur is not None and hunk is not None:
@@ -126,32 +123,12 @@ def parse_sections(text):
         line = lines[i]
         i += 1
         if hunk is not None:
-            if hunk[0] > 0 or hunk[1] > 0:
-                c = line[:1]
-                if c == "\\":
-                    hunk[3].append(line)
-                    continue
-                if c in (" ", "\n", "\r") or line in ("\n", "\r\n"):
-                    hunk[0] -= 1
-                    hunk[1] -= 1
-                elif c == "-":
-                    hunk[0] -= 1
-                elif c == "+":
-                    hunk[1] -= 1
-                else:  # malformed: end the hunk here and re-read the line as a header
-                    close_hunk()
-                    hunk = None
-                    i -= 1
-                    continue
-                hunk[3].append(line)
+            if _hunk_takes(hunk, line):
                 continue
-            if line.startswith("\\"):
-                hunk[3].append(line)
-                continue
-            close_hunk()
+            close_hunk()  # the hunk is complete (or malformed here): the line is read as a header
             hunk = None
         if line.startswith("diff --git "):
-            cur = new_section()
+            cur = _new_section()
             sections.append(cur)
             cur["header"].append(line)
             a, b = _git_line_paths(line[len("diff --git "):])
@@ -159,7 +136,7 @@ def parse_sections(text):
             continue
         if line.startswith("--- ") and i < len(lines) and lines[i].startswith("+++ "):
             if cur is None or cur["has_minus"] or cur["hunks"]:
-                cur = new_section()
+                cur = _new_section()
                 sections.append(cur)
             cur["header"].append(line)
             cur["has_minus"] = True
@@ -187,52 +164,91 @@ def parse_sections(text):
             cur["binary"] = True
             cur["header"].append(line)
             continue
-        for key in _GIT_HEADER_KEYS:
-            if line.startswith(key):
-                value = line[len(key):].rstrip("\r\n")
-                cur["header"].append(line)
-                if key == "new file mode ":
-                    cur["action"] = "add"
-                    cur["mode"] = value.strip()
-                elif key == "deleted file mode ":
-                    cur["action"] = "delete"
-                elif key == "new mode ":
-                    cur["mode"] = value.strip()
-                elif key in ("rename from ", "rename old "):
-                    cur["rename_from"] = _unquote(value)
-                elif key in ("rename to ", "rename new "):
-                    cur["git_new"] = _unquote(value)
-                    cur["rename_to"] = _unquote(value)
-                elif key == "copy from ":
-                    cur["copy_from"] = _unquote(value)
-                elif key == "copy to ":
-                    cur["git_new"] = _unquote(value)
-                    cur["copy_to"] = _unquote(value)
-                break
+        _git_header(cur, line)
     close_hunk()
     for s in sections:
-        if s["rename_from"] is not None:
-            s["old"] = s["rename_from"]
-            s["new"] = s.get("rename_to") or s["new"] or s["git_new"]
-            s["action"] = "rename"
-        elif s["copy_from"] is not None:
-            s["old"] = s["copy_from"]
-            s["new"] = s.get("copy_to") or s["new"] or s["git_new"]
-            s["action"] = "copy"
-        else:
-            if s["old"] is None and not s.get("old_null") and s["action"] != "add":
-                s["old"] = s["git_old"]
-            if s["new"] is None and not s.get("new_null") and s["action"] != "delete":
-                s["new"] = s["git_new"]
-            if s["action"] is None:
-                if s.get("old_null"):
-                    s["action"] = "add"
-                elif s.get("new_null"):
-                    s["action"] = "delete"
-                else:
-                    s["action"] = "modify"
-        s["header"] = "".join(s["header"])
+        _settle(s)
     return sections
+
+
+def _new_section():
+    return {"old": None, "new": None, "git_old": None, "git_new": None, "action": None,
+            "binary": False, "mode": None, "copy_from": None, "rename_from": None,
+            "hunks": [], "header": [], "has_minus": False, "has_plus": False}
+
+
+def _hunk_takes(hunk, line):
+    """Whether `line` belongs to the open hunk [old_left, new_left, start, lines] (appended, and counted
+    against the lengths its @@ line gave); False: the hunk ended before it (complete, or malformed here)."""
+    if hunk[0] > 0 or hunk[1] > 0:
+        c = line[:1]
+        if c == "\\":
+            pass
+        elif c in (" ", "\n", "\r") or line in ("\n", "\r\n"):
+            hunk[0] -= 1
+            hunk[1] -= 1
+        elif c == "-":
+            hunk[0] -= 1
+        elif c == "+":
+            hunk[1] -= 1
+        else:  # malformed: the hunk ends here
+            return False
+    elif not line.startswith("\\"):  # "\ No newline at end of file" still belongs to the last line
+        return False
+    hunk[3].append(line)
+    return True
+
+
+def _git_header(cur, line):
+    """A git extended header line (mode, rename, copy, ...) into the section; any other line is ignored."""
+    for key in _GIT_HEADER_KEYS:
+        if line.startswith(key):
+            value = line[len(key):].rstrip("\r\n")
+            cur["header"].append(line)
+            if key == "new file mode ":
+                cur["action"] = "add"
+                cur["mode"] = value.strip()
+            elif key == "deleted file mode ":
+                cur["action"] = "delete"
+            elif key == "new mode ":
+                cur["mode"] = value.strip()
+            elif key in ("rename from ", "rename old "):
+                cur["rename_from"] = _unquote(value)
+            elif key in ("rename to ", "rename new "):
+                cur["git_new"] = _unquote(value)
+                cur["rename_to"] = _unquote(value)
+            elif key == "copy from ":
+                cur["copy_from"] = _unquote(value)
+            elif key == "copy to ":
+                cur["git_new"] = _unquote(value)
+                cur["copy_to"] = _unquote(value)
+            return
+
+
+def _settle(s):
+    """A parsed section's final paths and action: rename and copy from their headers, else from
+    ---/+++ (a /dev/null side: add or delete), else from the diff --git line."""
+    if s["rename_from"] is not None:
+        s["old"] = s["rename_from"]
+        s["new"] = s.get("rename_to") or s["new"] or s["git_new"]
+        s["action"] = "rename"
+    elif s["copy_from"] is not None:
+        s["old"] = s["copy_from"]
+        s["new"] = s.get("copy_to") or s["new"] or s["git_new"]
+        s["action"] = "copy"
+    else:
+        if s["old"] is None and not s.get("old_null") and s["action"] != "add":
+            s["old"] = s["git_old"]
+        if s["new"] is None and not s.get("new_null") and s["action"] != "delete":
+            s["new"] = s["git_new"]
+        if s["action"] is None:
+            if s.get("old_null"):
+                s["action"] = "add"
+            elif s.get("new_null"):
+                s["action"] = "delete"
+            else:
+                s["action"] = "modify"
+    s["header"] = "".join(s["header"])
 
 
 def touched_paths(text):
@@ -401,6 +417,30 @@ def stage(root, patches, scratch):
                     needed.append(p)
     if not os.path.isdir(scratch):
         os.makedirs(scratch)
+    before, modes = _copy_in(root, scratch, needed)
+    failed = _apply_in_order(scratch, patches, report)
+    for rel in needed:
+        after = sha256_file(os.path.join(scratch, *rel.split("/")))
+        b = before.get(rel)
+        if b is None and after is None:
+            continue
+        action = "add" if b is None else ("delete" if after is None else "modify")
+        report["files"][rel] = {"action": action, "sha256_before": b, "sha256_after": after,
+                                "mode_before": modes.get(rel),
+                                "mode_after": _mode(os.path.join(scratch, *rel.split("/")))}
+    if failed:
+        return report
+
+    _compile_changed(scratch, report)
+    if report["compile_errors"]:
+        report["error"] = "does not compile: " + report["compile_errors"][0]
+        return report
+    report["ok"] = True
+    return report
+
+
+def _copy_in(root, scratch, needed):
+    """The files the patches touch, copied from the tree into scratch: ({rel: sha256 or None}, {rel: mode})."""
     before = {}
     modes = {}
     for rel in needed:
@@ -416,6 +456,12 @@ def stage(root, patches, scratch):
         else:
             before[rel] = None
 
+    return before, modes
+
+
+def _apply_in_order(scratch, patches, report):
+    """git apply each patch in turn (checked first); after a failure the rest are reported skipped.
+    Returns whether one failed."""
     pdir = os.path.join(scratch, ".patchctl-patches")
     os.makedirs(pdir)
     failed = False
@@ -447,18 +493,11 @@ def stage(root, patches, scratch):
     finally:
         shutil.rmtree(pdir, ignore_errors=True)
 
-    for rel in needed:
-        after = sha256_file(os.path.join(scratch, *rel.split("/")))
-        b = before.get(rel)
-        if b is None and after is None:
-            continue
-        action = "add" if b is None else ("delete" if after is None else "modify")
-        report["files"][rel] = {"action": action, "sha256_before": b, "sha256_after": after,
-                                "mode_before": modes.get(rel),
-                                "mode_after": _mode(os.path.join(scratch, *rel.split("/")))}
-    if failed:
-        return report
+    return failed
 
+
+def _compile_changed(scratch, report):
+    """Every .py file the patches leave in place, compiled; errors into report["compile_errors"]."""
     for rel in sorted(report["files"]):
         info = report["files"][rel]
         if not rel.endswith(".py") or info["sha256_after"] is None:
@@ -472,8 +511,3 @@ def stage(root, patches, scratch):
             report["compile_errors"].append("%s:%s: %s" % (rel, e.lineno, e.msg))
         except (ValueError, TypeError) as e:
             report["compile_errors"].append("%s: %s" % (rel, e))
-    if report["compile_errors"]:
-        report["error"] = "does not compile: " + report["compile_errors"][0]
-        return report
-    report["ok"] = True
-    return report
