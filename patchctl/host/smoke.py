@@ -230,7 +230,6 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     facts = model_facts(cfg)
     expect = expected_layers(host_layers or cfg.get("capture_layers") or profile.get("layers"),
                              host_outputs, facts.get("num_hidden_layers"))
-    captured = {}
     hidden = host_hidden or profile.get("hidden_size") or facts.get("hidden_size")
     vocab = int(facts.get("vocab_size") or 1000)
     prefix = smoke_prefix(env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "", run_id)
@@ -242,8 +241,47 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     rng = random.Random(run_id)
     n_prompts = int(profile.get("prompts") or 4)
     n_tokens = int(profile.get("prompt_tokens") or 32)
-    sent = {}
     problems = []
+    sent = _send_prompts(cfg, prefix, n_prompts, n_tokens, vocab, rng, problems)
+    # the writer is asynchronous: wait (bounded) for every file to land
+    expected = dict((rid, os.path.join(dump_dir, rid + ".safetensors")) for rid in sent)
+    deadline = time.time() + DUMP_WAIT_S
+    while time.time() < deadline and not all(os.path.exists(p) for p in expected.values()):
+        heartbeat(step="smoke_wait_files")
+        time.sleep(0.05)
+    found = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
+    ours = [f for f in found if f.startswith(prefix)]
+    tmp_left = [f for f in found if f.startswith(prefix) and not f.endswith(".safetensors")] + \
+               [f for f in found if f.endswith(".tmp") and prefix in f]
+    nbytes, tokens, captured = _check_dumps(expected, sent, expect, hidden, problems)
+    extra = [f for f in ours if f[: -len(".safetensors")] not in expected and f not in tmp_left]
+    if extra:
+        problems.append("unexpected extra files: %s" % ", ".join(extra[:5]))
+    if tmp_left:
+        problems.append("temporary files left behind: %s" % ", ".join(sorted(set(tmp_left))[:5]))
+    logged = _new_in_log(errlog, errlog_size)
+    if logged is not None:
+        problems.append("hidden_dump error log: %s" % logged)
+    removed = []
+    for f in ours:  # only files named with this run's unique prefix
+        try:
+            os.unlink(os.path.join(dump_dir, f))
+            removed.append(f)
+        except OSError:
+            pass
+    result = {"prompts": n_prompts, "tokens": tokens, "bytes": nbytes, "seconds": round(time.time() - t0, 3),
+              "layers": captured.get("layers_to_capture"), "hidden_size": hidden, "dump_dir": dump_dir,
+              "removed": len(removed), "captured": captured,
+              "expected": dict((k, {"ids": ids, "from": src}) for k, (ids, src) in expect.items())}
+    if problems:
+        raise AgentError("failed", "smoke failed: " + "; ".join(problems[:8]), smoke=result, problems=problems)
+    event("smoke_passed", **result)
+    return result
+
+
+def _send_prompts(cfg, prefix, n_prompts, n_tokens, vocab, rng, problems):
+    """The smoke's prompts (distinct lengths, random ids) to the server, one token each: {rid: ids}."""
+    sent = {}
     for i in range(n_prompts):
         rid = "%s%d" % (prefix, i)
         ids = [rng.randrange(10, max(11, vocab - 1)) for _ in range(n_tokens + i)]  # distinct lengths
@@ -260,16 +298,12 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
         if pt is not None and pt != len(ids):
             problems.append("%s: server counted %s prompt tokens, sent %d" % (rid, pt, len(ids)))
         heartbeat(step="smoke", sent=i + 1)
-    # the writer is asynchronous: wait (bounded) for every file to land
-    expected = dict((rid, os.path.join(dump_dir, rid + ".safetensors")) for rid in sent)
-    deadline = time.time() + DUMP_WAIT_S
-    while time.time() < deadline and not all(os.path.exists(p) for p in expected.values()):
-        heartbeat(step="smoke_wait_files")
-        time.sleep(0.05)
-    found = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
-    ours = [f for f in found if f.startswith(prefix)]
-    tmp_left = [f for f in found if f.startswith(prefix) and not f.endswith(".safetensors")] + \
-               [f for f in found if f.endswith(".tmp") and prefix in f]
+    return sent
+
+
+def _check_dumps(expected, sent, expect, hidden, problems):
+    """Each prompt's dump file validated (missing ones named): (bytes, tokens, the layers it says it captured)."""
+    captured = {}
     nbytes = 0
     tokens = 0
     missing = [rid for rid, path in sorted(expected.items()) if not os.path.exists(path)]
@@ -289,32 +323,16 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
                 pass
         for p in validate_dump(path, sent[rid], expect, hidden):
             problems.append("%s: %s" % (rid, p))
-    extra = [f for f in ours if f[: -len(".safetensors")] not in expected and f not in tmp_left]
-    if extra:
-        problems.append("unexpected extra files: %s" % ", ".join(extra[:5]))
-    if tmp_left:
-        problems.append("temporary files left behind: %s" % ", ".join(sorted(set(tmp_left))[:5]))
-    try:
-        grown = os.path.getsize(errlog) > errlog_size
-    except OSError:
-        grown = False
-    if grown:
-        with open(errlog, "rb") as f:
-            f.seek(errlog_size)
-            problems.append("hidden_dump error log: %s" % f.read(500).decode("utf-8", "replace").strip())
-    removed = []
-    for f in ours:  # only files named with this run's unique prefix
-        try:
-            os.unlink(os.path.join(dump_dir, f))
-            removed.append(f)
-        except OSError:
-            pass
-    result = {"prompts": n_prompts, "tokens": tokens, "bytes": nbytes, "seconds": round(time.time() - t0, 3),
-              "layers": captured.get("layers_to_capture"), "hidden_size": hidden, "dump_dir": dump_dir,
-              "removed": len(removed), "captured": captured,
-              "expected": dict((k, {"ids": ids, "from": src}) for k, (ids, src) in expect.items())}
-    if problems:
-        raise AgentError("failed", "smoke failed: " + "; ".join(problems[:8]), smoke=result, problems=problems)
-    event("smoke_passed", **result)
-    return result
+    return nbytes, tokens, captured
 
+
+def _new_in_log(errlog, size):
+    """What the hidden_dump module logged since the smoke began (its first 500 bytes), or None."""
+    try:
+        if os.path.getsize(errlog) <= size:
+            return None
+    except OSError:
+        return None
+    with open(errlog, "rb") as f:
+        f.seek(size)
+        return f.read(500).decode("utf-8", "replace").strip()
