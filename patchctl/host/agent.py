@@ -336,7 +336,7 @@ class Agent(object):
             repo_commit=self.req.get("repo_commit"), who=self.req["holder"].get("who"), when=now(),
             run_id=self.run_id, status="pending" if self.req.get("restart") else "applied",
             profile=Profile.from_wire(series.get("smoke")), root=t.root,
-            previous=m and m.snapshot(), server_before=server_before)
+            previous=m and m.snapshot(), server=server_before)
         changes = t.transition("apply", target, manifest, self.run_id, metas=metas)
         hid = t.append_history(HistoryEntry(op="apply", series=manifest.series, version=manifest.version, run_id=self.run_id,
                                             who=manifest.who, outcome="files applied", state=manifest.snapshot(),
@@ -684,7 +684,7 @@ class Agent(object):
             new_manifest = Manifest.restoring(state, self.run_id, t.root, now())
         changes = t.transition("rollback", target, new_manifest, self.run_id, note=reason, metas=metas)
         out = {"changed": True, "files": [c.path for c in changes], "to": state and state.ref(), "hand_edits_saved": saved}
-        before = m.server_before if m else None
+        before = m.server if m else None
         if restart == "stop":  # a multi-node unit: the controller restarts the nodes in order
             if before is not None:
                 mgr = manager_for(self.state_dir, dict(before))

@@ -293,44 +293,30 @@ Snapshot.NESTED["previous"] = Snapshot
 
 
 @dataclass
-class Manifest(Record):
-    """What is applied to a tree (`manifest.json`): pending until the deploy is verified."""
+class Manifest(Snapshot):
+    """What is applied to a tree (`manifest.json`): a Snapshot (status applied | pending | restarted |
+    verified; its `server`, the config in force before the deploy, is `server_before` on the wire) and
+    what only the tree's own record keeps."""
 
-    series: str
-    version: str
-    patches: list
-    files: dict
     format: int = FORMAT
-    status: str = "applied"  # applied | pending | restarted | verified
     sglang_version: str = None
     base_fingerprint: str = None
-    repo_commit: str = None
-    who: str = None
-    when: str = None
     run_id: str = None
-    profile: Profile = None
     root: str = None
-    previous: Snapshot = None
-    server_before: dict = None
     verified_at: str = None
     restored_at: str = None  # written by a rollback to this state
-    NESTED = {"patches": (list, PatchRef), "files": (dict, FileRecord), "profile": Profile, "previous": Snapshot}
+    NESTED = Snapshot.NESTED
+    RENAMED = {"server": "server_before"}
 
     def snapshot(self):
-        return Snapshot(series=self.series, version=self.version, patches=self.patches, files=self.files,
-                        profile=self.profile, status=self.status, when=self.when, who=self.who,
-                        repo_commit=self.repo_commit, server=self.server_before, previous=self.previous)
-
-    def ref(self):
-        return {"series": self.series, "version": self.version}
+        return Snapshot(**dict((f.name, getattr(self, f.name)) for f in fields(Snapshot)))
 
     @classmethod
     def restoring(cls, state, run_id, root, restored_at):
         """The manifest a rollback to `state` (a Snapshot) writes."""
-        return cls(series=state.series, version=state.version, patches=state.patches, files=state.files,
-                   profile=state.profile, status="verified" if state.status == "verified" else state.status or "applied",
-                   who=state.who, when=state.when, repo_commit=state.repo_commit, run_id=run_id, root=root,
-                   previous=state.previous, server_before=state.server, restored_at=restored_at)
+        kw = dict((f.name, getattr(state, f.name)) for f in fields(Snapshot))
+        kw["status"] = "verified" if state.status == "verified" else state.status or "applied"
+        return cls(run_id=run_id, root=root, restored_at=restored_at, **kw)
 
 
 @dataclass
