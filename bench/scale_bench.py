@@ -250,6 +250,7 @@ def per_n(base: Path, n: int, pristine: Path, args) -> list[dict]:
     groups = [[("plan", ["plan", LIGHT])],  # each group leaves the fleet as it found it (clean, light servers)
               [("apply (restart)", ["apply", LIGHT, "--no-smoke"]), ("status", ["status"]), ("rollback (restart)", ["rollback"])],
               [("apply --no-restart", ["apply", LIGHT, "--no-restart"]), ("rollback --no-restart", ["rollback", "--no-restart"])]]
+    groups = [g for g, name in zip(groups, ("plan", "apply", "no-restart")) if name in args.groups]
     controllers = [("patchctl", args.controller)] + ([("patchctl (before)", args.compare)] if args.compare else [])
     try:
         if args.warm:  # untimed: the trace verdict computed and cached on disk by each controller (its own code)
@@ -294,6 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-ops", default="plan,apply (restart),status,rollback (restart)",
                     help="the other controller runs each group of ops (plan | apply, status, rollback | apply "
                          "--no-restart, rollback --no-restart) that has one of these")
+    ap.add_argument("--groups", default="plan,apply,no-restart",
+                    help="which groups of ops run: plan | apply (apply with restart, status, rollback) | no-restart "
+                         "(apply --no-restart, rollback --no-restart)")
     ap.add_argument("--forks-compare", default="256", help="N at which apply/rollback also run with --forks 64")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "scale.png")
@@ -315,6 +319,7 @@ def main(argv=None) -> int:
         return 0
     ns = [int(x) for x in args.hosts.split(",") if x.strip()]
     args.compare_ops = {x.strip() for x in args.compare_ops.split(",")}
+    args.groups = {x.strip() for x in args.groups.split(",")}
     args.forks_compare = {int(x) for x in args.forks_compare.split(",") if x.strip()}
     soft, hard = __import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)
     need = 16 * max(ns) + 256

@@ -65,9 +65,9 @@ def test_success_path(fleet1):
     p = f.patchctl("apply", "hidden-dump")
     assert p.returncode == 0, p.stderr
     assert "smoke passed" in p.stderr
-    # one connection, three commands (preflight probe, apply, restart with its smoke), from the sshd log;
+    # one connection, two commands (preflight probe; apply with its restart and smoke), from the sshd log;
     # the report still has each step, in order, with its own result
-    assert (h.ssh.count_connections() - conns, h.ssh.count_commands() - cmds) == (1, 3)
+    assert (h.ssh.count_connections() - conns, h.ssh.count_commands() - cmds) == (1, 2)
     steps = [(e["event"], e["step"]) + ((e["ok"],) if "ok" in e else ()) for e in map(json.loads, open(_log(f, "events.jsonl")))
              if e["event"] in ("step_start", "step_end")]
     assert steps == [("step_start", "apply"), ("step_end", "apply", True), ("step_start", "restart"),
@@ -121,9 +121,14 @@ def _assert_rolled_back(f, h, p, digest, old_pid=None):
 def test_dead_hook_rolls_back(local1):
     f, h = local1, local1.hosts[0]
     digest = f.digest(h)
+    cmds = h.ssh.count_commands()
     p = f.patchctl("apply", "hidden-dump-dead-hook", "--skip-trace")  # past the trace: the smoke must catch it
+    # the failed smoke is rolled back in the same command as the apply; the report keeps each step
+    assert h.ssh.count_commands() - cmds == 1
     _assert_rolled_back(f, h, p, digest)
     assert "no dump file" in p.stdout + p.stderr
+    steps = [(e["step"], e["ok"]) for e in map(json.loads, open(_log(f, "events.jsonl"))) if e["event"] == "step_end"]
+    assert steps == [("apply", True), ("restart", True), ("smoke", False), ("rollback", True)], steps
     # the history says why it was rolled back: the failed step and its message
     _, hist = f.json("history")
     rb = [e for e in hist[0]["history"] if e["op"] == "rollback" and (e.get("from") or {}).get("series") == "hidden-dump-dead-hook"]

@@ -111,8 +111,16 @@ class HostSession:
         at = {"op": op, "step": step, "rec": rep.step_start(self.host.name, step) if rep else None}
 
         def next_step(ev: dict) -> None:
+            failed = ev.get("failed")  # the step in hand failed and the agent goes on to roll it back
             if rep:
-                rep.step_end(at["rec"], True, ev.get("ended") or "")
+                if failed is None:
+                    rep.step_end(at["rec"], True, ev.get("ended") or "")
+                else:
+                    rep.step_end(at["rec"], False, failed, dict(ev.get("details") or {}))
+            if failed is not None:
+                at["failed"] = (at["step"] or op, failed)
+                self.note(f"rolling back: {ev.get('reason') or failed}")
+            if rep:
                 at["rec"] = rep.step_start(self.host.name, ev["step"])
             at.update(op=ev.get("op") or ev["step"], step=ev["step"])
 
@@ -131,6 +139,15 @@ class HostSession:
             for n in res.get("notes") or []:
                 self.note(n)
         except PatchctlError as e:
+            if at.get("failed"):  # a failed step the agent rolled back (or tried to) in the same command
+                details = getattr(e, "details", None) or {}
+                e.rolled_back = details.get("rolled_back")
+                e.step, e.failure = at["failed"]
+                if at["rec"] and e.rolled_back is not None:
+                    self.run.reporter.step_end(at["rec"], True, _step_summary("rollback", e.rolled_back), e.rolled_back)
+                elif at["rec"]:
+                    self.run.reporter.step_end(at["rec"], False, details.get("rollback_error") or str(e), dict(details))
+                raise
             if at["rec"]:
                 self.run.reporter.step_end(at["rec"], False, str(e), dict(getattr(e, "details", None) or {}))
             if getattr(e, "step", None) is None:

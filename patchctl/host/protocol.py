@@ -432,8 +432,8 @@ OPS = {
     "tokenizer": Op({"with_data": None}),
     "convert": Op({"run": None, "host": None, "out_dir": None, "expect": None, "layers": None, "workers": None,
                    "pause_s": None, "ids": None}, streamed=True),
-    "apply": Op({"series": SeriesRequest, "restart": None, "keep_lock": None, "repo_commit": None, "force": None,
-                 "min_free_bytes": None}, _CHANGES),
+    "apply": Op(dict(_SMOKE, series=SeriesRequest, restart=None, keep_lock=None, repo_commit=None, force=None,
+                     min_free_bytes=None, then=None, finalize=None, rollback_on_fail=None), _CHANGES),
     "restart": Op(dict(_SMOKE, config=None, stop_only=None, no_wait=None, then=None, finalize=None), _CHANGES),
     "service": Op({"action": None, "phase": None, "keep_lock": None, "smoke": None, "capture_layers": None,
                    "hidden_size": None}, _CHANGES),
@@ -502,7 +502,7 @@ class Answer(Record):
 # Progress events: kind -> the fields it may carry (besides `event` and `t`).
 EVENTS = {
     "heartbeat": ("step", "pid", "path", "elapsed", "last", "sent"),
-    "step": ("step", "op", "ended"),
+    "step": ("step", "op", "ended", "failed", "reason", "details"),  # failed: the step in hand failed (reason, details)
     "lock_broken": ("holder",),
     "undo_pending": ("series", "run_id"),
     "recovered": ("op", "run_id", "action", "files"),
