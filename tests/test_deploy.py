@@ -310,3 +310,26 @@ def test_the_inventorys_layer_outputs_reach_the_smoke(local1):
     f.write_inventory(host_overrides={"host0": {"server": {"layer_outputs": [1, 3, 4]}}})
     p = f.patchctl("apply", "hidden-dump")
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_repo_commit_names_the_patches_commit_and_says_dirty(tmp_path):
+    import subprocess
+
+    from patchctl.commands.deploy import repo_commit
+
+    assert repo_commit(tmp_path) is None  # not in a git repository
+    repo, patches = tmp_path / "repo", tmp_path / "repo" / "patches"
+    patches.mkdir(parents=True)
+    (patches / "a.patch").write_text("one\n")
+    (repo / "other.txt").write_text("x\n")
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    sha = git("rev-parse", "--short=12", "HEAD")
+    assert repo_commit(patches) == sha
+    (patches / "new-untracked.patch").write_text("u\n")  # untracked files do not make it dirty
+    (repo / "other.txt").write_text("changed outside the patches directory\n")
+    assert repo_commit(patches) == sha
+    (patches / "a.patch").write_text("two\n")
+    assert repo_commit(patches) == sha + "-dirty"
