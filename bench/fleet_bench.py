@@ -51,7 +51,7 @@ ANSIBLE_DIR = BENCH / "ansible"
 sys.path.insert(0, str(REPO / "tests"))
 
 from fleet import SERVER_COMMAND, http_status, tree_digest  # noqa: E402
-from sshhosts import _children, free_port, inventory_toml, known_hosts_for, start_hosts, stop_hosts  # noqa: E402
+from sshhosts import _children, free_ports, inventory_toml, known_hosts_for, start_hosts, stop_hosts  # noqa: E402
 
 from patchctl.host.server import pid_on_port  # noqa: E402
 from patchctl.host.applier import touched_paths  # noqa: E402
@@ -139,11 +139,13 @@ class BenchFleet:
         self.base.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         self.ssh = start_hosts(n, base / "hosts")
+        # n distinct ports in one call: one free_port per host drew each from ~12 000 at random, so at
+        # N = 64 two hosts' servers shared a port about one run in six (and a rollback restarted the other's)
+        self.ports = free_ports("127.0.0.1", n)
         for h in self.ssh:
             subprocess.run(["cp", "-al", str(pristine), str(h.dir / "site-packages")], check=True)
             write_model_config(h.dir / "model", layers=MODEL["layers"], hidden=MODEL["hidden"], vocab=MODEL["vocab"])
             (h.dir / "state").mkdir(exist_ok=True)
-            self.ports.append(free_port("127.0.0.1"))
         self.known_hosts = known_hosts_for(self.ssh, base / "known_hosts")
         self.patches = base / "patches"
         self.series = {}
