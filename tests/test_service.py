@@ -1,6 +1,7 @@
-"""start / stop / restart over real sshd hosts (issue 21, item 1): a server that died comes back as
-deployed (inventory + the series' flags and env), proven by the smoke; `status` says it is down (exit 3)
-and shows pid and uptime while it runs; a failed smoke leaves the files and names the next commands."""
+"""start / stop / restart: a server that died comes back as deployed (inventory + the series' flags and
+env), proven by the smoke; `status` says it is down (exit 3) and shows pid and uptime while it runs; a
+failed smoke leaves the files and names the next commands. Real sshd hosts (one `connection = "local"`
+host where only the service logic is tested), real server processes (stand-ins)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from fleet import Fleet, wait_for
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, sglang_tree):
-    """One host with hidden-dump deployed and verified."""
-    f = Fleet(tmp_path_factory.mktemp("svc"), 1, sglang_tree)
+    """One host with hidden-dump deployed and verified (its first server light: the deploy replaces it)."""
+    f = Fleet(tmp_path_factory.mktemp("svc"), 1, sglang_tree, light=True)
     f.start_servers()
     p = f.patchctl("apply", "hidden-dump")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -110,7 +111,7 @@ def test_failed_smoke_leaves_the_files_and_names_the_next_commands(deployed):
 
 @pytest.mark.slow
 def test_smoke_refused_where_no_capture_series_is_deployed(tmp_path, sglang_tree):
-    f = Fleet(tmp_path, 1, sglang_tree)
+    f = Fleet(tmp_path, 1, sglang_tree, light=True, connection="local")  # service logic, not SSH
     try:
         f.start_servers()
         h = f.hosts[0]
@@ -133,7 +134,7 @@ def test_two_node_unit_restarts_as_a_unit(tmp_path, sglang_tree):
 
     from test_fleet import cmdlines_with
 
-    f = Fleet(tmp_path, 2, sglang_tree)
+    f = Fleet(tmp_path, 2, sglang_tree, light=True)
     try:
         dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
         mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
