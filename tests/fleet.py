@@ -203,16 +203,20 @@ class Fleet:
     def cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "patchctl", "--inventory", str(self.inventory), "--patches", str(self.patches), *args]
 
-    def patchctl(self, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    def env(self, env: dict | None = None) -> dict:
+        """patchctl's environment: this fleet's state dir; a silence limit that only catches a hung link
+        (the default 30 s was reached by a healthy agent at a load of 126 on 2 cores); `env` over both."""
         e = dict(os.environ)
         e.update(env or {})
         e.setdefault("XDG_STATE_HOME", str(self.base / "xdg-state"))
-        return subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=e)
+        e.setdefault("PATCHCTL_SILENCE_S", "300")
+        return e
+
+    def patchctl(self, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=self.env(env))
 
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        e = dict(os.environ)
-        e.update(env or {})
-        e.setdefault("XDG_STATE_HOME", str(self.base / "xdg-state"))
+        e = self.env(env)
         p = subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
         self._popens.append(p)
         return p

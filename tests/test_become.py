@@ -96,7 +96,7 @@ def _proc_uid(pid: int) -> int:
 
 
 def test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode(tmp_path, sglang_tree, login_users):
-    f = Fleet(tmp_path, 1, sglang_tree, host_overrides={"host0": {"user": BECOME_USER, "become": "sudo"}})
+    f = Fleet(tmp_path, 1, sglang_tree, host_overrides={"host0": {"user": BECOME_USER, "become": "sudo"}}, light=True)
     try:
         authorize_login_user(BECOME_USER, f.ssh[0].identity_file)
         h = f.hosts[0]

@@ -24,7 +24,7 @@ SGLANG_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, sglang_tree):
-    f = started_fleet(tmp_path_factory.mktemp("collect"), 2, sglang_tree)
+    f = started_fleet(tmp_path_factory.mktemp("collect"), 2, sglang_tree, light=True)  # replaced by the deploy
     p = f.patchctl("apply", "hidden-dump")
     assert p.returncode == 0, p.stdout + p.stderr
     yield f

@@ -32,7 +32,8 @@ WORDS = "hello world how are you the quick brown fox jumps over lazy dog what is
 
 @pytest.fixture(scope="module")
 def fleet3(tmp_path_factory, sglang_tree):
-    f = Fleet(tmp_path_factory.mktemp("regen"), 3, sglang_tree)
+    # light stand-ins (no torch): regenerating needs their tokens, never a dump
+    f = Fleet(tmp_path_factory.mktemp("regen"), 3, sglang_tree, light=True)
     for h in f.hosts:
         write_tokenizer(h.dir / "model", "llama3")  # its chat template refuses roles that do not alternate
     f.start_servers()

@@ -41,7 +41,7 @@ def knobs(h) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet3(tmp_path_factory, sglang_tree):
-    f = started_fleet(tmp_path_factory.mktemp("capture"), 3, sglang_tree)
+    f = started_fleet(tmp_path_factory.mktemp("capture"), 3, sglang_tree, light=True)  # replaced by the deploy
     for h in f.hosts:
         (h.dir / "record").mkdir()
     f.write_inventory(host_overrides={h.name: knobs(h) for h in f.hosts})

@@ -1,7 +1,7 @@
-"""Dry runs write nothing on a host (issue 21, item 2): plan, plan --diff, status, history and apply's
-reachability preflight leave each host's whole directory (state dir, SGLang tree, model) the same,
-path for path: type, mode, size, mtime and content; a state dir that does not exist stays absent.
-And how they read (item 6): history --last and its piped layout, plan --diff's hosts and pager."""
+"""Dry runs write nothing on a host: plan, plan --diff, status, history and apply's reachability
+preflight leave each host's whole directory (state dir, SGLang tree, model) the same, path for path:
+type, mode, size, mtime and content; a state dir that does not exist stays absent. And how they read:
+history --last and its piped layout, plan --diff's hosts and pager. Real sshd hosts and server processes."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def host_snapshot(d: Path) -> dict:
 def fleet(tmp_path_factory, sglang_tree):
     """host0: hidden-dump deployed and verified (manifest, blobs, history, server.json, a dump dir);
     host1: its state_dir was never made."""
-    f = Fleet(tmp_path_factory.mktemp("ro"), 2, sglang_tree)
+    f = Fleet(tmp_path_factory.mktemp("ro"), 2, sglang_tree, light=True)  # host0's deploy starts a full one
     try:
         f.start_servers()
         h0, h1 = f.hosts
