@@ -254,7 +254,8 @@ class Fleet:
                                  start_new_session=True)
         if not wait:
             return p.pid
-        wait_for(lambda: http_status(h.server_port, "/health_generate") == 200 or p.poll() is not None, 90,
+        # 300 s only catches a hang: under a load of ~150 a stand-in took 118 s to be ready
+        wait_for(lambda: http_status(h.server_port, "/health_generate") == 200 or p.poll() is not None, 300,
                  what=f"server of {h.name} ready")
         assert p.poll() is None, (h.dir / "server.log").read_text()[-2000:]
         assert self.server_pid(h) == p.pid, f"another process answers on {h.name}'s port {h.server_port}"
