@@ -411,7 +411,17 @@ def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(
     term = Terminal(f.cmd(*args), env)
     wait_for(lambda: sum(1 for r in journal(f, "ctrlc") if r["rec"] == "done") >= 30 or term._eof.is_set(), 120,
              what="30 samples done")
-    term.ctrl_c()
+    # the servers are held (SIGSTOP) while Ctrl-C lands, so the run cannot finish before it, however fast it
+    # goes; released once the controller says it stops, its in-flight samples then finish
+    pids = [f.server_pid(h) for h in f.hosts]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        term.ctrl_c()
+        wait_for(lambda: "stopping: Ctrl-C" in term.text or term._eof.is_set(), 120, what="the controller stopping")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
     rc = term.wait(120)
     out = term.text
     assert rc == 130, out[-3000:]
