@@ -418,7 +418,11 @@ def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(
         os.kill(pid, signal.SIGSTOP)
     try:
         term.ctrl_c()
-        wait_for(lambda: "stopping: Ctrl-C" in term.text or term._eof.is_set(), 120, what="the controller stopping")
+        try:
+            wait_for(lambda: "stopping: Ctrl-C" in term.text or term._eof.is_set(), 120, what="the controller stopping")
+        except AssertionError as e:  # say how the controller treats SIGINT (blocked, ignored, caught)
+            sig = [l for l in Path(f"/proc/{term.pid}/status").read_text().splitlines() if l.startswith("Sig")]
+            raise AssertionError(f"{e}; controller {sig}; screen: {term.text[-1500:]}") from None
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
