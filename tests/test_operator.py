@@ -41,6 +41,10 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # child: the pty is already its controlling terminal
             try:
+                # as an operator's shell starts a command: SIGINT at its default, no signal blocked (a fork
+                # inherits the forking thread's mask and an ignored SIGINT survives exec)
+                signal.pthread_sigmask(signal.SIG_SETMASK, [])
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
