@@ -145,6 +145,37 @@ def _bad_ints(values: list, maybe_negative: bool) -> str | None:
     return None
 
 
+class JsonLines:
+    """A JSONL file read once, as one JSON object a line: each line hashed and counted as read (sha256,
+    bytes), blank lines passed over, a line that is not JSON or not an object named in `problems` with
+    what was expected (`a_line`, `an_object`). Yields (line number, byte offset, the line without its
+    newline, object). Closes the file when done."""
+
+    def __init__(self, f, problems: "_Problems", a_line: str, an_object: str):
+        self.f, self.problems, self.a_line, self.an_object = f, problems, a_line, an_object
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def __iter__(self):
+        with self.f:
+            for ln, raw in enumerate(self.f, 1):
+                self.sha256.update(raw)
+                start = self.bytes
+                self.bytes += len(raw)
+                line = raw.rstrip(b"\r\n")
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    self.problems.add(ln, f"not valid JSON ({e}); expected {self.a_line}")
+                    continue
+                if not isinstance(obj, dict):
+                    self.problems.add(ln, f"a JSON {type(obj).__name__}, expected {self.an_object}")
+                    continue
+                yield ln, start, line, obj
+
+
 def load_dataset(path, rid_prefix: str = "") -> Dataset:
     """Read and validate a JSONL dataset (see the module docstring); BadInput (exit 2) lists every problem
     up to MAX_PROBLEMS. `rid_prefix`: the run's rid prefix, so that file-name collisions are judged on the
@@ -158,76 +189,62 @@ def load_dataset(path, rid_prefix: str = "") -> Dataset:
     samples: list[Sample] = []
     by_id: dict[str, int] = {}
     names: dict[str, str] = {}  # file name -> id
-    h = hashlib.sha256()
-    offset = tokens = 0
+    tokens = 0
     any_mask = False
     allowed = set(KEYS)
-    with f:
-        for ln, raw in enumerate(f, 1):
-            h.update(raw)
-            start, offset = offset, offset + len(raw)
-            line = raw.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                problems.add(ln, f"not valid JSON ({e}); expected one JSON object a line")
-                continue
-            if not isinstance(obj, dict):
-                problems.add(ln, f"a JSON {type(obj).__name__}, expected an object "
-                                 '{"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
-                continue
-            if not allowed.issuperset(obj):
-                extra = sorted(set(obj) - allowed)
-                problems.add(ln, f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}; "
-                                 f"allowed: id, input_ids, loss_mask (a misspelled loss_mask would train on every token)")
-            sid = obj.get("id")
-            if not isinstance(sid, str) or not sid:
-                problems.add(ln, "missing id" if "id" not in obj else f"id {_short(sid)}: expected a non-empty string")
-                sid = None
-            ids = obj.get("input_ids")
-            n = max_id = 0
-            if not isinstance(ids, list) or not ids:
-                problems.add(ln, "missing input_ids" if "input_ids" not in obj else
-                             f"input_ids {_short(ids)}: expected a non-empty list of token ids")
+    lines = JsonLines(f, problems, "one JSON object a line",
+                      'an object {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
+    for ln, start, line, obj in lines:
+        if not allowed.issuperset(obj):
+            extra = sorted(set(obj) - allowed)
+            problems.add(ln, f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}; "
+                             f"allowed: id, input_ids, loss_mask (a misspelled loss_mask would train on every token)")
+        sid = obj.get("id")
+        if not isinstance(sid, str) or not sid:
+            problems.add(ln, "missing id" if "id" not in obj else f"id {_short(sid)}: expected a non-empty string")
+            sid = None
+        ids = obj.get("input_ids")
+        n = max_id = 0
+        if not isinstance(ids, list) or not ids:
+            problems.add(ln, "missing input_ids" if "input_ids" not in obj else
+                         f"input_ids {_short(ids)}: expected a non-empty list of token ids")
+            ids = None
+        else:
+            why = _bad_ints(ids, b"-" in line)
+            if why:
+                problems.add(ln, f"input_ids holds {why}: expected non-negative integers (token ids)")
                 ids = None
             else:
-                why = _bad_ints(ids, b"-" in line)
-                if why:
-                    problems.add(ln, f"input_ids holds {why}: expected non-negative integers (token ids)")
-                    ids = None
-                else:
-                    n, max_id = len(ids), max(ids)
-            mask = obj.get("loss_mask")
-            if mask is not None or "loss_mask" in obj:
-                any_mask = True
-                if not isinstance(mask, list):
-                    problems.add(ln, f"loss_mask {_short(mask)}: expected a list of 0 and 1")
-                elif ids is not None and len(mask) != n:
-                    problems.add(ln, f"loss_mask has {len(mask)} values for {n} input_ids; expected one per token")
-                elif mask and (set(map(type, mask)) != {int} or not set(mask) <= {0, 1}):
-                    bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
-                    problems.add(ln, f"loss_mask holds {_short(bad)}: expected only 0 and 1")
-            if sid is None:
-                continue
-            if sid in by_id:
-                problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
-                continue
-            name = safe_name(rid_prefix + sid)
-            if name in names:
-                other = samples[by_id[names[name]]]
-                problems.add(ln, f"id {_short(sid)} and id {_short(other.id)} (line {other.line}) would be dumped to the "
-                                 f"same file {name}.safetensors; rename one")
-                continue
-            names[name] = sid
-            by_id[sid] = len(samples)
-            samples.append(Sample(sid, ln, start, len(line), n, max_id, "loss_mask" in obj))
-            tokens += n
+                n, max_id = len(ids), max(ids)
+        mask = obj.get("loss_mask")
+        if mask is not None or "loss_mask" in obj:
+            any_mask = True
+            if not isinstance(mask, list):
+                problems.add(ln, f"loss_mask {_short(mask)}: expected a list of 0 and 1")
+            elif ids is not None and len(mask) != n:
+                problems.add(ln, f"loss_mask has {len(mask)} values for {n} input_ids; expected one per token")
+            elif mask and (set(map(type, mask)) != {int} or not set(mask) <= {0, 1}):
+                bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
+                problems.add(ln, f"loss_mask holds {_short(bad)}: expected only 0 and 1")
+        if sid is None:
+            continue
+        if sid in by_id:
+            problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
+            continue
+        name = safe_name(rid_prefix + sid)
+        if name in names:
+            other = samples[by_id[names[name]]]
+            problems.add(ln, f"id {_short(sid)} and id {_short(other.id)} (line {other.line}) would be dumped to the "
+                             f"same file {name}.safetensors; rename one")
+            continue
+        names[name] = sid
+        by_id[sid] = len(samples)
+        samples.append(Sample(sid, ln, start, len(line), n, max_id, "loss_mask" in obj))
+        tokens += n
     if not samples and not problems.count:
         problems.add(1, "no samples; expected one JSON object a line")
     problems.raise_if_any("nothing was sent")
-    return Dataset(path=path, samples=samples, tokens=tokens, sha256=h.hexdigest(), bytes=offset,
+    return Dataset(path=path, samples=samples, tokens=tokens, sha256=lines.sha256.hexdigest(), bytes=lines.bytes,
                    has_loss_mask=any_mask, by_id=by_id)
 
 

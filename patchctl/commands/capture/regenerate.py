@@ -19,14 +19,13 @@ keeps only role/content of a message).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short
+from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, _Problems, _short
 from patchctl.commands.capture.journal import Journal, RunState, check_run_name, captures_root, write_run_info
 from patchctl.commands.capture.progress import Progress, _eta
 from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
@@ -118,48 +117,33 @@ def load_conversations(path) -> Conversations:
     problems = _Problems(path)
     samples: list[Conversation] = []
     by_id: dict[str, int] = {}
-    h = hashlib.sha256()
-    offset = 0
-    with f:
-        for ln, raw in enumerate(f, 1):
-            h.update(raw)
-            start, offset = offset, offset + len(raw)
-            line = raw.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                problems.add(ln, f"not valid JSON ({e}); expected one conversation a line")
-                continue
-            if not isinstance(obj, dict):
-                problems.add(ln, f"a JSON {type(obj).__name__}, expected an object with \"conversations\" or \"messages\"")
-                continue
-            keys = [k for k in ("conversations", "messages") if k in obj]
-            if len(keys) != 1:
-                problems.add(ln, "both \"conversations\" and \"messages\"; expected one" if keys else
-                             "no \"conversations\" (ShareGPT) or \"messages\" (OpenAI) list")
-                continue
-            why = _check(obj[keys[0]])
-            if why:
-                problems.add(ln, f"{keys[0]}: {why}")
-                continue
-            sid = obj.get("id", f"line-{ln}")
-            if isinstance(sid, int) and not isinstance(sid, bool):
-                sid = str(sid)
-            if not isinstance(sid, str) or not sid:
-                problems.add(ln, f"id {_short(sid)}: expected a non-empty string")
-                continue
-            if sid in by_id:
-                problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
-                continue
-            by_id[sid] = len(samples)
-            turns = sum(1 for m in obj[keys[0]] if ROLES[m.get("role", m.get("from"))] == "assistant")
-            samples.append(Conversation(sid, ln, start, len(line), turns))
+    lines = JsonLines(f, problems, "one conversation a line", 'an object with "conversations" or "messages"')
+    for ln, start, line, obj in lines:
+        keys = [k for k in ("conversations", "messages") if k in obj]
+        if len(keys) != 1:
+            problems.add(ln, "both \"conversations\" and \"messages\"; expected one" if keys else
+                         "no \"conversations\" (ShareGPT) or \"messages\" (OpenAI) list")
+            continue
+        why = _check(obj[keys[0]])
+        if why:
+            problems.add(ln, f"{keys[0]}: {why}")
+            continue
+        sid = obj.get("id", f"line-{ln}")
+        if isinstance(sid, int) and not isinstance(sid, bool):
+            sid = str(sid)
+        if not isinstance(sid, str) or not sid:
+            problems.add(ln, f"id {_short(sid)}: expected a non-empty string")
+            continue
+        if sid in by_id:
+            problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
+            continue
+        by_id[sid] = len(samples)
+        turns = sum(1 for m in obj[keys[0]] if ROLES[m.get("role", m.get("from"))] == "assistant")
+        samples.append(Conversation(sid, ln, start, len(line), turns))
     if not samples and not problems.count:
         problems.add(1, "no conversations; expected one JSON object a line")
     problems.raise_if_any("nothing was sent")
-    return Conversations(path, samples, h.hexdigest(), by_id)
+    return Conversations(path, samples, lines.sha256.hexdigest(), by_id)
 
 
 class RegenerateProgress(Progress):
