@@ -23,7 +23,7 @@ from patchctl.core.inventory import Host
 from patchctl.core.options import DeployOptions
 from patchctl.core.remote import AgentFailure, AgentLost
 from patchctl.core.preflight import preflight
-from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
+from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, UnitResult, host_error
 
@@ -262,11 +262,8 @@ def run_apply(app: App, opts: DeployOptions) -> int:
                 sizes = []
             stopped = rollout(run, opts, units, sizes, max_fail, lambda u: UnitDeploy(run, series, u, opts),
                               results, deploys, stopped)
-            if intr.interrupted:
-                stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
+            stopped = announce_stopped(app, run, rep, stopped, intr.interrupted)
             if stopped:
-                rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
-                app.info(f"run stopped: {stopped}")
                 if opts.on_fail == "rollback-all" and intr.interrupted:
                     app.info("--on-fail rollback-all is not applied after Ctrl-C: units this run deployed stay "
                              f"deployed (return them with: {app.cmd('rollback', '--limit', ','.join(h for r in results if r.touched and not r.failed for h in r.hosts) or 'HOSTS')})")
@@ -283,10 +280,7 @@ def run_apply(app: App, opts: DeployOptions) -> int:
                             rep.host_result(h, r.outcome, r.exit_code, r.message)
 
                     run.parallel(undo, ok_units)
-            code = finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
-            if stopped and code == 0:
-                code = 1
-            return code
+            return finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
     finally:
         run.close()
 

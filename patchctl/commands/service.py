@@ -12,7 +12,7 @@ it: there is nothing to roll back, since no file changed.
 from __future__ import annotations
 
 from patchctl.core.console import App
-from patchctl.core.rollout import Interrupts, finish, parse_max_fail, plan_batches, rollout
+from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
 from patchctl.core.options import DeployOptions
@@ -122,15 +122,8 @@ def run_service(app: App, opts: DeployOptions, action: str) -> int:
     try:
         with rep, Interrupts(run) as intr:
             stopped = rollout(run, opts, units, sizes, max_fail, lambda u: ServiceUnit(run, u, opts, action), results, [])
-            if intr.interrupted:
-                stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
-            if stopped:
-                rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
-                app.info(f"run stopped: {stopped}")
-            code = finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
-            if stopped and code == 0:
-                code = 1
-            return code
+            stopped = announce_stopped(app, run, rep, stopped, intr.interrupted)
+            return finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
     finally:
         run.close()
 

@@ -254,6 +254,16 @@ def _state_left(steps) -> str:
 # the end of a run: every unit has a result, the summary printed
 
 
+def announce_stopped(app: App, run: Run, rep: Reporter, stopped: str | None, interrupted: bool) -> str | None:
+    """Why the rollout started no more units (Ctrl-C first), said once in the event log and to the operator."""
+    if interrupted:
+        stopped = "interrupted (Ctrl-C): no new units were started" + (f"; {stopped}" if stopped else "")
+    if stopped:
+        rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": stopped})
+        app.info(f"run stopped: {stopped}")
+    return stopped
+
+
 def finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit: Path | None, extra: dict | None = None) -> int:
     from patchctl.core.session import worst
 
@@ -277,4 +287,4 @@ def finish(app: App, run: Run, rep: Reporter, results: list[UnitResult], junit: 
     if not app.json:
         summary = app.masker.table(rep.summary_table())
         app.err.print(summary) if app.err.is_terminal else app.out.print(summary)
-    return code
+    return 1 if (extra or {}).get("stopped") and code == 0 else code  # a run stopped early did not all succeed
