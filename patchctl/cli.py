@@ -23,12 +23,12 @@ from patchctl.core.rollout import parse_batch, parse_max_fail_spec
 # pay for Fabric, and a missing optional dependency only breaks its own command. A fleet command gets its
 # options as one frozen object built here (core.options); a local command gets the parsed arguments.
 COMMANDS = {
-    "series": ("patchctl.core.series", "run_series", None),
+    "series": ("patchctl.commands.listing", "run_series", None),
     "check": ("patchctl.commands.check", "run_check", None),
     "new": ("patchctl.commands.authoring", "run_new", None),
     "refresh": ("patchctl.commands.authoring", "run_refresh", None),
-    "trace": ("patchctl.core.trace", "run_trace", None),
-    "inventory": ("patchctl.core.inventory", "run_inventory", None),
+    "trace": ("patchctl.commands.listing", "run_trace", None),
+    "inventory": ("patchctl.commands.listing", "run_inventory", None),
     "plan": ("patchctl.commands.queries", "run_plan", QueryOptions),
     "apply": ("patchctl.commands.deploy", "run_apply", DeployOptions),
     "rollback": ("patchctl.commands.deploy", "run_rollback", DeployOptions),

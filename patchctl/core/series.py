@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,22 +430,3 @@ def list_series(patches_dir: Path) -> list[Series]:
     if bad:
         raise bad[0]
     return good
-
-
-def run_series(app, args) -> int:
-    """`patchctl series`: the good series are listed; any broken one is reported and exits 2."""
-    from patchctl.core.console import table
-
-    good, bad = scan_series(app.patches_dir)
-    t = table(f"Patch series in {app.patches_dir}", "Series", "Version", "SGLang", "Patch", "Ver", "sha256", "Description")
-    for s in good:
-        first = True
-        for p in s.patches or (None,):
-            t.add_row(s.name if first else "", s.version if first else "", s.sglang if first else "",
-                      p.label if p else "(no patches)", str(p.version) if p else "",
-                      p.sha256[:12] if p else "", p.description if p else s.description)
-            first = False
-    app.result({"series": [s.to_json() for s in good], "errors": [str(e) for e in bad]}, t)
-    for e in bad:
-        print(f"patchctl: {e}", file=sys.stderr)
-    return 2 if bad else 0

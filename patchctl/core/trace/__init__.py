@@ -12,15 +12,15 @@ Python. Its parts, each building on the one before:
     tracer    the CUDA-graph rule: entry classes, the prefill body, a trace per architecture
     report    `patchctl trace` and `check --arch`: stage a series, sweep architectures, report
 
-The names below are the public API (`patchctl trace` runs `run_trace`, `plan` runs `check_series`).
+The names below are the public API (`patchctl trace`, in commands.listing, runs `cached_check`; `plan` runs `check_series`).
 """
 
 from patchctl.core.trace.changes import ChangedFunction, changed_functions
 from patchctl.core.trace.graph import CallGraph
 from patchctl.core.trace.index import SourceIndex
-from patchctl.core.trace.report import check_reachability, check_series, run_trace, series_targets
+from patchctl.core.trace.report import check_reachability, check_series, series_targets
 from patchctl.core.trace.tracer import GraphWarning, Tracer, TraceResult, arch_from_model_config, entry_classes, trace
 
 __all__ = ["CallGraph", "ChangedFunction", "GraphWarning", "SourceIndex", "TraceResult", "Tracer",
            "arch_from_model_config", "changed_functions", "check_reachability", "check_series", "entry_classes",
-           "run_trace", "series_targets", "trace"]
+           "series_targets", "trace"]

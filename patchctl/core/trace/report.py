@@ -164,7 +164,7 @@ def _warning_text(w: GraphWarning) -> str:
     return f"[{w.graph} graph, {state}] needs {w.flag}"
 
 
-def _print_report(app, report: dict, title: str, details: bool) -> None:
+def print_report(app, report: dict, title: str, details: bool) -> None:
     from patchctl.core.console import table
 
     results: list[TraceResult] = report["_results"]
@@ -185,7 +185,7 @@ def _print_report(app, report: dict, title: str, details: bool) -> None:
     app.result(data, t)
 
 
-def _log_findings(app, report: dict, verbose: bool) -> None:
+def log_findings(app, report: dict, verbose: bool) -> None:
     """Not-reached results and blocking warnings on stderr; one line per finding with --arch or -v,
     grouped by changed function for an every-architecture sweep."""
     results: list[TraceResult] = report["_results"]
@@ -223,12 +223,12 @@ def check_reachability(tree: Path, series, archs: list[str], app) -> bool:
     for r in report["_results"]:
         if r.reached:
             app.info(f"{r.arch}: {r.target}: {r.describe()}")
-    _log_findings(app, report, app.verbose)
+    log_findings(app, report, app.verbose)
     app.info(f"reachability: {report['detail']} ({report['elapsed_s']:.2f}s)")
     return bool(report["ok"])
 
 
-def _resolve_tree(args, series, app) -> tuple[Path, str | None]:
+def resolve_tree(args, series, app) -> tuple[Path, str | None]:
     """(tree, the release version when it is a pinned release's immutable tree; None for --tree)."""
     if args.tree:
         p = Path(args.tree).expanduser()
@@ -265,31 +265,3 @@ def cached_check(tree: Path, series, archs: list[str], version: str | None) -> d
     report = check_series(tree, series, archs)
     cache.store(key, {k: v for k, v in report.items() if not k.startswith("_")})
     return report
-
-
-def run_trace(app, args) -> int:
-    """`patchctl trace SERIES [--arch A ...]`: 0 all reached and no blocking warning; 1 otherwise."""
-    from patchctl.core.series import load_series
-
-    series = load_series(app.patches_dir, args.series)
-    tree, version = _resolve_tree(args, series, app)
-    archs = list(args.arch)
-    app.info(f"tracing series {series.name} {series.version} on {tree} "
-             f"({', '.join(archs) if archs else 'every architecture in the registry'})")
-    report = cached_check(tree, series, archs, version)
-    for t in report["targets"]:
-        app.debug(f"changed function: {t['qualname']} ({t['file']}:{t['lineno']})")
-    details = bool(archs) or app.verbose
-    _print_report(app, report, f"trace {series.name} {series.version}", details)
-    if details and (not app.json or app.verbose):
-        for r in report["_results"]:
-            if r.reached:
-                app.info(f"{r.arch}: {r.target}: {r.describe()}")
-    if not app.json or app.verbose:
-        _log_findings(app, report, app.verbose)
-    s = report["summary"]
-    app.info(f"{'ok' if report['ok'] else 'FAILED'}: {report['detail']}; "
-             f"{s['reached']}/{s['checks']} reached, {s['warnings_unmitigated']} unmitigated warning(s) "
-             f"({s['warnings_blocking']} blocking) in {report['elapsed_s']:.2f}s"
-             + (" (read back from the trace cache)" if report.get("cached") else ""))
-    return 0 if report["ok"] else 1
