@@ -14,6 +14,7 @@ command. The run and its host sessions are `session`; the read-only commands
 
 from __future__ import annotations
 
+import enum
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from patchctl.core.preflight import preflight
 from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, UnitResult, host_error
+from patchctl.host.protocol import Outcome
 
 
 def repo_commit(patches_dir: Path) -> str | None:
@@ -47,7 +49,37 @@ def repo_commit(patches_dir: Path) -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# deploy one unit
+# deploy one unit: its states
+#
+#   START ──> APPLY ──> unchanged | applied (--no-restart)
+#               ├─ an apply failed ─> UNDO_FILES ──> failed, rolled back (verified) | rollback failed
+#               ├─ one node ──> CHAINED  (the agent restarted and smoked in the apply command itself)
+#               └─ several  ──> RESTART ──> SMOKE ──> deployed
+#   a failure in RESTART, SMOKE or CHAINED ──> FAILED ──> rolled back in the agent's own command
+#                                                  | halted (--on-fail halt) | ROLLED BACK here (verified or not)
+#
+# Interrupts: a first Ctrl-C (Run.stopping) lands in START only: a unit already past it goes on to its end
+# (deployed, or failed and rolled back); the second aborts the whole run (rollout.Interrupts). An agent
+# whose own rollback failed (`rollback_error`) answers the failure, and FAILED rolls back from here.
+# --on-fail rollback-all acts after the rollout, on the units that ended deployed (run_apply).
+
+
+class State(enum.Enum):
+    """Where a unit is in its deploy; each state is one method of UnitDeploy that does its step and
+    names the next state or ends the unit (a UnitResult)."""
+
+    START = "start"  # nothing sent yet: a Ctrl-C before it, or a node unreachable in the preflight, ends the unit
+    APPLY = "apply"  # the files on every node (a one-node unit's agent goes on to restart and smoke | finalize)
+    UNDO_FILES = "undo files"  # an apply failed: no server was touched, the files back are the whole rollback
+    RESTART = "restart"  # several nodes: stop every one, start the head then the others, wait on the head
+    SMOKE = "smoke"  # several nodes: smoke through the head (or finalize with --no-smoke), finalize the others
+    CHAINED = "chained"  # one node: the apply command restarted and smoked; its answer (or failure) read here
+    FAILED = "failed"  # a restart or smoke failed: rolled back by the agent, halted, or rolled back from here
+
+
+# A failure raised in these states is the unit's failure, and FAILED handles it; in the others it is a bug
+# the rollout reports (they catch what a host can answer).
+_FAILS_TO = {State.RESTART: State.FAILED, State.SMOKE: State.FAILED, State.CHAINED: State.FAILED}
 
 
 class UnitDeploy:
@@ -60,6 +92,12 @@ class UnitDeploy:
         self.head = self.sessions[0]
         self.names = [h.name for h in nodes]
         self.profile = series.profile() if series else None
+        self.restart_server = not opts.no_restart
+        self.applied: list[HostSession] = []  # the nodes whose files this run changed (or may have)
+        self.results: dict[str, dict] = {}  # each node's apply answer
+        self.failure: tuple[HostSession, Exception] | None = None  # APPLY: the first node that failed
+        self.chained_failure: Exception | None = None  # CHAINED: the restart or smoke that failed in the command
+        self.error: Exception | None = None  # FAILED: what failed
 
     def layers(self, host: Host):
         return host.server.capture_layers or (list(self.series.smoke.layers) if self.series.smoke.layers else None)
@@ -67,101 +105,146 @@ class UnitDeploy:
     def hidden(self, host: Host):
         return host.server.hidden_size or self.series.smoke.hidden_size
 
+    def smoke_fields(self) -> dict:
+        return dict(profile=self.profile, finalize=True, capture_layers=self.layers(self.head.host),
+                    hidden_size=self.hidden(self.head.host))
+
+    def chain_fields(self) -> dict:
+        """A one-node unit: apply, restart and smoke (or finalize) in one command, and a failed restart or
+        smoke rolled back in it too unless --on-fail halt keeps it (the steps, journal and reports are those
+        of separate commands; docs/bench-scale.md measures what it saves)."""
+        if not self.restart_server or len(self.sessions) != 1:
+            return {}
+        return dict(then=["restart", "finalize" if self.opts.no_smoke else "smoke"],
+                    rollback_on_fail=self.opts.on_fail != "halt", **self.smoke_fields())
+
     def run_unit(self) -> UnitResult:
+        state = State.START
+        while True:
+            try:
+                nxt = self.STEPS[state](self)
+            except Exception as e:  # noqa: BLE001 - a failed step of a state that has somewhere to go
+                if state not in _FAILS_TO:
+                    raise
+                self.error, nxt = e, _FAILS_TO[state]
+            if isinstance(nxt, UnitResult):
+                return nxt
+            state = nxt
+
+    def _start(self):
         if self.run.stopping.is_set():  # Ctrl-C came before this unit started: leave it alone
-            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+            return UnitResult(self.names, Outcome.NOT_REACHED, "left untouched: the run was interrupted before this unit")
         for s in self.sessions:  # unreachable during the preflight: do not wait for its timeout twice
             e = self.run.preflight_errors.get(s.host.name)
             if e is not None:
                 outcome, msg = host_error(e)
-                return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
-        restart = not self.opts.no_restart
-        sreq, commit = self.run.series_req, self.run.repo_commit
-        applied: list[HostSession] = []
-        results: dict[str, dict] = {}
-        smoke = dict(profile=self.profile, finalize=True, capture_layers=self.layers(self.head.host),
-                     hidden_size=self.hidden(self.head.host))
-        # a one-node unit: apply, restart and smoke (or finalize) in one command, and a failed restart or
-        # smoke rolled back in it too unless --on-fail halt keeps it (the steps, journal and reports are
-        # those of separate commands; docs/bench-scale.md measures what it saves)
-        chain = (dict(then=["restart", "finalize" if self.opts.no_smoke else "smoke"],
-                      rollback_on_fail=self.opts.on_fail != "halt", **smoke)
-                 if restart and len(self.sessions) == 1 else {})
-        chained_failure: list[Exception] = []
+                return UnitResult(self.names, outcome, self._on(s, msg))
+        return State.APPLY
 
-        def apply_one(s: HostSession):
-            try:
-                r = s.call("apply", "apply", series=sreq, restart=restart, keep_lock=restart, repo_commit=commit, **chain)
-                return s, r, None
-            except Exception as e:  # noqa: BLE001 - reported per host
-                if chain and getattr(e, "step", "apply") != "apply":  # the files were applied; restart or smoke failed
-                    chained_failure.append(e)
-                    return s, {"changed": True}, None
-                return s, None, e
-
-        outs = self.run.parallel(apply_one, self.sessions) if len(self.sessions) > 1 else [apply_one(self.head)]
-        errors = [(s, e) for s, r, e in outs if e]
+    def _apply(self):
+        chain = self.chain_fields()
+        outs = (self.run.parallel(lambda s: self._apply_one(s, chain), self.sessions) if len(self.sessions) > 1
+                else [self._apply_one(self.head, chain)])
         for s, r, e in outs:
+            if e is not None and self.failure is None:
+                self.failure = (s, e)
             if r is not None:
-                results[s.host.name] = r
+                self.results[s.host.name] = r
                 if r.get("changed"):
-                    applied.append(s)
-        if errors:
-            s, e = errors[0]
-            outcome, msg = host_error(e)
-            if isinstance(e, (AgentLost,)) or outcome == "unknown":
-                applied.append(s)  # we cannot know: treat as touched
-            if applied:  # the server was not touched yet: putting the files back is the whole rollback
-                if not self.rollback(applied, failure_reason(e, msg, s.host.name), restart_server=False):
-                    return UnitResult(self.names, "rollback failed", f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
-                if outcome in ("failed", "unknown"):
-                    outcome = "failed, rolled back (verified)"
-                return UnitResult(self.names, outcome, msg, touched=True)
+                    self.applied.append(s)
+        if self.failure:
+            return self._apply_failed()
+        if not self.applied:
             self.release_all()
-            return UnitResult(self.names, outcome, f"{s.host.name}: {msg}" if len(self.names) > 1 else msg)
-        changed = bool(applied)
-        if not changed:
-            self.release_all()
-            notes = "; ".join(sorted({r.get("note", "") for r in results.values()}))
-            return UnitResult(self.names, "unchanged", notes)
-        if not restart:
-            return UnitResult(self.names, "applied", "files applied; server not restarted (--no-restart)", touched=True)
-        try:
-            if chain:
-                if chained_failure:
-                    raise chained_failure[0]
-                res = results[self.head.host.name]
-            else:
-                self.restart()
-                res = None if self.opts.no_smoke else self.head.call("smoke", "smoke", **smoke)
-                for s in (self.sessions if self.opts.no_smoke else self.sessions[1:]):
-                    s.call("finalize", "finalize")
-            if self.opts.no_smoke:
-                return UnitResult(self.names, "deployed", "restarted; smoke skipped (--no-smoke)", touched=True)
-            sm = res["smoke"]
-            return UnitResult(self.names, "deployed",
-                              f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
-                              touched=True)
-        except Exception as e:  # noqa: BLE001
-            outcome, msg = host_error(e)
-            msg = getattr(e, "failure", None) or msg  # the agent's rollback after a failed step failed in turn
-            if getattr(e, "rolled_back", None) is not None:  # rolled back and verified in the same command
-                return UnitResult(self.names, "failed, rolled back (verified)", msg, touched=True)
-            if self.opts.on_fail == "halt":
-                self.release_all(record={"outcome": "failed, left patched for inspection (--on-fail halt)",
-                                         "reason": failure_reason(e, msg)})
-                return UnitResult(self.names, "halted (left as is)", f"{msg} — left patched for inspection (--on-fail halt)", touched=True)
-            ok = self.rollback(self.sessions, failure_reason(e, msg), restart_server=True)
-            return UnitResult(self.names, "failed, rolled back (verified)" if ok else "rollback failed",
-                              msg if ok else f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
+            notes = "; ".join(sorted({r.get("note", "") for r in self.results.values()}))
+            return UnitResult(self.names, Outcome.UNCHANGED, notes)
+        if not self.restart_server:
+            return UnitResult(self.names, Outcome.APPLIED, "files applied; server not restarted (--no-restart)", touched=True)
+        return State.CHAINED if chain else State.RESTART
 
-    def restart(self):
-        """A multi-node unit: stop every node, start the head, then the others, then wait on the head."""
+    def _apply_one(self, s: HostSession, chain: dict):
+        """(session, its answer, its error): one node's apply, and with `chain` its restart and smoke."""
+        try:
+            r = s.call("apply", "apply", series=self.run.series_req, restart=self.restart_server,
+                       keep_lock=self.restart_server, repo_commit=self.run.repo_commit, **chain)
+            return s, r, None
+        except Exception as e:  # noqa: BLE001 - reported per host
+            if chain and getattr(e, "step", "apply") != "apply":  # the files were applied; restart or smoke failed
+                self.chained_failure = e
+                return s, {"changed": True}, None
+            return s, None, e
+
+    def _apply_failed(self):
+        s, e = self.failure
+        outcome, msg = host_error(e)
+        if isinstance(e, AgentLost) or outcome is Outcome.UNKNOWN:
+            self.applied.append(s)  # we cannot know: treat as touched
+        if self.applied:
+            return State.UNDO_FILES
+        self.release_all()
+        return UnitResult(self.names, outcome, self._on(s, msg))
+
+    def _undo_files(self):
+        """The server was not touched yet: putting the files back is the whole rollback."""
+        s, e = self.failure
+        outcome, msg = host_error(e)
+        if not self.rollback(self.applied, failure_reason(e, msg, s.host.name), restart_server=False):
+            return UnitResult(self.names, Outcome.ROLLBACK_FAILED, f"{msg}; then rollback failed: {self.rollback_error}",
+                              touched=True)
+        if outcome in (Outcome.FAILED, Outcome.UNKNOWN):
+            outcome = Outcome.FAILED_ROLLED_BACK
+        return UnitResult(self.names, outcome, msg, touched=True)
+
+    def _restart(self):
+        """Several nodes: stop every node, start the head, then the others, then wait on the head."""
         profile = self.profile
         self.run.parallel(lambda s: s.call("restart", "stop", profile=profile, stop_only=True), self.sessions)
         for s in self.sessions:
             s.call("restart", "start", profile=profile, capture_layers=self.layers(s.host), no_wait=True)
         self.head.call("wait_ready", "ready", profile=profile, capture_layers=self.layers(self.head.host))
+        return State.SMOKE
+
+    def _smoke(self):
+        res = None if self.opts.no_smoke else self.head.call("smoke", "smoke", **self.smoke_fields())
+        for s in (self.sessions if self.opts.no_smoke else self.sessions[1:]):
+            s.call("finalize", "finalize")
+        return self._deployed(res)
+
+    def _chained(self):
+        if self.chained_failure is not None:
+            raise self.chained_failure
+        return self._deployed(self.results[self.head.host.name])
+
+    def _deployed(self, res: dict | None) -> UnitResult:
+        if self.opts.no_smoke:
+            return UnitResult(self.names, Outcome.DEPLOYED, "restarted; smoke skipped (--no-smoke)", touched=True)
+        sm = res["smoke"]
+        return UnitResult(self.names, Outcome.DEPLOYED,
+                          f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
+                          touched=True)
+
+    def _failed(self):
+        e = self.error
+        outcome, msg = host_error(e)
+        msg = getattr(e, "failure", None) or msg  # the agent's rollback after a failed step failed in turn
+        if getattr(e, "rolled_back", None) is not None:  # rolled back and verified in the same command
+            return UnitResult(self.names, Outcome.FAILED_ROLLED_BACK, msg, touched=True)
+        if self.opts.on_fail == "halt":
+            self.release_all(record={"outcome": "failed, left patched for inspection (--on-fail halt)",
+                                     "reason": failure_reason(e, msg)})
+            return UnitResult(self.names, Outcome.HALTED, f"{msg} — left patched for inspection (--on-fail halt)",
+                              touched=True)
+        ok = self.rollback(self.sessions, failure_reason(e, msg), restart_server=True)
+        return UnitResult(self.names, Outcome.FAILED_ROLLED_BACK if ok else Outcome.ROLLBACK_FAILED,
+                          msg if ok else f"{msg}; then rollback failed: {self.rollback_error}", touched=True)
+
+    def _on(self, s: HostSession, msg: str) -> str:
+        """A node's message, named when the unit has several."""
+        return f"{s.host.name}: {msg}" if len(self.names) > 1 else msg
+
+    # each state's step (run_unit follows them from START until one ends the unit)
+    STEPS = {State.START: _start, State.APPLY: _apply, State.UNDO_FILES: _undo_files, State.RESTART: _restart,
+             State.SMOKE: _smoke, State.CHAINED: _chained, State.FAILED: _failed}
 
     rollback_error = ""
 

@@ -273,7 +273,9 @@ class Agent(object):
         restart and its next step follow in the same command, each announced as a `step` event, so a host
         costs one agent start less. With `rollback_on_fail`, a restart or smoke that fails is rolled back
         here too (files, the server config in force before, proven healthy), the failure answered with the
-        rollback's result: no further command between the failure and the verified rollback."""
+        rollback's result: no further command between the failure and the verified rollback.
+        The host's side of a unit's states (commands/deploy.py `State`): APPLY is `_apply`; CHAINED is
+        `_restart` going on to `_smoke` or `_finalize`; FAILED rolled back here is `_rollback_failed_step`."""
         out = self._apply()
         then = self.req.get("then")
         if not then or not out.get("changed"):
@@ -312,10 +314,40 @@ class Agent(object):
         raise e
 
     def _apply(self):
-        """Files part of a deploy: lock, recover, checks, one transition, manifest (pending until verified)."""
+        """Files part of a deploy: lock, recover, checks, one transition, manifest (pending until verified).
+        The steps in order: _apply_checks, _undo_unverified, drift, _already_applied, stage, _apply_targets,
+        _apply_manifest, _apply_commit."""
+        t = self.tree
+        series = self.req["series"]
+        version = self._apply_checks(series)
+        m = self._undo_unverified(t.manifest())
+        drift = t.drift(m)
+        if drift:
+            raise AgentError("drift", "files changed since patchctl applied %s %s: %s" % (
+                m.series, m.version, ", ".join(d["path"] for d in drift)), drift=drift)
+        mgr, _ = self.base_manager()
+        server_before = mgr.current_config() if self.req.get("restart") else None
+        if self.req.get("restart"):
+            self._check_dump_space(series.get("smoke") or {})
+        if self._already_applied(m, series):
+            t.release(self.run_id)
+            return {"changed": False, "note": "%s %s is already applied" % (series["name"], series["version"]),
+                    "manifest": m.to_wire(), "version": version, "root": t.root, "already_verified": m.status == "verified"}
+        # originals: what the tree held before patchctl touched it (from blobs for files of the old series)
+        originals = _originals(m)
+        staged = self._stage_on_originals(series, originals)
+        target, files, metas = self._apply_targets(staged, m, originals)
+        manifest = self._apply_manifest(series, version, files, m, server_before)
+        changed, hid = self._apply_commit(target, manifest, metas)
+        return {"changed": True, "files": changed, "patches": staged["patches"], "replaced": m and m.snapshot().to_wire(),
+                "version": version, "root": t.root, "history_id": hid, "server_before": server_before,
+                "manifest": manifest.to_wire()}
+
+    def _apply_checks(self, series):
+        """Recover an interrupted change, then refuse (bad input, nothing changed) a tree of another SGLang
+        version or a server that could not capture with this series. Returns the tree's SGLang version."""
         t = self.tree
         self.recover()
-        series = self.req["series"]
         version = tree_version(t.root)
         if version is None:
             raise AgentError("bad_input", "cannot tell the SGLang version of %s" % t.root)
@@ -326,35 +358,31 @@ class Agent(object):
             if refused:
                 raise AgentError("bad_input", "this server configuration cannot capture with %s: %s" % (
                     series["name"], "; ".join(refused)), refusals=refused)
-        m = t.manifest()
-        if m and m.status == "pending" and m.run_id != self.run_id:
-            # an earlier deploy never got verified: put the host back first
-            self.notes.append("undoing unverified deploy of %s %s by run %s" % (m.series, m.version, m.run_id))
-            event("undo_pending", series=m.series, run_id=m.run_id)
-            self._rollback_to(m.previous, m, restart=True, reason="undo interrupted deploy")
-            m = t.manifest()
-        drift = t.drift(m)
-        if drift:
-            raise AgentError("drift", "files changed since patchctl applied %s %s: %s" % (
-                m.series, m.version, ", ".join(d["path"] for d in drift)), drift=drift)
-        same = m and m.series == series["name"] and m.version == series["version"] and \
+        return version
+
+    def _undo_unverified(self, m):
+        """An earlier run's deploy never got verified (`pending`): put the host back first. Returns the
+        manifest in force after."""
+        if not (m and m.status == "pending" and m.run_id != self.run_id):
+            return m
+        self.notes.append("undoing unverified deploy of %s %s by run %s" % (m.series, m.version, m.run_id))
+        event("undo_pending", series=m.series, run_id=m.run_id)
+        self._rollback_to(m.previous, m, restart=True, reason="undo interrupted deploy")
+        return self.tree.manifest()
+
+    @staticmethod
+    def _already_applied(m, series):
+        return bool(m) and m.series == series["name"] and m.version == series["version"] and \
             [p.sha256 for p in m.patches] == [p["sha256"] for p in series["patches"]]
-        mgr, _ = self.base_manager()
-        server_before = mgr.current_config() if self.req.get("restart") else None
-        if self.req.get("restart"):
-            self._check_dump_space(series.get("smoke") or {})
-        if same:
-            t.release(self.run_id)
-            return {"changed": False, "note": "%s %s is already applied" % (series["name"], series["version"]),
-                    "manifest": m.to_wire(), "version": version, "root": t.root, "already_verified": m.status == "verified"}
-        # originals: what the tree held before patchctl touched it (from blobs for files of the old series)
-        originals = _originals(m)
-        result = self._stage_on_originals(series, originals)
-        target = {}
-        files = {}
-        metas = {}  # owner, group and mode each file ends with: a patched file keeps its original's
+
+    def _apply_targets(self, staged, m, originals):
+        """({file: blob the tree ends with}, {file: FileRecord}, {file: meta it ends with}) for a staged
+        series; files only the old series touched go back to their originals. A patched file keeps its
+        original's owner, group and mode."""
+        t = self.tree
+        target, files, metas = {}, {}, {}
         old_files = m.files if m else {}
-        for rel, info in result["files"].items():
+        for rel, info in staged["files"].items():
             path = os.path.join(t.root, rel)
             orig = originals[rel] if rel in originals else sha256_file(path)
             # the original's meta: recorded by the old series' manifest, else the file as it is now
@@ -368,28 +396,35 @@ class Agent(object):
             target[rel] = info["after_blob"]
             files[rel] = FileRecord(original=orig, applied=info["after_blob"], action=info["action"],
                                     original_meta=Meta.from_wire(orig_meta), applied_meta=Meta.from_wire(applied_meta))
-        for rel, orig in originals.items():  # files only the old series touched go back to their originals
+        for rel, orig in originals.items():
             if rel not in target:
                 target[rel] = orig
                 if old_files[rel].original_meta:
                     metas[rel] = _meta(old_files[rel].original_meta)
-        manifest = Manifest(
+        return target, files, metas
+
+    def _apply_manifest(self, series, version, files, m, server_before):
+        """The manifest the apply writes: pending until a smoke verifies it (applied with no restart)."""
+        return Manifest(
             series=series["name"], version=series["version"], sglang_version=version,
             patches=[PatchRef(file=p["file"], version=p["version"], sha256=p["sha256"]) for p in series["patches"]],
             files=files, base_fingerprint=sha256_bytes(json.dumps(sorted((r, f.original) for r, f in files.items())).encode()),
             repo_commit=self.req.get("repo_commit"), who=self.req["holder"].get("who"), when=now(),
             run_id=self.run_id, status="pending" if self.req.get("restart") else "applied",
-            profile=Profile.from_wire(series.get("smoke")), root=t.root,
+            profile=Profile.from_wire(series.get("smoke")), root=self.tree.root,
             previous=m and m.snapshot(), server=server_before)
+
+    def _apply_commit(self, target, manifest, metas):
+        """The one journalled transition and its history entry (the lock kept for a restart that follows).
+        Returns (the files changed, the history entry's id)."""
+        t = self.tree
         changes = t.transition("apply", target, manifest, self.run_id, metas=metas)
         hid = t.append_history(HistoryEntry(op="apply", series=manifest.series, version=manifest.version, run_id=self.run_id,
                                             who=manifest.who, outcome="files applied", state=manifest.snapshot(),
                                             repo_commit=manifest.repo_commit))
         if not self.req.get("keep_lock"):
             t.release(self.run_id)
-        return {"changed": True, "files": [c.path for c in changes], "patches": result["patches"],
-                "replaced": m and m.snapshot().to_wire(), "version": version, "root": t.root, "history_id": hid,
-                "server_before": server_before, "manifest": manifest.to_wire()}
+        return [c.path for c in changes], hid
 
     def _check_dump_space(self, profile):
         """Dumps cost 8·H bytes per token (57 GB per million tokens at H = 7168): say how much room there is."""
