@@ -10,7 +10,8 @@ import tempfile
 
 
 def write_atomic(path, data, mode=None, owner=None, tmp=None):
-    """Write bytes under a temporary name beside `path`, fsync, rename into place.
+    """Write `data` (bytes, or an iterable of bytes) under a temporary name beside `path`, fsync, rename
+    into place.
     `owner` (uid, gid): set on the new file before it takes the name (then `mode`, which chown may clear).
     `tmp`: a fixed temporary name (beside `path`) whose leftover after a crash the caller recognises and
     overwrites next time; by default a fresh unique one."""
@@ -20,7 +21,11 @@ def write_atomic(path, data, mode=None, owner=None, tmp=None):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                f.write(data)
+            else:  # an iterable of bytes, written as it comes (a large file need not be whole in memory)
+                for chunk in data:
+                    f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         if mode is None:  # keep the mode of the file replaced; a new file gets the umask's default

@@ -40,6 +40,7 @@ from patchctl.host.capture import safe_name
 
 MAX_PROBLEMS = 20  # problems listed in one error; the total is always counted
 KEYS = ("id", "input_ids", "loss_mask")
+ALLOWED = frozenset(KEYS)
 
 # --- the capture module's file names: patchctl.host.capture.safe_name, the module's exact twin (tested
 # against the module's own function loaded from the patch text). It is injective (plain names never start
@@ -156,6 +157,21 @@ class JsonLines:
         self.sha256 = hashlib.sha256()
         self.bytes = 0
 
+    @classmethod
+    def open(cls, path: Path, what: str, a_line: str, an_object: str) -> "JsonLines":
+        """The file at `path` (absolute) with its own `problems`, or BadInput "cannot read WHAT" naming it."""
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise BadInput(f"cannot read {what}: {e.strerror}", file=str(path)) from None
+        return cls(f, _Problems(path), a_line, an_object)
+
+    def finish(self, found: int, none: str) -> None:
+        """After the last line: BadInput listing every problem, `none` when no line held anything (`found`)."""
+        if not found and not self.problems.count:
+            self.problems.add(1, none)
+        self.problems.raise_if_any("nothing was sent")
+
     def __iter__(self):
         with self.f:
             for ln, raw in enumerate(self.f, 1):
@@ -181,71 +197,91 @@ def load_dataset(path, rid_prefix: str = "") -> Dataset:
     up to MAX_PROBLEMS. `rid_prefix`: the run's rid prefix, so that file-name collisions are judged on the
     rids the capture module will see."""
     path = Path(path).expanduser().absolute()
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise BadInput(f"cannot read the dataset: {e.strerror}", file=str(path)) from None
-    problems = _Problems(path)
-    samples: list[Sample] = []
-    by_id: dict[str, int] = {}
-    names: dict[str, str] = {}  # file name -> id
+    lines = JsonLines.open(path, "the dataset", "one JSON object a line",
+                           'an object {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
+    ids = _Ids(lines.problems, rid_prefix)
     tokens = 0
     any_mask = False
-    allowed = set(KEYS)
-    lines = JsonLines(f, problems, "one JSON object a line",
-                      'an object {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
     for ln, start, line, obj in lines:
-        if not allowed.issuperset(obj):
-            extra = sorted(set(obj) - allowed)
-            problems.add(ln, f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}; "
-                             f"allowed: id, input_ids, loss_mask (a misspelled loss_mask would train on every token)")
-        sid = obj.get("id")
-        if not isinstance(sid, str) or not sid:
-            problems.add(ln, "missing id" if "id" not in obj else f"id {_short(sid)}: expected a non-empty string")
-            sid = None
-        ids = obj.get("input_ids")
-        n = max_id = 0
-        if not isinstance(ids, list) or not ids:
-            problems.add(ln, "missing input_ids" if "input_ids" not in obj else
-                         f"input_ids {_short(ids)}: expected a non-empty list of token ids")
+        sid, n, max_id = _check_sample(lines.problems, ln, line, obj)
+        any_mask |= "loss_mask" in obj
+        if sid is not None and ids.add(Sample(sid, ln, start, len(line), n, max_id, "loss_mask" in obj)):
+            tokens += n
+    lines.finish(len(ids.samples), "no samples; expected one JSON object a line")
+    return Dataset(path=path, samples=ids.samples, tokens=tokens, sha256=lines.sha256.hexdigest(), bytes=lines.bytes,
+                   has_loss_mask=any_mask, by_id=ids.by_id)
+
+
+def _check_sample(problems: _Problems, ln: int, line: bytes, obj: dict) -> tuple[str | None, int, int]:
+    """(id or None when it is bad, token count, largest token id) of one line, its problems added."""
+    if not ALLOWED.issuperset(obj):
+        extra = sorted(set(obj) - ALLOWED)
+        problems.add(ln, f"unknown key{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}; "
+                         f"allowed: id, input_ids, loss_mask (a misspelled loss_mask would train on every token)")
+    sid = obj.get("id")
+    if not isinstance(sid, str) or not sid:
+        problems.add(ln, "missing id" if "id" not in obj else f"id {_short(sid)}: expected a non-empty string")
+        sid = None
+    ids = obj.get("input_ids")
+    n = max_id = 0
+    if not isinstance(ids, list) or not ids:
+        problems.add(ln, "missing input_ids" if "input_ids" not in obj else
+                     f"input_ids {_short(ids)}: expected a non-empty list of token ids")
+        ids = None
+    else:
+        why = _bad_ints(ids, b"-" in line)
+        if why:
+            problems.add(ln, f"input_ids holds {why}: expected non-negative integers (token ids)")
             ids = None
         else:
-            why = _bad_ints(ids, b"-" in line)
-            if why:
-                problems.add(ln, f"input_ids holds {why}: expected non-negative integers (token ids)")
-                ids = None
-            else:
-                n, max_id = len(ids), max(ids)
-        mask = obj.get("loss_mask")
-        if mask is not None or "loss_mask" in obj:
-            any_mask = True
-            if not isinstance(mask, list):
-                problems.add(ln, f"loss_mask {_short(mask)}: expected a list of 0 and 1")
-            elif ids is not None and len(mask) != n:
-                problems.add(ln, f"loss_mask has {len(mask)} values for {n} input_ids; expected one per token")
-            elif mask and (set(map(type, mask)) != {int} or not set(mask) <= {0, 1}):
-                bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
-                problems.add(ln, f"loss_mask holds {_short(bad)}: expected only 0 and 1")
-        if sid is None:
-            continue
-        if sid in by_id:
-            problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
-            continue
-        name = safe_name(rid_prefix + sid)
-        if name in names:
-            other = samples[by_id[names[name]]]
-            problems.add(ln, f"id {_short(sid)} and id {_short(other.id)} (line {other.line}) would be dumped to the "
-                             f"same file {name}.safetensors; rename one")
-            continue
-        names[name] = sid
-        by_id[sid] = len(samples)
-        samples.append(Sample(sid, ln, start, len(line), n, max_id, "loss_mask" in obj))
-        tokens += n
-    if not samples and not problems.count:
-        problems.add(1, "no samples; expected one JSON object a line")
-    problems.raise_if_any("nothing was sent")
-    return Dataset(path=path, samples=samples, tokens=tokens, sha256=lines.sha256.hexdigest(), bytes=lines.bytes,
-                   has_loss_mask=any_mask, by_id=by_id)
+            n, max_id = len(ids), max(ids)
+    if "loss_mask" in obj:
+        why = _bad_mask(obj["loss_mask"], n if ids is not None else None)
+        if why:
+            problems.add(ln, why)
+    return sid, n, max_id
+
+
+def _bad_mask(mask, n: int | None) -> str | None:
+    """Why a loss_mask is not one 0 or 1 per token (`n`: the token count, None when input_ids is bad), or None."""
+    if not isinstance(mask, list):
+        return f"loss_mask {_short(mask)}: expected a list of 0 and 1"
+    if n is not None and len(mask) != n:
+        return f"loss_mask has {len(mask)} values for {n} input_ids; expected one per token"
+    if mask and (set(map(type, mask)) != {int} or not set(mask) <= {0, 1}):
+        bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
+        return f"loss_mask holds {_short(bad)}: expected only 0 and 1"
+    return None
+
+
+class _Ids:
+    """The samples kept so far: each id once, and no two ids dumped to the same file name."""
+
+    def __init__(self, problems: _Problems, rid_prefix: str):
+        self.problems, self.rid_prefix = problems, rid_prefix
+        self.samples: list[Sample] = []
+        self.by_id: dict[str, int] = {}
+        self.names: dict[str, str] = {}  # file name -> id
+
+    def add(self, s: Sample) -> bool:
+        if s.id in self.by_id:
+            self.problems.add(s.line, again(s.id, self.samples[self.by_id[s.id]].line))
+            return False
+        name = safe_name(self.rid_prefix + s.id)
+        if name in self.names:
+            other = self.samples[self.by_id[self.names[name]]]
+            self.problems.add(s.line, f"id {_short(s.id)} and id {_short(other.id)} (line {other.line}) would be "
+                                      f"dumped to the same file {name}.safetensors; rename one")
+            return False
+        self.names[name] = s.id
+        self.by_id[s.id] = len(self.samples)
+        self.samples.append(s)
+        return True
+
+
+def again(sid: str, first_line: int) -> str:
+    """The problem of an id seen before (datasets, conversations, prepare's input)."""
+    return f"id {_short(sid)} again (first on line {first_line}); ids must be unique"
 
 
 def length_bound(facts: dict) -> tuple[int | None, str]:

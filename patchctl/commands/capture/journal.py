@@ -79,6 +79,63 @@ class RunState:
         return {i for i in self.last_sent if i not in self.done and i not in self.failed}
 
 
+@dataclass
+class Tally:
+    """A run's journal counted per host, for `capture status` (runs and regenerations alike; no host is
+    contacted): `hosts[name]` is the caller's blank entry ("done", "failed", "in_flight", "state",
+    "reason" and its own counts, in the order it shows them) filled in."""
+    hosts: dict[str, dict]
+    done: int
+    failed: int
+    pending: int
+    in_flight: int
+    complete: bool
+    failures: list[dict]
+
+    def total(self, key: str) -> int:
+        return sum(x[key] for x in self.hosts.values())
+
+
+def tally(info: dict, st: RunState, total: int, blank: dict, counts: dict) -> Tally:
+    """Every host of run.json, then of the journal, with its done, failed and in-flight samples, its last
+    state, and each of `counts` (key -> its value in one "done" record) summed over its done samples."""
+    hosts: dict[str, dict] = {}
+
+    def h(host: str) -> dict:
+        return hosts.setdefault(host, dict(blank))
+
+    for host in info.get("hosts") or {}:
+        h(host)
+    for r in st.done.values():
+        x = h(r.get("host"))
+        x["done"] += 1
+        for key, of in counts.items():
+            x[key] += of(r)
+    for r in st.failed.values():
+        h(r.get("host"))["failed"] += 1
+    in_flight = st.in_flight()
+    for sid in in_flight:
+        h(st.last_sent[sid].get("host"))["in_flight"] += 1
+    for host, r in st.hosts.items():
+        h(host).update(state=r.get("state"), reason=r.get("reason"))
+    pending = max(0, total - len(st.done) - len(st.failed))
+    return Tally(hosts, len(st.done), len(st.failed), pending, len(in_flight), pending == 0 and not st.failed,
+                 [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()])
+
+
+def host_state(x: dict) -> str:
+    """A tallied host's last state and why, for the status table."""
+    return (x["state"] or "") + (f": {x['reason']}" if x["reason"] else "")
+
+
+def failure_lines(failures: list[dict], noun: str, shown: int) -> list[str]:
+    """The status's failed samples (or conversations), the first `shown` of them."""
+    if not failures:
+        return []
+    head = f"failed {noun} ({len(failures)}" + (f", first {shown} shown" if len(failures) > shown else "") + "):"
+    return [head] + [f"  {f['id']} on {f['host']}: {f['reason']}" for f in failures[:shown]]
+
+
 class Journal:
     def __init__(self, directory: Path):
         self.dir = Path(directory)

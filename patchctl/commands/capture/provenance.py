@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from patchctl.core.errors import BadInput
-from patchctl.core.fsutil import sha256_file
+from patchctl.core.fsutil import sha256_file, write_atomic
 
 FORMAT = "patchctl-prepare/1"
 
@@ -57,14 +57,7 @@ def check_writable(out: Path) -> None:
 def publish(tmp: Path, out: Path, meta: dict) -> None:
     """The sidecar first, then the dataset, each renamed into place (a crash between leaves a sidecar that
     describes no file, which `read` ignores)."""
-    mp = meta_path(out)
-    mtmp = mp.with_name(f".{mp.name}.tmp-{os.getpid()}")
-    with open(mtmp, "w") as f:
-        json.dump(meta, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(mtmp, mp)
+    write_atomic(meta_path(out), (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     os.replace(tmp, out)
 
 

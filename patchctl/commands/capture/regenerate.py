@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, _Problems, _short
-from patchctl.commands.capture.journal import Journal, RunState, check_run_name, captures_root, write_run_info
+from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, _short, again
+from patchctl.commands.capture.journal import (Journal, RunState, captures_root, check_run_name, failure_lines,
+                                               host_state, tally, write_run_info)
 from patchctl.commands.capture.progress import Progress, _eta
 from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
 from patchctl.core.console import table
 from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.fsutil import write_atomic
 from patchctl.core.options import CaptureOptions
 from patchctl.core.report import private_dir
 from patchctl.core.session import Run, host_error
@@ -110,40 +111,39 @@ def _check(conv) -> str | None:
 
 def load_conversations(path) -> Conversations:
     path = Path(path).expanduser().absolute()
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise BadInput(f"cannot read the conversations: {e.strerror}", file=str(path)) from None
-    problems = _Problems(path)
+    lines = JsonLines.open(path, "the conversations", "one conversation a line",
+                           'an object with "conversations" or "messages"')
     samples: list[Conversation] = []
     by_id: dict[str, int] = {}
-    lines = JsonLines(f, problems, "one conversation a line", 'an object with "conversations" or "messages"')
     for ln, start, line, obj in lines:
-        keys = [k for k in ("conversations", "messages") if k in obj]
-        if len(keys) != 1:
-            problems.add(ln, "both \"conversations\" and \"messages\"; expected one" if keys else
-                         "no \"conversations\" (ShareGPT) or \"messages\" (OpenAI) list")
-            continue
-        why = _check(obj[keys[0]])
-        if why:
-            problems.add(ln, f"{keys[0]}: {why}")
-            continue
-        sid = obj.get("id", f"line-{ln}")
-        if isinstance(sid, int) and not isinstance(sid, bool):
-            sid = str(sid)
-        if not isinstance(sid, str) or not sid:
-            problems.add(ln, f"id {_short(sid)}: expected a non-empty string")
-            continue
-        if sid in by_id:
-            problems.add(ln, f"id {_short(sid)} again (first on line {samples[by_id[sid]].line}); ids must be unique")
+        key, sid, why = _conversation(ln, obj)
+        if why is None and sid in by_id:
+            why = again(sid, samples[by_id[sid]].line)
+        if why is not None:
+            lines.problems.add(ln, why)
             continue
         by_id[sid] = len(samples)
-        turns = sum(1 for m in obj[keys[0]] if ROLES[m.get("role", m.get("from"))] == "assistant")
+        turns = sum(1 for m in obj[key] if ROLES[m.get("role", m.get("from"))] == "assistant")
         samples.append(Conversation(sid, ln, start, len(line), turns))
-    if not samples and not problems.count:
-        problems.add(1, "no conversations; expected one JSON object a line")
-    problems.raise_if_any("nothing was sent")
+    lines.finish(len(samples), "no conversations; expected one JSON object a line")
     return Conversations(path, samples, lines.sha256.hexdigest(), by_id)
+
+
+def _conversation(ln: int, obj: dict) -> tuple[str | None, str | None, str | None]:
+    """(its list's key, its id, why it is refused or None) of one line's object."""
+    keys = [k for k in ("conversations", "messages") if k in obj]
+    if len(keys) != 1:
+        return None, None, ("both \"conversations\" and \"messages\"; expected one" if keys else
+                            "no \"conversations\" (ShareGPT) or \"messages\" (OpenAI) list")
+    why = _check(obj[keys[0]])
+    if why:
+        return keys[0], None, f"{keys[0]}: {why}"
+    sid = obj.get("id", f"line-{ln}")
+    if isinstance(sid, int) and not isinstance(sid, bool):
+        sid = str(sid)
+    if not isinstance(sid, str) or not sid:
+        return keys[0], None, f"id {_short(sid)}: expected a non-empty string"
+    return keys[0], sid, None
 
 
 class RegenerateProgress(Progress):
@@ -227,14 +227,7 @@ class RegenerateProgress(Progress):
                  + (f"; {duplicates} duplicate results ignored" if duplicates else ""),
                  f"this invocation: {s['turns']} assistant turns, {s['tokens']} tokens generated, "
                  f"{s['tokens_per_s']:.0f} tok/s, in {s['elapsed_s']:.0f}s"]
-        for sid, why in list(failed.items())[:5]:
-            lines.append(f"  failed {sid}: {why}")
-        if len(failed) > 5:
-            lines.append(f"  ... {len(failed) - 5} more: patchctl capture status {name}")
-        if stopping:
-            lines.append(f"stopped: {stopping}")
-        if servers_down:
-            lines.append(f"servers down: {', '.join(servers_down)}; bring them back with: {restart}")
+        lines += self.end_lines(name, failed, stopping, servers_down, restart)
         if output:
             lines.append(f"output: {output['out']} ({output['written']} conversations, in input order; "
                          + ("originals dropped)" if output.get("drop_original") else "each original turn kept beside "
@@ -350,39 +343,20 @@ def status_data(name: str) -> dict | None:
     except FileNotFoundError:
         return None
     st: RunState = Journal(directory).state()
-    hosts: dict[str, dict] = {}
-
-    def h(host: str) -> dict:
-        return hosts.setdefault(host, {"done": 0, "turns": 0, "tokens": 0, "failed": 0, "in_flight": 0,
-                                       "state": None, "reason": None})
-
-    for host in info.get("hosts") or {}:
-        h(host)
-    for r in st.done.values():
-        x = h(r.get("host"))
-        x["done"] += 1
-        x["turns"] += len(r.get("turns") or ())
-        x["tokens"] += int(r.get("tokens") or 0)
-    for r in st.failed.values():
-        h(r.get("host"))["failed"] += 1
-    in_flight = st.in_flight()
-    for sid in in_flight:
-        h(st.last_sent[sid].get("host"))["in_flight"] += 1
-    for host, r in st.hosts.items():
-        h(host).update(state=r.get("state"), reason=r.get("reason"))
     conv = info.get("conversations") or {}
     total = int(conv.get("count") or 0)
-    pending = max(0, total - len(st.done) - len(st.failed))
+    t = tally(info, st, total, {"done": 0, "turns": 0, "tokens": 0, "failed": 0, "in_flight": 0, "state": None,
+                                "reason": None},
+              {"turns": lambda r: len(r.get("turns") or ()), "tokens": lambda r: int(r.get("tokens") or 0)})
     command = (st.last_start or {}).get("command") or " ".join(
         ["patchctl capture regenerate", str(conv.get("path")), "--name", name, "--out", str(info.get("out")),
          "--max-new-tokens", str(info.get("max_new_tokens"))])
     return {"kind": "regeneration", "run": name, "conversations": conv, "out": info.get("out"),
             "max_new_tokens": info.get("max_new_tokens"), "temperature": info.get("temperature"),
-            "total": total, "done": len(st.done), "failed": len(st.failed), "pending": pending,
-            "in_flight": len(in_flight), "turns_done": sum(x["turns"] for x in hosts.values()),
-            "tokens_done": sum(x["tokens"] for x in hosts.values()), "complete": pending == 0 and not st.failed,
-            "invocations": st.invocations, "hosts": hosts, "resume": command,
-            "failures": [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()]}
+            "total": total, "done": t.done, "failed": t.failed, "pending": t.pending,
+            "in_flight": t.in_flight, "turns_done": t.total("turns"),
+            "tokens_done": t.total("tokens"), "complete": t.complete,
+            "invocations": st.invocations, "hosts": t.hosts, "resume": command, "failures": t.failures}
 
 
 def render_status(d: dict, shown: int = 20):
@@ -396,61 +370,59 @@ def render_status(d: dict, shown: int = 20):
     t = table("conversations per host", "host", "regenerated", "turns", "tokens generated", "failed", "in flight",
               "host state")
     for host, x in sorted(d["hosts"].items(), key=lambda kv: str(kv[0])):
-        state = (x["state"] or "") + (f": {x['reason']}" if x["reason"] else "")
         t.add_row(str(host), str(x["done"]), str(x["turns"]), str(x["tokens"]), str(x["failed"]), str(x["in_flight"]),
-                  state)
+                  host_state(x))
     t.add_row("total", f"{d['done']} of {d['total']}", str(d["turns_done"]), str(d["tokens_done"]), str(d["failed"]),
               str(d["in_flight"]), f"{d['pending']} pending")
-    out = [head, t]
-    if d["failures"]:
-        out.append(Text(f"failed conversations ({len(d['failures'])}"
-                        + (f", first {shown} shown" if len(d["failures"]) > shown else "") + "):"))
-        out += [Text(f"  {f['id']} on {f['host']}: {f['reason']}") for f in d["failures"][:shown]]
+    out = [head, t] + [Text(line) for line in failure_lines(d["failures"], "conversations", shown)]
     if not d["complete"]:
         out.append(Text(f"resume (regenerates only the conversations not done): {d['resume']}"))
     return Group(*out)
 
 
 def write_output(src: Conversations, journal: Journal, out: Path, name: str, drop_original: bool) -> int:
-    """Every conversation done so far, in input order, with its regenerated turns (atomic)."""
+    """Every conversation done so far, in input order, with its regenerated turns (written atomically,
+    line by line: never whole in memory)."""
     done = journal.state().done
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    n = 0
-    with open(tmp, "w") as w:
+    written = [0]
+
+    def lines():
         for c in src.samples:
             rec = done.get(c.id)
-            if rec is None:
-                continue
-            got = src.read(c)
-            obj, key = got["obj"], got["key"]
-            by_index = {t["index"]: t for t in rec["turns"]}
-            msgs = []
-            for i, m in enumerate(obj[key]):
-                t = by_index.get(i)
-                if t is None:
-                    msgs.append(m)
-                    continue
-                m = dict(m)
-                field_ = "content" if "content" in m or "role" in m else "value"
-                old = m.get(field_)
-                m[field_] = t["content"]
-                old_reasoning = m.pop("reasoning_content", None)
-                if t.get("reasoning_content"):
-                    m["reasoning_content"] = t["reasoning_content"]
-                if not drop_original:
-                    m[f"original_{field_}"] = old
-                    if old_reasoning is not None:
-                        m["original_reasoning_content"] = old_reasoning
-                msgs.append(m)
-            line = dict(obj, **{key: msgs})
-            line.setdefault("id", c.id)
-            line["regenerated"] = {"run": name, "host": rec["host"], "tokens": rec["tokens"]}
-            w.write(json.dumps(line, ensure_ascii=False) + "\n")
-            n += 1
-        w.flush()
-        os.fsync(w.fileno())
-    os.replace(tmp, out)
-    return n
+            if rec is not None:
+                written[0] += 1
+                yield (json.dumps(_regenerated_line(src, c, rec, name, drop_original), ensure_ascii=False)
+                       + "\n").encode()
+
+    write_atomic(out, lines())
+    return written[0]
+
+
+def _regenerated_line(src: Conversations, c: Conversation, rec: dict, name: str, drop_original: bool) -> dict:
+    """One input line with the turns of its "done" record in place (the originals beside them unless dropped)."""
+    got = src.read(c)
+    obj, key = got["obj"], got["key"]
+    by_index = {t["index"]: t for t in rec["turns"]}
+    msgs = [_turn(m, by_index[i], drop_original) if i in by_index else m for i, m in enumerate(obj[key])]
+    line = dict(obj, **{key: msgs})
+    line.setdefault("id", c.id)
+    line["regenerated"] = {"run": name, "host": rec["host"], "tokens": rec["tokens"]}
+    return line
+
+
+def _turn(m: dict, t: dict, drop_original: bool) -> dict:
+    m = dict(m)
+    field_ = "content" if "content" in m or "role" in m else "value"
+    old = m.get(field_)
+    m[field_] = t["content"]
+    old_reasoning = m.pop("reasoning_content", None)
+    if t.get("reasoning_content"):
+        m["reasoning_content"] = t["reasoning_content"]
+    if not drop_original:
+        m[f"original_{field_}"] = old
+        if old_reasoning is not None:
+            m["original_reasoning_content"] = old_reasoning
+    return m
 
 
 __all__ = ["run_regenerate", "load_conversations", "RegenerateRun", "write_output", "MAX_PROBLEMS"]
