@@ -40,7 +40,8 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.commands.capture import draftconfig
 from patchctl.commands.capture.dataset import open_run_dataset
-from patchctl.commands.capture.journal import Journal, RunState, check_run_name, read_run_info, run_dir
+from patchctl.commands.capture.journal import (Journal, RunState, check_run_name, failure_lines, host_state,
+                                               read_run_info, run_dir, tally)
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file, write_atomic
@@ -73,36 +74,16 @@ def _mb(n: int) -> str:
 # --- status -------------------------------------------------------------------------------------
 
 def status_data(name: str, info: dict, st: RunState) -> dict:
-    hosts: dict[str, dict] = {}
-
-    def h(host: str) -> dict:
-        return hosts.setdefault(host, {"done": 0, "failed": 0, "in_flight": 0, "tokens": 0, "bytes": 0,
-                                       "state": None, "reason": None})
-
-    for host in info.get("hosts") or {}:
-        h(host)
-    for r in st.done.values():
-        x = h(r.get("host"))
-        x["done"] += 1
-        x["tokens"] += int(r.get("tokens") or 0)
-        x["bytes"] += int(r.get("bytes") or 0)
-    for r in st.failed.values():
-        h(r.get("host"))["failed"] += 1
-    in_flight = st.in_flight()
-    for sid in in_flight:
-        h(st.last_sent[sid].get("host"))["in_flight"] += 1
-    for host, r in st.hosts.items():
-        h(host).update(state=r.get("state"), reason=r.get("reason"))
     ds = info.get("dataset") or {}
     samples = int(ds.get("samples") or 0)
-    pending = max(0, samples - len(st.done) - len(st.failed))
+    t = tally(info, st, samples, {"done": 0, "failed": 0, "in_flight": 0, "tokens": 0, "bytes": 0, "state": None,
+                                  "reason": None},
+              {"tokens": lambda r: int(r.get("tokens") or 0), "bytes": lambda r: int(r.get("bytes") or 0)})
     command = (st.last_start or {}).get("command") or f"patchctl capture run {ds.get('path')} --name {name}"
-    return {"kind": "capture", "run": name, "dataset": ds, "resume": command, "samples": samples, "done": len(st.done), "failed": len(st.failed),
-            "pending": pending, "in_flight": len(in_flight),
-            "tokens_done": sum(x["tokens"] for x in hosts.values()),
-            "bytes_done": sum(x["bytes"] for x in hosts.values()),
-            "complete": pending == 0 and not st.failed, "invocations": st.invocations, "hosts": hosts,
-            "failures": [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()],
+    return {"kind": "capture", "run": name, "dataset": ds, "resume": command, "samples": samples, "done": t.done,
+            "failed": t.failed, "pending": t.pending, "in_flight": t.in_flight,
+            "tokens_done": t.total("tokens"), "bytes_done": t.total("bytes"),
+            "complete": t.complete, "invocations": st.invocations, "hosts": t.hosts, "failures": t.failures,
             "duplicates": [{"id": r.get("id"), "host": r.get("host"), "path": r.get("path"),
                             "first_host": st.done[r["id"]].get("host"), "first_path": st.done[r["id"]].get("path")}
                            for r in st.duplicates]}
@@ -118,14 +99,11 @@ def render_status(d: dict):
                 + ("complete" if d["complete"] else f"{d['pending']} pending, {d['failed']} failed"), style="bold")
     t = table("samples per host", "host", "done", "failed", "in flight", "tokens done", "bytes done", "host state")
     for host, x in sorted(d["hosts"].items(), key=lambda kv: str(kv[0])):
-        state = (x["state"] or "") + (f": {x['reason']}" if x["reason"] else "")
-        t.add_row(str(host), str(x["done"]), str(x["failed"]), str(x["in_flight"]), str(x["tokens"]), _mb(x["bytes"]), state)
+        t.add_row(str(host), str(x["done"]), str(x["failed"]), str(x["in_flight"]), str(x["tokens"]), _mb(x["bytes"]),
+                  host_state(x))
     t.add_row("total", f"{d['done']} of {d['samples']}", str(d["failed"]), str(d["in_flight"]), str(d["tokens_done"]),
               _mb(d["bytes_done"]), f"{d['pending']} pending")
-    out = [head, t]
-    if d["failures"]:
-        out.append(Text(f"failed samples ({len(d['failures'])}" + (f", first {SHOWN} shown" if len(d["failures"]) > SHOWN else "") + "):"))
-        out += [Text(f"  {f['id']} on {f['host']}: {f['reason']}") for f in d["failures"][:SHOWN]]
+    out = [head, t] + [Text(line) for line in failure_lines(d["failures"], "samples", SHOWN)]
     if d["duplicates"]:
         out.append(Text(f"duplicates ({len(d['duplicates'])}): a sample verified twice; the first file counts:"))
         out += [Text(f"  {x['id']}: {x['host']}:{x['path']} (first: {x['first_host']}:{x['first_path']})")
@@ -501,12 +479,7 @@ class Collector:
                 pass
 
     def loss_mask(self, sid: str) -> tuple[list | None, str]:
-        if self.dataset is None:
-            return None, ALL_ONES
-        s = self.dataset.samples[self.dataset.by_id[sid]]
-        if not s.has_loss_mask:
-            return None, "all ones (no loss_mask on its line of the dataset)"
-        return self.dataset.read(s)["loss_mask"], "dataset"
+        return loss_mask(self.dataset, sid)
 
 
 # --- collect: the command -------------------------------------------------------------------------
@@ -567,39 +540,19 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
 
     name = opts.name
     info, st = _load(name)
-    on_host = opts.on_host
-    fmt = "in-place" if opts.in_place else opts.format
-    if opts.in_place and opts.format != "safetensors":
-        raise BadInput("--in-place pulls nothing, so there is nothing to convert: leave out --format")
-    if on_host is not None and (opts.format != "specforge" or opts.in_place):
-        raise BadInput("--on-host DIR converts on the hosts into SpecForge's format: use it with --format specforge "
-                       "(and without --in-place)")
-    if fmt == "specforge":
-        from patchctl.commands.capture.specforge import refuse_other_k
-
-        refuse_other_k(info)
-        if on_host is None:
-            from patchctl.commands.capture.specforge import require_torch
-
-            require_torch()
-    if on_host is not None:
-        return run_on_host(app, opts, name, info, st, on_host)
+    fmt = _format(opts, info)
+    if opts.on_host is not None:
+        return run_on_host(app, opts, name, info, st, opts.on_host)
     if opts.to is None:
         raise BadInput("--to DIR is required (only --on-host has a default)")
     out = Path(opts.to).expanduser().absolute()
     prev = _prepare_to(out, name, fmt, st)
-    dataset = None
-    if fmt == "specforge" and (info.get("dataset") or {}).get("loss_mask"):
-        dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
+    dataset = _run_dataset(info) if fmt == "specforge" else None
     run = Run(app, opts, "capture collect")
-    selected = {h.name for h in run.hosts}
-    items = plan_items(st, out, fmt, prev, selected, set(run.inventory.hosts), info.get("hosts") or {})
+    items = plan_items(st, out, fmt, prev, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     write_summary(out, name, info, fmt, items, "collecting", created)
-    by_host: dict[str, list[Item]] = {}
-    for it in items:
-        if it.status == "pending":
-            by_host.setdefault(it.host, []).append(it)
+    by_host = _pending_by_host(items)
     hosts = [h for h in run.hosts if h.name in by_host]
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
     col = Collector(app, run, name, info, out, fmt, reporter, opts.streams or PULL_STREAMS)
@@ -619,14 +572,64 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
             outcome = {0: Outcome.OK, 1: Outcome.FAILED, 3: Outcome.UNKNOWN}.get(code, Outcome.REFUSED)
             reporter.host_result(host, outcome, code, msg)
         summary, failures = _finish_collection(out, name, info, fmt, items, created, col.entry)
-        for f in failures:
-            if f["status"] != "not selected":
-                codes.append(1)
-                reporter.emit({"event": "not_collected", "run_id": run.run_id, **f})
-        code = worst(codes)
+        code = _not_collected(failures, codes, lambda f: reporter.emit({"event": "not_collected", "run_id": run.run_id, **f}))
         reporter.run_end(code, summary=summary)
     _print_summary(app, out, summary, items, failures)
     return code
+
+
+def _format(opts: CaptureOptions, info: dict) -> str:
+    """The collection's format ("in-place", "safetensors", "specforge"), its options checked together, and
+    what specforge needs (the run's K, torch where the controller converts)."""
+    fmt = "in-place" if opts.in_place else opts.format
+    if opts.in_place and opts.format != "safetensors":
+        raise BadInput("--in-place pulls nothing, so there is nothing to convert: leave out --format")
+    if opts.on_host is not None and (opts.format != "specforge" or opts.in_place):
+        raise BadInput("--on-host DIR converts on the hosts into SpecForge's format: use it with --format specforge "
+                       "(and without --in-place)")
+    if fmt == "specforge":
+        from patchctl.commands.capture.specforge import refuse_other_k
+
+        refuse_other_k(info)
+        if opts.on_host is None:
+            from patchctl.commands.capture.specforge import require_torch
+
+            require_torch()
+    return fmt
+
+
+def _run_dataset(info: dict):
+    """The run's dataset, for its loss masks; None when it has none (every mask all ones)."""
+    if (info.get("dataset") or {}).get("loss_mask"):
+        return open_run_dataset(info["dataset"], info.get("prefix") or "")
+    return None
+
+
+def loss_mask(dataset, sid: str) -> tuple[list | None, str]:
+    """A sample's loss mask from the run's dataset (None: all ones) and where it came from."""
+    if dataset is None:
+        return None, ALL_ONES
+    s = dataset.samples[dataset.by_id[sid]]
+    if not s.has_loss_mask:
+        return None, "all ones (no loss_mask on its line of the dataset)"
+    return dataset.read(s)["loss_mask"], "dataset"
+
+
+def _pending_by_host(items: list[Item]) -> dict[str, list[Item]]:
+    by_host: dict[str, list[Item]] = {}
+    for it in items:
+        if it.status == "pending":
+            by_host.setdefault(it.host, []).append(it)
+    return by_host
+
+
+def _not_collected(failures: list[dict], codes: list[int], emit) -> int:
+    """Each sample of a selected host not collected made an event and an exit 1; the run's exit code."""
+    for f in failures:
+        if f["status"] != "not selected":
+            codes.append(1)
+            emit(f)
+    return worst(codes)
 
 
 def _finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[Item], created: str, entry,
@@ -688,13 +691,8 @@ class OnHost:
         if buf:
             yield "".join(buf).encode()
 
-    def loss_mask(self, sid: str):
-        if self.dataset is None:
-            return None, ALL_ONES
-        smp = self.dataset.samples[self.dataset.by_id[sid]]
-        if not smp.has_loss_mask:
-            return None, "all ones (no loss_mask on its line of the dataset)"
-        return self.dataset.read(smp)["loss_mask"], "dataset"
+    def loss_mask(self, sid: str) -> tuple[list | None, str]:
+        return loss_mask(self.dataset, sid)
 
     def on_event(self, by_id: dict[str, Item], host: str, ev: dict) -> None:
         kind = ev.get("event")
@@ -753,33 +751,48 @@ def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunSt
         raise BadInput("--on-host: expected a directory path on the hosts")
     out = Path(opts.to).expanduser().absolute() if opts.to is not None else run_dir(name) / "on-host"
     fmt = "specforge-on-host"
-    prev = _prepare_to(out, name, fmt, st)
-    dataset = None
-    if (info.get("dataset") or {}).get("loss_mask"):
-        dataset = open_run_dataset(info["dataset"], info.get("prefix") or "")
+    _prepare_to(out, name, fmt, st)
+    dataset = _run_dataset(info)
     run = Run(app, opts, "capture collect")
-    selected = {h.name for h in run.hosts}
-    items = plan_items(st, out, fmt, {}, selected, set(run.inventory.hosts), info.get("hosts") or {})
+    items = plan_items(st, out, fmt, {}, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
     for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
         if it.status in ("conflict", "present"):
             it.status, it.reason = "pending", ""
-    del prev
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     (out / INDEX).write_bytes(b"")
     write_summary(out, name, info, fmt, items, "collecting", created, on_host=host_dir)
-    by_host: dict[str, list[Item]] = {}
-    for it in items:
-        if it.status == "pending":
-            by_host.setdefault(it.host, []).append(it)
+    by_host = _pending_by_host(items)
     hosts = [h for h in run.hosts if h.name in by_host]
     from patchctl.commands.capture.progress import Progress
 
     progress = Progress(app, run_dir(name), run.run_id, total=sum(len(v) for v in by_host.values()), already=0,
                         hosts=[h.name for h in hosts])
     job = OnHost(app, run, name, info, st, out, host_dir, opts.workers, dataset, progress)
+    codes: list[int] = []
+    with progress:
+        progress.announce(f"collect {name} --on-host {host_dir} (specforge): {len(st.done)} samples done in the journal; "
+                          f"{sum(len(v) for v in by_host.values())} to convert on {len(hosts)} host(s); index in {out}")
+        try:
+            results = _convert_on(job, hosts, by_host, progress)
+        finally:
+            job.close()
+            run.close()
+        for h in hosts:
+            code, msg, _res = results[h.name]
+            codes.append(code)
+            progress.emit({"event": "host_result", "host": h.name, "exit_code": code, "message": msg})
+            app.info(f"{h.name}: {msg}")
+        summary, failures = _finish_collection(out, name, info, fmt, items, created, job.entry, on_host=host_dir)
+        code = _not_collected(failures, codes, lambda f: progress.emit({"event": "not_collected", **f}))
+        progress.emit({"event": "run_end", "exit_code": code, "summary": summary, **progress.snapshot()})
+    _print_summary(app, out, summary, items, failures)
+    return code
+
+
+def _convert_on(job: OnHost, hosts: list, by_host: dict[str, list[Item]], progress) -> dict[str, tuple]:
+    """One thread per host drives its `convert` op; the progress refreshed until every host has answered."""
     results: dict[str, tuple] = {}
     finished = threading.Event()
-    codes: list[int] = []
 
     def drive(h):
         try:
@@ -790,32 +803,12 @@ def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunSt
             if len(results) == len(hosts):
                 finished.set()
 
-    with progress:
-        progress.announce(f"collect {name} --on-host {host_dir} (specforge): {len(st.done)} samples done in the journal; "
-                          f"{sum(len(v) for v in by_host.values())} to convert on {len(hosts)} host(s); index in {out}")
-        threads = [threading.Thread(target=drive, args=(h,), name=f"convert {h.name}", daemon=True) for h in hosts]
-        for t in threads:
-            t.start()
-        try:
-            while hosts and not finished.wait(0.2):
-                progress.refresh()
-        finally:
-            job.close()
-            run.close()
-        for h in hosts:
-            code, msg, _res = results[h.name]
-            codes.append(code)
-            progress.emit({"event": "host_result", "host": h.name, "exit_code": code, "message": msg})
-            app.info(f"{h.name}: {msg}")
-        summary, failures = _finish_collection(out, name, info, fmt, items, created, job.entry, on_host=host_dir)
-        for f in failures:
-            if f["status"] != "not selected":
-                codes.append(1)
-                progress.emit({"event": "not_collected", **f})
-        code = worst(codes)
-        progress.emit({"event": "run_end", "exit_code": code, "summary": summary, **progress.snapshot()})
-    _print_summary(app, out, summary, items, failures)
-    return code
+    threads = [threading.Thread(target=drive, args=(h,), name=f"convert {h.name}", daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    while hosts and not finished.wait(0.2):
+        progress.refresh()
+    return results
 
 
 def _print_summary(app: App, out: Path, summary: dict, items: list[Item], failures: list[dict]) -> None:

@@ -80,39 +80,7 @@ def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, di
     n = first.get("num_hidden_layers")
     prov = {"target_hidden_size": "hidden_size of the target's config.json (run.json, read by the capture probe)",
             "vocab_size": "vocab_size of the target's config.json (run.json)"}
-    ids = layers = None
-    if len(distinct) > 1:
-        problems.append("the collected files hold different capture layers per host ("
-                        + "; ".join(f"{h}: {' and '.join(str(v.get('layers_to_capture')) for v in sets)}"
-                                    for h, sets in sorted(layer_sets.items()))
-                        + "): one draft config cannot serve them")
-    elif not layer_sets:
-        problems.append("no collected file: the capture layers are unknown")
-    else:
-        meta = next(iter(layer_sets.values()))[0]
-        layers = meta.get("layers_to_capture")
-        given = meta.get("eagle_aux_hidden_state_layer_ids")
-        rule = RULES.get(arch)
-        if not layers:
-            problems.append("the files name no layers_to_capture")
-        elif rule and (given is None or sglang_layers(rule, given, n) == list(layers)):
-            ids = ids_for(rule, layers, n)
-            if ids is None:
-                problems.append(f"no explicit ids make {arch}'s set_eagle3_layers_to_capture capture {layers} ({WHERE[rule]})")
-            else:
-                prov["eagle_config.eagle_aux_hidden_state_layer_ids"] = (
-                    f"the files' layers_to_capture {layers} mapped back through {arch}'s set_eagle3_layers_to_capture "
-                    f"({WHERE[rule]})")
-        elif given is not None:
-            ids = list(given)
-            prov["eagle_config.eagle_aux_hidden_state_layer_ids"] = (
-                f"the ids SGLang was given at capture time (the files' eagle_aux_hidden_state_layer_ids), which its "
-                f"{arch} model turned into layers_to_capture {layers}" + (
-                    "" if rule is None else f" (not what {WHERE[rule]} predicts: the server's own mapping wins)"))
-        else:
-            problems.append(f"SGLang's layer-id convention for architecture {arch!r} is not known to patchctl and the "
-                            f"capture used SGLang's default ids: set eagle_aux_hidden_state_layer_ids yourself so "
-                            f"that {arch}.set_eagle3_layers_to_capture gives {layers}")
+    ids, layers = _layer_ids(layer_sets, distinct, arch, n, problems, prov)
     cfg = {
         "_comment": ("EAGLE-3 draft-config fields fixed by capture run %r (patchctl capture collect): merge them into "
                      "the draft model's config.json for SpecForge and SGLang. '_patchctl' says where each value came "
@@ -129,6 +97,46 @@ def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, di
                       "problems": problems},
     }
     return cfg, problems
+
+
+def _layer_ids(layer_sets: dict[str, dict], distinct: set, arch, n, problems: list[str], prov: dict):
+    """(eagle_aux_hidden_state_layer_ids, layers_to_capture) from the collected files' layer metadata, each None
+    where it cannot be known (why added to `problems`; where a value came from to `prov`)."""
+    if len(distinct) > 1:
+        problems.append("the collected files hold different capture layers per host ("
+                        + "; ".join(f"{h}: {' and '.join(str(v.get('layers_to_capture')) for v in sets)}"
+                                    for h, sets in sorted(layer_sets.items()))
+                        + "): one draft config cannot serve them")
+        return None, None
+    if not layer_sets:
+        problems.append("no collected file: the capture layers are unknown")
+        return None, None
+    meta = next(iter(layer_sets.values()))[0]
+    layers = meta.get("layers_to_capture")
+    given = meta.get("eagle_aux_hidden_state_layer_ids")
+    rule = RULES.get(arch)
+    ids = None
+    if not layers:
+        problems.append("the files name no layers_to_capture")
+    elif rule and (given is None or sglang_layers(rule, given, n) == list(layers)):
+        ids = ids_for(rule, layers, n)
+        if ids is None:
+            problems.append(f"no explicit ids make {arch}'s set_eagle3_layers_to_capture capture {layers} ({WHERE[rule]})")
+        else:
+            prov["eagle_config.eagle_aux_hidden_state_layer_ids"] = (
+                f"the files' layers_to_capture {layers} mapped back through {arch}'s set_eagle3_layers_to_capture "
+                f"({WHERE[rule]})")
+    elif given is not None:
+        ids = list(given)
+        prov["eagle_config.eagle_aux_hidden_state_layer_ids"] = (
+            f"the ids SGLang was given at capture time (the files' eagle_aux_hidden_state_layer_ids), which its "
+            f"{arch} model turned into layers_to_capture {layers}" + (
+                "" if rule is None else f" (not what {WHERE[rule]} predicts: the server's own mapping wins)"))
+    else:
+        problems.append(f"SGLang's layer-id convention for architecture {arch!r} is not known to patchctl and the "
+                        f"capture used SGLang's default ids: set eagle_aux_hidden_state_layer_ids yourself so "
+                        f"that {arch}.set_eagle3_layers_to_capture gives {layers}")
+    return ids, layers
 
 
 def json_key(v) -> str:

@@ -32,7 +32,7 @@ import warnings
 from pathlib import Path
 
 from patchctl.commands.capture import provenance
-from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short
+from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short, again
 from patchctl.core.errors import BadInput
 from patchctl.core.options import RunOptions
 from patchctl.core.fsutil import sha256_file
@@ -189,6 +189,36 @@ def _batches(f, hasher, counter):
 def run_prepare(app, args) -> int:
     src = Path(args.conversations).expanduser().absolute()
     out = Path(args.out).expanduser().absolute()
+    _check_args(args)
+    try:
+        f = open(src, "rb")
+    except OSError as e:
+        raise BadInput(f"cannot read the conversations: {e.strerror}", file=str(src)) from None
+    provenance.check_writable(out)
+    tok_files = _tokenizer_files(app, args)
+    tokenizer = load_tokenizer(tok_files.path)
+    global _WORKER
+    _WORKER = Preparer(tokenizer, args.template, args.max_length, args.train_only_last_turn, args.truncate)
+    workers = args.workers or os.cpu_count() or 1
+    made = _Made(_Problems(src))
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # renamed by provenance.publish, after its sidecar
+    t0 = time.monotonic()
+    try:
+        with f, open(tmp, "wb") as w:
+            _prepare_all(app, f, w, made, workers, t0)
+        made.problems.raise_if_any(f"nothing was written to {out}")
+        if not made.written:
+            raise BadInput(f"{src}: no conversation has a trainable token (template {args.template}); nothing written")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    elapsed = time.monotonic() - t0
+    provenance.publish(tmp, out, _meta(args, tok_files, src, made, sha256_file(tmp)))
+    _report(app, args, src, out, made, tok_files, elapsed, workers)
+    return 0
+
+
+def _check_args(args) -> None:
     if args.max_length < 1:
         raise BadInput(f"--max-length {args.max_length}: expected a positive number of tokens")
     _, registry = load_specforge()
@@ -196,121 +226,124 @@ def run_prepare(app, args) -> int:
     if args.template not in names:
         raise BadInput(f"--template {args.template!r}: not one of SpecForge {SPECFORGE_VERSION}'s templates: "
                        f"{', '.join(names)}")
-    try:
-        f = open(src, "rb")
-    except OSError as e:
-        raise BadInput(f"cannot read the conversations: {e.strerror}", file=str(src)) from None
-    provenance.check_writable(out)
+
+
+def _tokenizer_files(app, args):
+    """The tokenizer: fetched from a host's served model (--from) or a local directory (--tokenizer)."""
     if args.from_host:
         from patchctl.commands.capture.tokenizer import fetch  # noqa: PLC0415
 
-        tok_files = fetch(app, RunOptions(forks=args.forks, accept_new_host_keys=args.accept_new_host_keys),
-                          args.from_host)
-    else:
-        from patchctl.commands.capture.tokenizer import local  # noqa: PLC0415
+        return fetch(app, RunOptions(forks=args.forks, accept_new_host_keys=args.accept_new_host_keys), args.from_host)
+    from patchctl.commands.capture.tokenizer import local  # noqa: PLC0415
 
-        tok_files = local(args.tokenizer)
-    tokenizer = load_tokenizer(tok_files.path)
-    global _WORKER
-    _WORKER = Preparer(tokenizer, args.template, args.max_length, args.train_only_last_turn, args.truncate)
-    workers = args.workers or os.cpu_count() or 1
+    return local(args.tokenizer)
 
-    problems = _Problems(src)
-    no_trainable: list[tuple[int, str]] = []
-    seen: dict[str, int] = {}
-    hasher = hashlib.sha256()
-    counter = [0]
-    written = tokens = trainable = fallback = 0
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    t0 = last = time.monotonic()
+
+class _Made:
+    """What prepare made of the conversations so far: samples written, their counts, what was left out."""
+
+    def __init__(self, problems: _Problems):
+        self.problems = problems
+        self.no_trainable: list[tuple[int, str]] = []
+        self.seen: dict[str, int] = {}
+        self.hasher = hashlib.sha256()
+        self.lines = [0]  # the source's line count, as _batches reads it
+        self.done = self.written = self.tokens = self.trainable = self.fallback = 0
+
+    def take(self, r, w) -> None:
+        """One worker result: a problem, a duplicate, a conversation with no trainable token, or a sample written
+        (once any problem is known, nothing more is written: only the problems are still counted)."""
+        self.done += 1
+        if r[0] == "bad":
+            self.problems.add(r[1], r[2])
+            return
+        _, ln, sid, ids, mask, fb = r
+        if sid in self.seen:
+            self.problems.add(ln, again(sid, self.seen[sid]))
+            return
+        self.seen[sid] = ln
+        self.fallback += fb
+        if not any(mask):
+            self.no_trainable.append((ln, sid))
+            return
+        if self.problems.count:
+            return
+        w.write((json.dumps({"id": sid, "input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n").encode())
+        self.written += 1
+        self.tokens += len(ids)
+        self.trainable += sum(mask)
+
+
+def _prepare_all(app, f, w, made: _Made, workers: int, t0: float) -> None:
+    """Every line through the workers (a forked pool, in order), each result into `made` and `w` (fsynced)."""
     pool = None
     try:
-        with f, open(tmp, "wb") as w:
-            batches = _batches(f, hasher, counter)
-            if workers > 1:
-                import multiprocessing  # noqa: PLC0415
+        batches = _batches(f, made.hasher, made.lines)
+        if workers > 1:
+            import multiprocessing  # noqa: PLC0415
 
-                pool = multiprocessing.get_context("fork").Pool(workers)
-                results = pool.imap(_work, batches)
-            else:
-                results = map(_work, batches)
-            done = 0
-            for batch in results:
-                for r in batch:
-                    done += 1
-                    if r[0] == "bad":
-                        problems.add(r[1], r[2])
-                        continue
-                    _, ln, sid, ids, mask, fb = r
-                    if sid in seen:
-                        problems.add(ln, f"id {_short(sid)} again (first on line {seen[sid]}); ids must be unique")
-                        continue
-                    seen[sid] = ln
-                    fallback += fb
-                    if not any(mask):
-                        no_trainable.append((ln, sid))
-                        continue
-                    if problems.count:
-                        continue  # nothing is kept: only the problems are still counted
-                    w.write((json.dumps({"id": sid, "input_ids": ids, "loss_mask": mask},
-                                        separators=(",", ":")) + "\n").encode())
-                    written += 1
-                    tokens += len(ids)
-                    trainable += sum(mask)
-                now = time.monotonic()
-                if now - last >= PROGRESS_EVERY_S:
-                    last = now
-                    app.info(f"prepare: {done} conversations ({done / (now - t0):.0f}/s), {written} samples, "
-                             f"{problems.count} problems")
-            w.flush()
-            os.fsync(w.fileno())
+            pool = multiprocessing.get_context("fork").Pool(workers)
+            results = pool.imap(_work, batches)
+        else:
+            results = map(_work, batches)
+        last = t0
+        for batch in results:
+            for r in batch:
+                made.take(r, w)
+            now = time.monotonic()
+            if now - last >= PROGRESS_EVERY_S:
+                last = now
+                app.info(f"prepare: {made.done} conversations ({made.done / (now - t0):.0f}/s), {made.written} samples, "
+                         f"{made.problems.count} problems")
+        w.flush()
+        os.fsync(w.fileno())
         if pool is not None:
             pool.close()
             pool.join()
             pool = None
-        problems.raise_if_any(f"nothing was written to {out}")
-        if not written:
-            raise BadInput(f"{src}: no conversation has a trainable token (template {args.template}); nothing written")
-    except BaseException:
+    finally:
         if pool is not None:
             pool.terminate()
-        tmp.unlink(missing_ok=True)
-        raise
-    elapsed = time.monotonic() - t0
-    dataset_sha = sha256_file(tmp)
-    meta = {
+
+
+def _meta(args, tok_files, src: Path, made: _Made, dataset_sha: str) -> dict:
+    """The sidecar (provenance.py): how the dataset was made and from what."""
+    return {
         "format": provenance.FORMAT,
         "template": args.template,
         "max_length": args.max_length,
         "train_only_last_turn": bool(args.train_only_last_turn),
         "truncate": bool(args.truncate),
         "tokenizer": {"digest": tok_files.digest, "files": tok_files.files, "source": tok_files.source},
-        "source": {"path": str(src), "sha256": hasher.hexdigest(), "lines": counter[0]},
-        "dataset": {"sha256": dataset_sha, "samples": written, "tokens": tokens, "trainable_tokens": trainable},
-        "left_out": {"no_trainable_token": len(no_trainable)},
+        "source": {"path": str(src), "sha256": made.hasher.hexdigest(), "lines": made.lines[0]},
+        "dataset": {"sha256": dataset_sha, "samples": made.written, "tokens": made.tokens,
+                    "trainable_tokens": made.trainable},
+        "left_out": {"no_trainable_token": len(made.no_trainable)},
         "specforge": _version("specforge"), "transformers": _version("transformers"),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    provenance.publish(tmp, out, meta)
+
+
+def _report(app, args, src: Path, out: Path, made: _Made, tok_files, elapsed: float, workers: int) -> None:
+    no_trainable = made.no_trainable
     for ln, sid in no_trainable[:MAX_PROBLEMS]:
         app.info(f"{src}:{ln}: id {_short(sid)}: no trainable token (no assistant turn left after the template and "
                  "--max-length): left out")
     if len(no_trainable) > MAX_PROBLEMS:
         app.info(f"{src}: {len(no_trainable)} conversations with no trainable token left out (the first "
                  f"{MAX_PROBLEMS} shown)")
-    if fallback:
-        app.info(f"note: the tokenizer has no chat template: SpecForge rendered {fallback} conversations with its "
+    if made.fallback:
+        app.info(f"note: the tokenizer has no chat template: SpecForge rendered {made.fallback} conversations with its "
                  "fallback (template headers only)")
-    rate = (written + len(no_trainable)) / max(elapsed, 1e-9)
-    app.info(f"prepared {written} samples ({tokens} tokens, {trainable} trainable) from {src.name} with template "
-             f"{args.template} and tokenizer {tok_files.digest[:12]} in {elapsed:.1f}s ({rate:.0f} conversations/s, "
-             f"{workers} worker{'s' if workers != 1 else ''}) -> {out}")
+    rate = (made.written + len(no_trainable)) / max(elapsed, 1e-9)
+    app.info(f"prepared {made.written} samples ({made.tokens} tokens, {made.trainable} trainable) from {src.name} with "
+             f"template {args.template} and tokenizer {tok_files.digest[:12]} in {elapsed:.1f}s ({rate:.0f} "
+             f"conversations/s, {workers} worker{'s' if workers != 1 else ''}) -> {out}")
     if app.json:
         print(json.dumps({"event": "prepared", "out": str(out), "meta": str(provenance.meta_path(out)),
-                          "samples": written, "tokens": tokens, "trainable_tokens": trainable,
+                          "samples": made.written, "tokens": made.tokens, "trainable_tokens": made.trainable,
                           "no_trainable_token": [{"line": ln, "id": sid} for ln, sid in no_trainable],
                           "tokenizer_digest": tok_files.digest, "seconds": round(elapsed, 3)}), file=sys.stdout)
-    return 0
 
 
 def _version(dist: str) -> str | None:
