@@ -227,11 +227,7 @@ class App:
             raise BadRequest("The rendered prompt is empty or holds ids outside the model's vocabulary.")
         rid = body.get("rid") or f"chatcmpl-{uuid.uuid4().hex}"
         w = self._run(str(rid), ids, max_new)
-        w.done.wait()
-        if w.error is not None:
-            raise RuntimeError(f"{type(w.error).__name__}: {w.error}")
-        if w.abort is not None:
-            raise BadRequest(w.abort)
+        _wait(w)
         out = [t for t in w.output_ids if t not in w.stop_ids]
         fin = self._finish(w)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),
@@ -254,7 +250,31 @@ class App:
         return Work(rid, [0], max_new, abort=msg)
 
     def generate(self, body):
-        sp = body.get("sampling_params") or {}
+        max_new = self._max_new(body.get("sampling_params") or {})
+        single, prompts = self._prompts(body)
+        self._check_lengths(prompts, max_new)
+        rids = self._rids(body.get("rid"), single, len(prompts))
+        works = [self._run(r, p, max_new) for r, p in zip(rids, prompts)]
+        results = []
+        for w in works:
+            _wait(w)
+            results.append({
+                "text": self._text([t for t in w.output_ids if t not in w.stop_ids]),
+                "output_ids": list(w.output_ids),
+                "meta_info": {
+                    "id": w.rid,
+                    "finish_reason": self._finish(w),
+                    "prompt_tokens": len(w.input_ids),
+                    "completion_tokens": len(w.output_ids),
+                    "cached_tokens": 0,
+                    "e2e_latency": round(time.time() - w.t0, 6),
+                },
+            })
+        return results[0] if single else results
+
+    @staticmethod
+    def _max_new(sp) -> int:
+        """max_new_tokens of /generate's sampling_params, which are checked as SGLang checks them."""
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object")
         max_new = sp.get("max_new_tokens", 128)
@@ -263,6 +283,10 @@ class App:
         temp = sp.get("temperature", 1.0)
         if not isinstance(temp, (int, float)) or temp < 0:
             raise BadRequest(f"temperature must be non-negative, got {temp!r}")
+        return max_new
+
+    def _prompts(self, body) -> tuple[bool, list[list[int]]]:
+        """(one prompt rather than a batch, the prompts' token ids) from "text" or "input_ids"."""
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise BadRequest("Either text or input_ids should be provided." if text is None
@@ -287,8 +311,12 @@ class App:
             bad = [t for t in p if t < 0 or t >= vocab]
             if bad:
                 raise BadRequest(f"The input_ids {bad[:5]} contains values outside the vocabulary [0, {vocab}).")
+        return single, prompts
+
+    def _check_lengths(self, prompts, max_new: int) -> None:
+        """TokenizerManager's checks: refused before the scheduler sees the request."""
         ctx = self.engine.context_len
-        for p in prompts:  # TokenizerManager's checks: refused before the scheduler sees the request
+        for p in prompts:
             if len(p) >= ctx:
                 raise BadRequest(f"The input ({len(p)} tokens) is longer than the model's context length ({ctx} tokens).")
             if max_new + len(p) > ctx:
@@ -297,35 +325,27 @@ class App:
                     f"a total of {max_new + len(p)} tokens: {len(p)} tokens from the input messages and {max_new} "
                     f"tokens for the completion. Please reduce the number of tokens in the input messages or the "
                     f"completion to fit within the limit.")
-        rid = body.get("rid")
+
+    @staticmethod
+    def _rids(rid, single: bool, n: int) -> list[str]:
+        """The request's rid(s), random ones where it gives none."""
         if single:
             rids = [rid if rid is not None else uuid.uuid4().hex]
         elif rid is None:
-            rids = [uuid.uuid4().hex for _ in prompts]
-        elif isinstance(rid, list) and len(rid) == len(prompts):
+            rids = [uuid.uuid4().hex for _ in range(n)]
+        elif isinstance(rid, list) and len(rid) == n:
             rids = rid
         else:
             raise BadRequest("The rid should be a list with the same length as the prompts for a batch request.")
         if not all(isinstance(r, str) for r in rids):
             raise BadRequest("rid must be a string")
-        works = [self._run(r, p, max_new) for r, p in zip(rids, prompts)]
-        results = []
-        for w in works:
-            w.done.wait()
-            if w.error is not None:
-                raise RuntimeError(f"{type(w.error).__name__}: {w.error}")
-            if w.abort is not None:
-                raise BadRequest(w.abort)
-            results.append({
-                "text": self._text([t for t in w.output_ids if t not in w.stop_ids]),
-                "output_ids": list(w.output_ids),
-                "meta_info": {
-                    "id": w.rid,
-                    "finish_reason": self._finish(w),
-                    "prompt_tokens": len(w.input_ids),
-                    "completion_tokens": len(w.output_ids),
-                    "cached_tokens": 0,
-                    "e2e_latency": round(time.time() - w.t0, 6),
-                },
-            })
-        return results[0] if single else results
+        return rids
+
+
+def _wait(w: Work) -> None:
+    """Until the engine is done with `w`; its error a 500, its abort (prompt too long) a 400."""
+    w.done.wait()
+    if w.error is not None:
+        raise RuntimeError(f"{type(w.error).__name__}: {w.error}")
+    if w.abort is not None:
+        raise BadRequest(w.abort)

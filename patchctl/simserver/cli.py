@@ -110,6 +110,53 @@ def _fatal(msg):
 
 
 def main(argv=None):
+    args, unknown, t_start = _parse(argv)
+    light = knobs.light()
+    logger.info("%s starting (pid %d)%s", STAND_IN, os.getpid(), " in LIGHT mode (no torch, no hook)" if light else "")
+    logger.info("server_args=%s", {k: v for k, v in vars(args).items()})
+    if unknown:
+        logger.warning("Stand-in ignores unsupported sglang arguments: %s", " ".join(unknown))
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    root, version = _tree(args)
+    model_cfg, layers = _model_config(args)
+    _compile(root)  # 1. compile what patches changed, as importing the tree would
+    hd, hook, batch_hook = (None, None, None) if light else _hooks(root)  # 2./3. hidden_dump and its hooks
+    _check_capture(args, layers)
+    engine = _engine(args, model_cfg, hook, hd, light, batch_hook)
+    app = App(args, root, version, model_cfg, engine, unknown)
+    Handler.app = app
+    follower = args.nnodes > 1 and args.node_rank >= 1
+    httpd = None if follower else _serve_http(args)  # like SGLang: non-zero-rank nodes run no HTTP server
+    if args.pid_file:
+        Path(args.pid_file).write_text(f"{os.getpid()}\n")
+
+    def shutdown(code=0):
+        _shutdown(app, hd, httpd, args.pid_file, code)
+
+    if args.nnodes > 1:
+        _join_nodes(args, stop, app, follower, shutdown)
+    _load(engine, stop, shutdown, layers, model_cfg)
+    if follower:
+        logger.info("node_rank %d: ready as a follower of %s; no HTTP server on non-zero rank nodes "
+                    "(as in SGLang)", args.node_rank, args.dist_init_addr)
+        _until(stop, shutdown)
+    if knobs.hang():
+        logger.warning("PATCHCTL_SIM_HANG: the stand-in will never become ready")
+        _until(stop, shutdown)
+    _warm_up(engine)
+    app.state.ready = True
+    logger.info("The server is fired up and ready to roll! (stand-in, %.2fs after start)", time.time() - t_start)
+    _until(stop, shutdown)
+
+
+def _parse(argv):
+    """(args, the sglang flags the stand-in ignores, start time), logging set up as SGLang's."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     try:
@@ -123,26 +170,20 @@ def main(argv=None):
         args.return_aux_hidden_state_layer_ids = _parse_layer_ids(args.return_aux_hidden_state_layer_ids)
     except (ValueError, TypeError) as e:
         parser.error(f"--return-aux-hidden-state-layer-ids: {e}")
-    light = knobs.light()
-    logger.info("%s starting (pid %d)%s", STAND_IN, os.getpid(), " in LIGHT mode (no torch, no hook)" if light else "")
-    logger.info("server_args=%s", {k: v for k, v in vars(args).items()})
-    if unknown:
-        logger.warning("Stand-in ignores unsupported sglang arguments: %s", " ".join(unknown))
+    return args, unknown, t_start
 
-    stop = threading.Event()
 
-    def on_signal(signum, frame):
-        stop.set()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
+def _tree(args) -> tuple[Path, str]:
     root = Path(args.sglang_root) if args.sglang_root else find_sglang_root()
     if root is None or not (root / "sglang").is_dir():
         _fatal(f"ModuleNotFoundError: No module named 'sglang' (stand-in looked in {root or 'sys.path'})")
     root = root.resolve()
     version = read_tree_version(root)
     logger.info("Serving SGLang tree %s (version %s) with the stand-in", root, version)
+    return root, version
 
+
+def _model_config(args) -> tuple[dict, int]:
     cfg_path = Path(args.model_path) / "config.json"
     try:
         model_cfg = json.loads(cfg_path.read_text())
@@ -151,8 +192,10 @@ def main(argv=None):
         int(model_cfg["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         _fatal(f"OSError: cannot load model config {cfg_path}: {type(e).__name__}: {e}")
+    return model_cfg, layers
 
-    # 1. compile what patches changed, as importing the tree would.
+
+def _compile(root: Path) -> None:
     t0 = time.time()
     try:
         files = compile_check(root)
@@ -163,32 +206,37 @@ def main(argv=None):
     logger.info("Compiled %d changed file(s) of the tree in %.2fs%s", len(files), time.time() - t0,
                 (": " + ", ".join(str(p.relative_to(root)) for p in files[:10])) if files else "")
 
-    # 2./3. import hidden_dump and find the hook in ModelRunner.forward.
-    hd, hook, batch_hook = None, None, None
-    if not light:
-        if (root / "sglang" / "srt" / "hidden_dump.py").exists():
-            try:
-                hd = import_hidden_dump(root)
-            except BaseException:  # noqa: BLE001
-                _fatal(traceback.format_exc().rstrip() + f"\nStand-in start-up failed: cannot import {HIDDEN_DUMP_MODULE}")
-            logger.info("Imported %s from %s", HIDDEN_DUMP_MODULE, hd.__file__)
-        try:
-            hook = extract_hook(root)
-            batch_hook = extract_batch_hook(root)
-        except SyntaxError as e:
-            _fatal(f"SyntaxError in {e.filename}: {e}")
-        for h, rel in ((hook, MODEL_RUNNER), (batch_hook, FORWARD_BATCH_INFO)):
-            if h is not None and hd is None:
-                _fatal(f"ModuleNotFoundError: No module named '{HIDDEN_DUMP_MODULE}' (imported by {rel})")
-        if hook is not None:
-            logger.info("ModelRunner.forward calls %s.on_forward_end at line(s) %s%s", hook.aliases[0], hook.lines,
-                        " (with statements before the raw forward)" if hook.pre is not None else "")
-        else:
-            logger.info("No hidden_dump hook in ModelRunner.forward")
-        if batch_hook is not None:
-            logger.info("ForwardBatch.init_new calls %s.note_batch at line(s) %s", batch_hook.aliases[0],
-                        batch_hook.lines)
 
+def _hooks(root: Path):
+    """(the tree's hidden_dump module, the ModelRunner.forward hook, the ForwardBatch.init_new hook), each None
+    where the tree has none."""
+    hd = None
+    if (root / "sglang" / "srt" / "hidden_dump.py").exists():
+        try:
+            hd = import_hidden_dump(root)
+        except BaseException:  # noqa: BLE001
+            _fatal(traceback.format_exc().rstrip() + f"\nStand-in start-up failed: cannot import {HIDDEN_DUMP_MODULE}")
+        logger.info("Imported %s from %s", HIDDEN_DUMP_MODULE, hd.__file__)
+    try:
+        hook = extract_hook(root)
+        batch_hook = extract_batch_hook(root)
+    except SyntaxError as e:
+        _fatal(f"SyntaxError in {e.filename}: {e}")
+    for h, rel in ((hook, MODEL_RUNNER), (batch_hook, FORWARD_BATCH_INFO)):
+        if h is not None and hd is None:
+            _fatal(f"ModuleNotFoundError: No module named '{HIDDEN_DUMP_MODULE}' (imported by {rel})")
+    if hook is not None:
+        logger.info("ModelRunner.forward calls %s.on_forward_end at line(s) %s%s", hook.aliases[0], hook.lines,
+                    " (with statements before the raw forward)" if hook.pre is not None else "")
+    else:
+        logger.info("No hidden_dump hook in ModelRunner.forward")
+    if batch_hook is not None:
+        logger.info("ForwardBatch.init_new calls %s.note_batch at line(s) %s", batch_hook.aliases[0],
+                    batch_hook.lines)
+    return hd, hook, batch_hook
+
+
+def _check_capture(args, layers: int) -> None:
     capture = resolve_capture_ids(args, layers)
     if capture is not None:
         bad = [L for L in capture if L < 0 or L >= layers]
@@ -204,6 +252,9 @@ def main(argv=None):
             logger.warning("PATCHCTL_SIM_NAN_LAYER=%s: captured input of that layer gets NaN (stand-in knob)",
                            nan_layer)
 
+
+def _engine(args, model_cfg: dict, hook, hd, light: bool, batch_hook) -> Engine:
+    """The engine, after SGLang's context-length check."""
     derived = derived_context_len(model_cfg)
     if args.context_length is not None and args.context_length > derived:
         msg = (f"Warning: User-specified context_length ({args.context_length}) is greater than the derived "
@@ -219,60 +270,65 @@ def main(argv=None):
                        engine.context_len)
     logger.info("context_len=%d, KV pool %d tokens (PATCHCTL_SIM_KV_TOKENS), max_req_input_len=%d",
                 engine.context_len, engine.kv_tokens, engine.max_req_input_len)
-    app = App(args, root, version, model_cfg, engine, unknown)
-    Handler.app = app
-    follower = args.nnodes > 1 and args.node_rank >= 1
-    httpd = None
-    if not follower:  # like SGLang: non-zero-rank nodes run no HTTP server
+    return engine
+
+
+def _serve_http(args) -> ThreadingHTTPServer:
+    try:
+        httpd = ThreadingHTTPServer((args.host, args.port), Handler)
+    except OSError as e:
+        _fatal(f"OSError: [Errno {e.errno}] error while attempting to bind on address "
+               f"({args.host!r}, {args.port}): {e.strerror}")
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    logger.info("Uvicorn running on http://%s:%d (stand-in HTTP server; not ready yet)", args.host, args.port)
+    return httpd
+
+
+def _shutdown(app: App, hd, httpd, pid_file, code: int = 0):
+    """/health turns 503, hidden_dump.flush() (at most ~1.5 s), the port and pid file released, exit `code`."""
+    app.state.shutting_down = True
+    logger.info("Received termination signal; shutting down the stand-in gracefully")
+    flush = getattr(hd, "flush", None)
+    if callable(flush):
+        th = threading.Thread(target=flush, daemon=True)
+        th.start()
+        th.join(1.5)
+        if th.is_alive():
+            logger.warning("hidden_dump.flush() did not finish within 1.5s")
+    if httpd is not None:
         try:
-            httpd = ThreadingHTTPServer((args.host, args.port), Handler)
-        except OSError as e:
-            _fatal(f"OSError: [Errno {e.errno}] error while attempting to bind on address "
-                   f"({args.host!r}, {args.port}): {e.strerror}")
-        httpd.daemon_threads = True
-        threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
-        logger.info("Uvicorn running on http://%s:%d (stand-in HTTP server; not ready yet)", args.host, args.port)
-    if args.pid_file:
-        Path(args.pid_file).write_text(f"{os.getpid()}\n")
+            httpd.server_close()
+        except Exception:  # noqa: BLE001
+            pass
+    if pid_file:
+        try:
+            Path(pid_file).unlink()
+        except OSError:
+            pass
+    logger.info("Stand-in stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(code)
 
-    def shutdown(code=0):
-        app.state.shutting_down = True
-        logger.info("Received termination signal; shutting down the stand-in gracefully")
-        flush = getattr(hd, "flush", None)
-        if callable(flush):
-            th = threading.Thread(target=flush, daemon=True)
-            th.start()
-            th.join(1.5)
-            if th.is_alive():
-                logger.warning("hidden_dump.flush() did not finish within 1.5s")
-        if httpd is not None:
-            try:
-                httpd.server_close()
-            except Exception:  # noqa: BLE001
-                pass
-        if args.pid_file:
-            try:
-                Path(args.pid_file).unlink()
-            except OSError:
-                pass
-        logger.info("Stand-in stopped")
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(code)
 
-    if args.nnodes > 1:
-        if not args.dist_init_addr:
-            _fatal("ValueError: --dist-init-addr is required when --nnodes > 1")
-        if follower:
-            follow_head(args, stop, shutdown)
-        else:
-            try:
-                joined = head_rendezvous(args, stop, app.state)
-            except DistInitError as e:
-                _fatal(str(e))
-            if not joined:
-                shutdown()
+def _join_nodes(args, stop: threading.Event, app: App, follower: bool, shutdown) -> None:
+    """Multi-node: a follower joins the head (and never returns); the head waits until every node joined."""
+    if not args.dist_init_addr:
+        _fatal("ValueError: --dist-init-addr is required when --nnodes > 1")
+    if follower:
+        follow_head(args, stop, shutdown)
+        return
+    try:
+        joined = head_rendezvous(args, stop, app.state)
+    except DistInitError as e:
+        _fatal(str(e))
+    if not joined:
+        shutdown()
 
+
+def _load(engine: Engine, stop: threading.Event, shutdown, layers: int, model_cfg: dict) -> None:
+    """"Load weights" (and the start-up knobs: a delay, a gate file, a crash)."""
     delay = knobs.start_delay()
     logger.info("Load weight begin (stand-in: seeded random weights, %d layers, hidden %s)%s", layers,
                 model_cfg.get("hidden_size"), f", simulated load time {delay}s" if delay else "")
@@ -289,24 +345,21 @@ def main(argv=None):
             if stop.wait(0.05):
                 shutdown()
     logger.info("Load weight end")
-
     if knobs.crash_at_start():
         logger.error("RuntimeError: simulated crash at start-up (PATCHCTL_SIM_CRASH_AT_START)")
         logging.shutdown()
         os._exit(1)
-    if follower:
-        logger.info("node_rank %d: ready as a follower of %s; no HTTP server on non-zero rank nodes "
-                    "(as in SGLang)", args.node_rank, args.dist_init_addr)
-        while not stop.wait(0.5):
-            pass
-        shutdown()
-    if knobs.hang():
-        logger.warning("PATCHCTL_SIM_HANG: the stand-in will never become ready")
-        while not stop.wait(0.5):
-            pass
-        shutdown()
 
-    # Warm-up like SGLang 0.5.23: one /generate with random rid, 8 tokens.
+
+def _until(stop: threading.Event, shutdown) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down (never returns)."""
+    while not stop.wait(0.5):
+        pass
+    shutdown()
+
+
+def _warm_up(engine: Engine) -> None:
+    """Like SGLang 0.5.23: one /generate with a random rid, 8 tokens; its failure fails the start-up."""
     w = Work(uuid.uuid4().hex, tokenize("The capital city of France is", engine.vocab), 8)
     engine.submit(w)
     w.done.wait()
@@ -314,8 +367,3 @@ def main(argv=None):
         logger.error("Initialization failed. warmup error: %s: %s", type(w.error).__name__, w.error)
         logging.shutdown()
         os._exit(1)
-    app.state.ready = True
-    logger.info("The server is fired up and ready to roll! (stand-in, %.2fs after start)", time.time() - t_start)
-    while not stop.wait(0.5):
-        pass
-    shutdown()
