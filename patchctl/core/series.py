@@ -267,12 +267,26 @@ def load_series(patches_dir: Path, name: str, *, verify_hashes: bool = True) -> 
         known = [x.parent.name for x in sorted(patches_dir.glob(f"*/{SERIES_FILE}"))] if patches_dir.is_dir() else []
         raise BadInput(f"unknown series {name!r} (no {toml_path}); known: {', '.join(known) or 'none'}")
     rel = _rel(toml_path)
+    text, data = _read_toml(toml_path, rel)
+    sname, version, description, spec = _series_table(data, text, rel, name)
+    raw_patches = data.get("patch", [])
+    if not isinstance(raw_patches, list) or not all(isinstance(p, dict) for p in raw_patches):
+        raise BadInput("patch must be an array of [[patch]] tables", file=rel, line=_where(text, "patch"))
+    seen: set[tuple[str | None, str]] = set()
+    patches = [_load_patch(p, i, patches_dir, name, seen, text=text, rel=rel, verify_hashes=verify_hashes)
+               for i, p in enumerate(raw_patches)]
+    smoke = _load_smoke(data.get("smoke", {}), text, rel)
+    return Series(sname, version, description, spec, tuple(patches), smoke, sdir)
+
+
+def _read_toml(toml_path: Path, rel: str) -> tuple[str, dict]:
+    """series.toml's text and its tables; BadInput with the line of a TOML error."""
     try:
         text = toml_path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise BadInput(f"not UTF-8 text: {e}", file=rel) from None
     try:
-        data = tomllib.loads(text)
+        return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         msg = str(e)
         m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
@@ -280,6 +294,9 @@ def load_series(patches_dir: Path, name: str, *, verify_hashes: bool = True) -> 
         msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", msg) + (f" (column {m.group(2)})" if m else "")
         raise BadInput(f"malformed TOML: {msg}", file=rel, line=line) from None
 
+
+def _series_table(data: dict, text: str, rel: str, name: str) -> tuple[str, str, str, str]:
+    """[series]: (name, version, description, the sglang specifier), the name that of its directory."""
     s = data.get("series")
     if not isinstance(s, dict):
         raise BadInput("missing [series] table", file=rel, line=_where(text, "series") if "series" in data else None)
@@ -299,55 +316,52 @@ def load_series(patches_dir: Path, name: str, *, verify_hashes: bool = True) -> 
     if not str(ss):
         raise BadInput("series.sglang is empty: name the SGLang versions this series targets (e.g. \"==0.5.23\")",
                        file=rel, line=_where(text, "sglang", "series"))
+    return sname, version, description, spec
 
-    raw_patches = data.get("patch", [])
-    if not isinstance(raw_patches, list) or not all(isinstance(p, dict) for p in raw_patches):
-        raise BadInput("patch must be an array of [[patch]] tables", file=rel, line=_where(text, "patch"))
-    patches: list[Patch] = []
-    seen: set[tuple[str | None, str]] = set()
-    for i, p in enumerate(raw_patches):
-        kw = dict(text=text, rel=rel, table="patch", index=i)
-        pfile = _req(p, "file", str, **kw)
-        pline = _where(text, "file", "patch", i)
-        owner = _typed(p, "series", str, **kw) if "series" in p else None
-        if not _plain_name(pfile) or pfile == SERIES_FILE:
-            hint = "; to use a patch of another series, name it with `series = \"NAME\"` and its plain file name" \
-                if "/" in pfile or "\\" in pfile else ""
-            raise BadInput(f"patch file name {pfile!r} must be a plain file name in {sdir}{hint}", file=rel, line=pline)
-        label = f"{owner}/{pfile}" if owner else pfile
-        if (owner, pfile) in seen:
-            raise BadInput(f"patch file {label!r} listed twice", file=rel, line=pline)
-        seen.add((owner, pfile))
-        pver = _req(p, "version", int, what="a positive integer", **kw)
-        if pver < 1:
-            raise BadInput(f"patch.version must be a positive integer, got {pver}", file=rel,
-                           line=_where(text, "version", "patch", i))
-        psha = _req(p, "sha256", str, **kw)
-        pdesc = _typed(p, "description", str, **kw) if "description" in p else ""
-        if owner is None:
-            ppath = sdir / pfile
-            if not ppath.is_file():
-                raise BadInput(f"patch file {pfile} is missing ({ppath})", file=rel, line=pline)
-        else:
-            ppath = _referenced_patch(patches_dir, name, owner, pfile, pver, verify=verify_hashes, rel=rel,
-                                      line=_where(text, "series", "patch", i))
-        raw = ppath.read_bytes()
-        digest = hashlib.sha256(raw).hexdigest()
-        prel = _rel(ppath)
-        if verify_hashes and digest != psha.lower():
-            fix = (f"review the change, then copy version and sha256 from series {owner!r}'s {SERIES_FILE}" if owner
-                   else f"run `patchctl refresh {name} {pfile} --from-tree PATH`")
-            raise BadInput(f"{label} changed since recorded (sha256 {digest[:12]}…, series.toml says "
-                           f"{psha[:12]}…); {fix}", file=rel, line=_where(text, "sha256", "patch", i))
-        try:
-            ptext = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadInput("binary or non-UTF-8 file, not a unified diff", file=prel) from None
-        files = validate_patch_text(ptext, file=prel)
-        patches.append(Patch(pfile, pver, psha, pdesc, ppath, ptext, files, owner))
 
-    smoke = _load_smoke(data.get("smoke", {}), text, rel)
-    return Series(sname, version, description, spec, tuple(patches), smoke, sdir)
+def _load_patch(p: dict, i: int, patches_dir: Path, name: str, seen: set, *, text: str, rel: str,
+                verify_hashes: bool) -> Patch:
+    """The i-th [[patch]] table: its file found (this series' or `series = OWNER`'s), hashed and parsed."""
+    kw = dict(text=text, rel=rel, table="patch", index=i)
+    pfile = _req(p, "file", str, **kw)
+    pline = _where(text, "file", "patch", i)
+    owner = _typed(p, "series", str, **kw) if "series" in p else None
+    sdir = patches_dir / name
+    if not _plain_name(pfile) or pfile == SERIES_FILE:
+        hint = "; to use a patch of another series, name it with `series = \"NAME\"` and its plain file name" \
+            if "/" in pfile or "\\" in pfile else ""
+        raise BadInput(f"patch file name {pfile!r} must be a plain file name in {sdir}{hint}", file=rel, line=pline)
+    label = f"{owner}/{pfile}" if owner else pfile
+    if (owner, pfile) in seen:
+        raise BadInput(f"patch file {label!r} listed twice", file=rel, line=pline)
+    seen.add((owner, pfile))
+    pver = _req(p, "version", int, what="a positive integer", **kw)
+    if pver < 1:
+        raise BadInput(f"patch.version must be a positive integer, got {pver}", file=rel,
+                       line=_where(text, "version", "patch", i))
+    psha = _req(p, "sha256", str, **kw)
+    pdesc = _typed(p, "description", str, **kw) if "description" in p else ""
+    if owner is None:
+        ppath = sdir / pfile
+        if not ppath.is_file():
+            raise BadInput(f"patch file {pfile} is missing ({ppath})", file=rel, line=pline)
+    else:
+        ppath = _referenced_patch(patches_dir, name, owner, pfile, pver, verify=verify_hashes, rel=rel,
+                                  line=_where(text, "series", "patch", i))
+    raw = ppath.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    prel = _rel(ppath)
+    if verify_hashes and digest != psha.lower():
+        fix = (f"review the change, then copy version and sha256 from series {owner!r}'s {SERIES_FILE}" if owner
+               else f"run `patchctl refresh {name} {pfile} --from-tree PATH`")
+        raise BadInput(f"{label} changed since recorded (sha256 {digest[:12]}…, series.toml says "
+                       f"{psha[:12]}…); {fix}", file=rel, line=_where(text, "sha256", "patch", i))
+    try:
+        ptext = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput("binary or non-UTF-8 file, not a unified diff", file=prel) from None
+    files = validate_patch_text(ptext, file=prel)
+    return Patch(pfile, pver, psha, pdesc, ppath, ptext, files, owner)
 
 
 def _load_smoke(sm, text: str, rel: str) -> SmokeProfile:
@@ -388,25 +402,29 @@ def _load_smoke(sm, text: str, rel: str) -> SmokeProfile:
         if key in sm:
             args[key] = _typed(sm, key, str, **kw)
     if "hook" in sm:
-        h = sm["hook"]
-        if not isinstance(h, dict):
-            raise BadInput("smoke.hook must be a table", file=rel, line=_where(text, "hook", "smoke"))
-        hk = dict(text=text, rel=rel, table="smoke.hook")
-        hfile = _req(h, "file", str, **hk)
-        why = applier.unsafe_path(hfile)
-        if why or not hfile.endswith(".py"):
-            raise BadInput(f"smoke.hook.file: {why or 'must be a .py file'}", file=rel, line=_where(text, "file", "smoke.hook"))
-        hfunc = _req(h, "function", str, **hk)
-        hcall = _req(h, "call", str, **hk)
-        ident = r"[A-Za-z_]\w*"
-        if not re.fullmatch(rf"{ident}(\.{ident})?", hfunc):
-            raise BadInput(f"smoke.hook.function {hfunc!r} must be 'Class.method' or 'function'", file=rel,
-                           line=_where(text, "function", "smoke.hook"))
-        if not re.fullmatch(rf"{ident}(\.{ident})+", hcall):
-            raise BadInput(f"smoke.hook.call {hcall!r} must be 'module.function'", file=rel,
-                           line=_where(text, "call", "smoke.hook"))
-        args["hook"] = Hook(hfile, hfunc, hcall)
+        args["hook"] = _load_hook(sm["hook"], text, rel)
     return SmokeProfile(**args)
+
+
+def _load_hook(h, text: str, rel: str) -> Hook:
+    """[smoke.hook]: where `check` expects the series' hook call."""
+    if not isinstance(h, dict):
+        raise BadInput("smoke.hook must be a table", file=rel, line=_where(text, "hook", "smoke"))
+    hk = dict(text=text, rel=rel, table="smoke.hook")
+    hfile = _req(h, "file", str, **hk)
+    why = applier.unsafe_path(hfile)
+    if why or not hfile.endswith(".py"):
+        raise BadInput(f"smoke.hook.file: {why or 'must be a .py file'}", file=rel, line=_where(text, "file", "smoke.hook"))
+    hfunc = _req(h, "function", str, **hk)
+    hcall = _req(h, "call", str, **hk)
+    ident = r"[A-Za-z_]\w*"
+    if not re.fullmatch(rf"{ident}(\.{ident})?", hfunc):
+        raise BadInput(f"smoke.hook.function {hfunc!r} must be 'Class.method' or 'function'", file=rel,
+                       line=_where(text, "function", "smoke.hook"))
+    if not re.fullmatch(rf"{ident}(\.{ident})+", hcall):
+        raise BadInput(f"smoke.hook.call {hcall!r} must be 'module.function'", file=rel,
+                       line=_where(text, "call", "smoke.hook"))
+    return Hook(hfile, hfunc, hcall)
 
 
 def scan_series(patches_dir: Path) -> tuple[list[Series], list[BadInput]]:
