@@ -106,69 +106,76 @@ def parse_sections(text):
     "header": text}. Text outside sections (a commit message) is ignored, as git
     apply ignores it. Header lines are only recognised outside hunks, so a
     removed line that reads '--- x' is not mistaken for one.
-    (Longer than most: one pass over the lines, whose header cases read best side by side; a hunk's
-    lines, the git extended headers and each section's final paths are helpers below.)
     """
-    sections = []
-    cur = None
-    hunk = None  # [old_left, new_left, start, lines]
     lines = text.splitlines(True)
-    i = 0
+    parser = _SectionParser()
+    for i, line in enumerate(lines):
+        parser.feed(line, lines[i + 1] if i + 1 < len(lines) else "")
+    parser.close_hunk()
+    for s in parser.sections:
+        _settle(s)
+    return parser.sections
 
-    def close_hunk():
-        if cur is not None and hunk is not None:
-            cur["hunks"].append((hunk[2], "".join(hunk[3])))
 
-    while i < len(lines):
-        line = lines[i]
-        i += 1
-        if hunk is not None:
-            if _hunk_takes(hunk, line):
-                continue
-            close_hunk()  # the hunk is complete (or malformed here): the line is read as a header
-            hunk = None
+class _SectionParser:
+    """One pass over a patch's lines: a line inside a hunk belongs to it; outside, it starts a section
+    (`diff --git`, a `---`/`+++` pair), a hunk, or is one of the section's headers."""
+
+    def __init__(self):
+        self.sections = []
+        self.cur = None
+        self.hunk = None  # [old_left, new_left, start, lines]
+
+    def close_hunk(self):
+        if self.cur is not None and self.hunk is not None:
+            self.cur["hunks"].append((self.hunk[2], "".join(self.hunk[3])))
+        self.hunk = None
+
+    def feed(self, line, next_line):
+        if self.hunk is not None:
+            if _hunk_takes(self.hunk, line):
+                return
+            self.close_hunk()  # the hunk is complete (or malformed here): the line is read as a header
         if line.startswith("diff --git "):
-            cur = _new_section()
-            sections.append(cur)
-            cur["header"].append(line)
+            self._start()["header"].append(line)
             a, b = _git_line_paths(line[len("diff --git "):])
-            cur["git_old"], cur["git_new"] = _strip1(a), _strip1(b)
-            continue
-        if line.startswith("--- ") and i < len(lines) and lines[i].startswith("+++ "):
+            self.cur["git_old"], self.cur["git_new"] = _strip1(a), _strip1(b)
+        elif line.startswith("--- ") and next_line.startswith("+++ "):
+            cur = self.cur
             if cur is None or cur["has_minus"] or cur["hunks"]:
-                cur = _new_section()
-                sections.append(cur)
+                cur = self._start()
             cur["header"].append(line)
             cur["has_minus"] = True
             cur["old"] = _strip1(_header_path(line[4:]))
             if cur["old"] is None:
                 cur["old_null"] = True
-            continue
-        if line.startswith("+++ ") and cur is not None and cur["has_minus"] and not cur["has_plus"]:
-            cur["header"].append(line)
-            cur["has_plus"] = True
-            cur["new"] = _strip1(_header_path(line[4:]))
-            if cur["new"] is None:
-                cur["new_null"] = True
-            continue
+        elif line.startswith("+++ ") and self.cur is not None and self.cur["has_minus"] and not self.cur["has_plus"]:
+            self.cur["header"].append(line)
+            self.cur["has_plus"] = True
+            self.cur["new"] = _strip1(_header_path(line[4:]))
+            if self.cur["new"] is None:
+                self.cur["new_null"] = True
+        elif self.cur is not None:
+            self._in_section(line)
+
+    def _start(self):
+        self.cur = _new_section()
+        self.sections.append(self.cur)
+        return self.cur
+
+    def _in_section(self, line):
+        """A hunk's start, a binary marker, or a git extended header of the current section."""
         m = _HUNK_RE.match(line)
-        if m and cur is not None:
-            close_hunk()
+        if m:
+            self.close_hunk()
             old_n = int(m.group(2)) if m.group(2) is not None else 1
             new_n = int(m.group(4)) if m.group(4) is not None else 1
-            hunk = [old_n, new_n, int(m.group(1)), [line]]
-            continue
-        if cur is None:
-            continue
-        if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.rstrip().endswith(" differ")):
-            cur["binary"] = True
-            cur["header"].append(line)
-            continue
-        _git_header(cur, line)
-    close_hunk()
-    for s in sections:
-        _settle(s)
-    return sections
+            self.hunk = [old_n, new_n, int(m.group(1)), [line]]
+        elif line.startswith("GIT binary patch") or (line.startswith("Binary files ") and line.rstrip().endswith(" differ")):
+            self.cur["binary"] = True
+            self.cur["header"].append(line)
+        else:
+            _git_header(self.cur, line)
 
 
 def _new_section():
