@@ -67,71 +67,78 @@ class CallGraph:
         self.idx._edges[node] = []
         mod, fn, self_cls, bindings = self._defs[node]
         env = _FuncEnv(self.idx, mod, fn, self_cls, bindings)
-        out: list[_Node] = []
-        seen: set = set()
-
-        def add(n):
-            for x in (n if isinstance(n, list) else [n]):
-                if x is not None and x not in seen and x != node:
-                    seen.add(x)
-                    out.append(x)
-
         defining = None
         if self_cls is not None and "." in node.qualname:
             defining = self._class((node.mod, node.qualname.split(".")[0]))
-
+        out: list[_Node] = []
+        seen: set = set()
         for call in env.facts.calls:
-            f = call.func
-            if isinstance(f, ast.Attribute):
-                v = f.value
-                if _is_self(v) and self_cls is not None:
-                    m = self.bound_method_nodes(self_cls, f.attr)
-                    if m:
-                        add(m)
-                        continue
-                    for c in self.idx.attr_classes(self_cls, f.attr):
-                        add(self._call_instance(c))
-                    continue
-                if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super" and self_cls is not None:
-                    add(self.method_node(self_cls, f.attr, after=defining))
-                    continue
-                # Base.method(self, ...)
-                objs = env.class_objects(v) if not (isinstance(v, ast.Name) and v.id in bindings) else frozenset()
-                if objs and call.args and _is_self(call.args[0]) and self_cls is not None:
-                    for c in objs:
-                        add(self.method_node(c, f.attr) if c in self.idx.mro(self_cls) else None)
-                    continue
-                inst = env.instance_classes(v)
-                if inst:
-                    for c in inst:
-                        if f.attr == "forward":
-                            add(self._call_instance(c))
-                            continue
-                        m = self.bound_method_nodes(c, f.attr)
-                        if m:
-                            add(m)
-                        else:  # a module attribute called: self.language_model.model(...)
-                            for k in self.idx.attr_classes(c, f.attr):
-                                add(self._call_instance(k))
-                    continue
-                r = self.idx.resolve_expr(mod, f, env.local_imports)
-                if r and r[0] == "func":
-                    add(self.func_node(r[1], r[2], self._arg_bindings(env, r[2], call)))
-                continue
-            if isinstance(f, ast.Subscript):
-                for c in env.container_classes(f.value):
-                    add(self._call_instance(c))
-                continue
-            if isinstance(f, ast.Name):
-                if f.id in bindings or f.id in env._local_assignments() or f.id in env._iter_locals:
-                    for c in env.name_classes(f.id):
-                        add(self._call_instance(c))
-                    continue
-                r = self.idx.resolve(mod, f.id, env.local_imports)
-                if r and r[0] == "func":
-                    add(self.func_node(r[1], r[2], self._arg_bindings(env, r[2], call)))
+            for n in self._callees(call, env, mod, self_cls, bindings, defining):
+                for x in (n if isinstance(n, list) else [n]):
+                    if x is not None and x not in seen and x != node:
+                        seen.add(x)
+                        out.append(x)
         self.idx._edges[node] = out
         return out
+
+    def _callees(self, call: ast.Call, env: _FuncEnv, mod: _Module, self_cls, bindings: dict, defining):
+        """What one call in a function's body may run: nodes, lists of nodes, or None for nothing known."""
+        f = call.func
+        if isinstance(f, ast.Attribute):
+            yield from self._attribute_callees(call, env, mod, self_cls, bindings, defining)
+        elif isinstance(f, ast.Subscript):
+            for c in env.container_classes(f.value):
+                yield self._call_instance(c)
+        elif isinstance(f, ast.Name):
+            if f.id in bindings or f.id in env._local_assignments() or f.id in env._iter_locals:
+                for c in env.name_classes(f.id):
+                    yield self._call_instance(c)
+                return
+            r = self.idx.resolve(mod, f.id, env.local_imports)
+            if r and r[0] == "func":
+                yield self.func_node(r[1], r[2], self._arg_bindings(env, r[2], call))
+
+    def _attribute_callees(self, call: ast.Call, env: _FuncEnv, mod: _Module, self_cls, bindings: dict, defining):
+        """`x.m(...)`: self's method or attribute, super()'s method, `Base.m(self)`, an instance's method, or a
+        module function reached through an imported module."""
+        f = call.func
+        v = f.value
+        if _is_self(v) and self_cls is not None:
+            m = self.bound_method_nodes(self_cls, f.attr)
+            if m:
+                yield m
+                return
+            for c in self.idx.attr_classes(self_cls, f.attr):
+                yield self._call_instance(c)
+            return
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super" and self_cls is not None:
+            yield self.method_node(self_cls, f.attr, after=defining)
+            return
+        # Base.method(self, ...)
+        objs = env.class_objects(v) if not (isinstance(v, ast.Name) and v.id in bindings) else frozenset()
+        if objs and call.args and _is_self(call.args[0]) and self_cls is not None:
+            for c in objs:
+                yield self.method_node(c, f.attr) if c in self.idx.mro(self_cls) else None
+            return
+        inst = env.instance_classes(v)
+        if inst:
+            for c in inst:
+                yield from self._instance_callees(c, f.attr)
+            return
+        r = self.idx.resolve_expr(mod, f, env.local_imports)
+        if r and r[0] == "func":
+            yield self.func_node(r[1], r[2], self._arg_bindings(env, r[2], call))
+
+    def _instance_callees(self, c: _ClassRef, attr: str):
+        if attr == "forward":
+            yield self._call_instance(c)
+            return
+        m = self.bound_method_nodes(c, attr)
+        if m:
+            yield m
+        else:  # a module attribute called: self.language_model.model(...)
+            for k in self.idx.attr_classes(c, attr):
+                yield self._call_instance(k)
 
     def bound_method_nodes(self, cls: _ClassRef, name: str) -> list[_Node]:
         """What `instance.<name>(...)` runs: an instance attribute set in a method

@@ -80,21 +80,9 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
     unmitigated = [(r, w) for r in results for w in r.warnings if not w.mitigated]
     blocking = [(r, w) for r, w in unmitigated if w.blocking]
     ok = not not_reached and not blocking
-    if not targets:
-        detail = "the series changes no function (nothing to trace)"
-    elif ok:
-        detail = f"{len(targets)} changed function(s) reached for {len(archs)} architecture(s)"
-    else:
-        parts = []
-        if not_reached:
-            parts.append(f"{len(not_reached)} not reached (e.g. {not_reached[0].target.qualname} for {not_reached[0].arch})")
-        if blocking:
-            r, w = blocking[0]
-            parts.append(f"{len(blocking)} {w.graph} CUDA-graph warning(s) without {w.flag} (e.g. {r.target.qualname} for {r.arch})")
-        detail = "; ".join(parts)
     return {
         "ok": ok,
-        "detail": detail,
+        "detail": _detail(ok, targets, archs, not_reached, blocking),
         "tree": str(tree),
         "all_archs": all_archs,
         "archs": archs,
@@ -114,6 +102,21 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
         "modules_parsed": parsed,
         "_results": results,
     }
+
+
+def _detail(ok: bool, targets, archs, not_reached, blocking) -> str:
+    """The verdict in one line: what was reached, or the first of what was not and of what blocks."""
+    if not targets:
+        return "the series changes no function (nothing to trace)"
+    if ok:
+        return f"{len(targets)} changed function(s) reached for {len(archs)} architecture(s)"
+    parts = []
+    if not_reached:
+        parts.append(f"{len(not_reached)} not reached (e.g. {not_reached[0].target.qualname} for {not_reached[0].arch})")
+    if blocking:
+        r, w = blocking[0]
+        parts.append(f"{len(blocking)} {w.graph} CUDA-graph warning(s) without {w.flag} (e.g. {r.target.qualname} for {r.arch})")
+    return "; ".join(parts)
 
 
 def _sweep_worker(job) -> tuple[list[TraceResult], int]:
