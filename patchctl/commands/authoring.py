@@ -83,39 +83,9 @@ def capture_diff(path: Path, base: str | None = None, log=None) -> tuple[str, di
     facts = {"repo": str(repo.working_tree_dir), "package_dir": str(pkgroot), "prefix": rel, "head": head,
              "base": None, "subjects": []}
     if base:
-        try:
-            base_commit = repo.commit(base)
-        except Exception:
-            raise BadInput(f"--base {base}: no such commit or ref in {repo.working_tree_dir}") from None
-        mb = repo.merge_base(base_commit, repo.head.commit)
-        if not mb:
-            raise BadInput(f"--base {base}: no common ancestor with HEAD")
-        facts["base"] = mb[0].hexsha
-        facts["subjects"] = [c.summary for c in repo.iter_commits(f"{mb[0].hexsha}..HEAD", paths=pkg)][::-1]
-        raw = _git(repo, "diff", *diff_opts, mb[0].hexsha, "HEAD", *spec)
-        if log and repo.is_dirty(untracked_files=False, path=pkg):
-            log(f"note: uncommitted edits under {pkg}/ are not included with --base")
+        raw = _diff_since(repo, base, pkg, diff_opts, spec, facts, log)
     else:
-        index_path = Path(repo.index.path)
-        tmpdir = tempfile.mkdtemp(prefix="patchctl-index-")
-        try:
-            tmp_index = os.path.join(tmpdir, "index")
-            env = {"GIT_INDEX_FILE": tmp_index}
-            if index_path.is_file():
-                shutil.copy2(index_path, tmp_index)
-            else:
-                _git(repo, "read-tree", "HEAD", env=env)
-            untracked = [p for p in _git(repo, "ls-files", "-z", "--others", "--exclude-standard", "--", pkg,
-                                         env=env).decode("utf-8", "surrogateescape").split("\0") if p]
-            skipped = [p for p in untracked if "__pycache__" in p.split("/") or p.endswith(_SKIP_UNTRACKED_SUFFIXES)]
-            untracked = [p for p in untracked if p not in skipped]
-            if skipped and log:
-                log(f"ignoring {len(skipped)} untracked build/backup files (e.g. {skipped[0]})")
-            for i in range(0, len(untracked), 200):
-                _git(repo, "add", "--intent-to-add", "--", *untracked[i:i + 200], env=env)
-            raw = _git(repo, "diff", *diff_opts, "HEAD", *spec, env=env)
-        finally:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        raw = _diff_working_tree(repo, pkg, diff_opts, spec, log)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -124,6 +94,48 @@ def capture_diff(path: Path, base: str | None = None, log=None) -> tuple[str, di
         since = f"since {base}" if base else "against HEAD (staged, unstaged or untracked)"
         raise BadInput(f"no changes under {pkg}/ in {repo.working_tree_dir} {since}: nothing to record")
     return text, facts
+
+
+def _diff_since(repo, base: str, pkg: str, diff_opts: list, spec: list, facts: dict, log) -> bytes:
+    """The commits since the merge base of `base` and HEAD (their subjects into `facts`)."""
+    try:
+        base_commit = repo.commit(base)
+    except Exception:
+        raise BadInput(f"--base {base}: no such commit or ref in {repo.working_tree_dir}") from None
+    mb = repo.merge_base(base_commit, repo.head.commit)
+    if not mb:
+        raise BadInput(f"--base {base}: no common ancestor with HEAD")
+    facts["base"] = mb[0].hexsha
+    facts["subjects"] = [c.summary for c in repo.iter_commits(f"{mb[0].hexsha}..HEAD", paths=pkg)][::-1]
+    raw = _git(repo, "diff", *diff_opts, mb[0].hexsha, "HEAD", *spec)
+    if log and repo.is_dirty(untracked_files=False, path=pkg):
+        log(f"note: uncommitted edits under {pkg}/ are not included with --base")
+    return raw
+
+
+def _diff_working_tree(repo, pkg: str, diff_opts: list, spec: list, log) -> bytes:
+    """Staged, unstaged and untracked files against HEAD, through a copy of the index (the checkout's own
+    index is never touched): untracked files are added there with --intent-to-add."""
+    index_path = Path(repo.index.path)
+    tmpdir = tempfile.mkdtemp(prefix="patchctl-index-")
+    try:
+        tmp_index = os.path.join(tmpdir, "index")
+        env = {"GIT_INDEX_FILE": tmp_index}
+        if index_path.is_file():
+            shutil.copy2(index_path, tmp_index)
+        else:
+            _git(repo, "read-tree", "HEAD", env=env)
+        untracked = [p for p in _git(repo, "ls-files", "-z", "--others", "--exclude-standard", "--", pkg,
+                                     env=env).decode("utf-8", "surrogateescape").split("\0") if p]
+        skipped = [p for p in untracked if "__pycache__" in p.split("/") or p.endswith(_SKIP_UNTRACKED_SUFFIXES)]
+        untracked = [p for p in untracked if p not in skipped]
+        if skipped and log:
+            log(f"ignoring {len(skipped)} untracked build/backup files (e.g. {skipped[0]})")
+        for i in range(0, len(untracked), 200):
+            _git(repo, "add", "--intent-to-add", "--", *untracked[i:i + 200], env=env)
+        return _git(repo, "diff", *diff_opts, "HEAD", *spec, env=env)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def checkout_version(pkgroot: Path, repo=None) -> str | None:

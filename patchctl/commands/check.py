@@ -246,7 +246,6 @@ def _junit_cases(series: Series, report: dict) -> list[dict]:
 
 
 def run_check(app, args) -> int:
-    from patchctl.core.console import table
     from patchctl.core.junit import write_junit
 
     try:
@@ -260,20 +259,33 @@ def run_check(app, args) -> int:
         raise
     app.info(f"checking series {series.name} {series.version} ({len(series.patches)} patches) "
              f"against SGLang {version or '(unknown version)'} at {root}")
+    report = _check(app, series, root, list(args.arch))
+    report = {"series": series.name, "series_version": series.version,
+              "sglang": {"version": version, "root": str(root), "source": source}, **report}
+    app.result(report, _table(series, report, version, source))
+    if args.junit:
+        write_junit(args.junit, f"patchctl check {series.name}", _junit_cases(series, report))
+    return _verdict(app, series, report, version, source)
+
+
+def _check(app, series: Series, root: Path, archs: list[str]) -> dict:
+    """check_tree on a scratch copy, then the reachability trace and the capture config; report["ok"] the verdict."""
     scratch = Path(tempfile.mkdtemp(prefix="patchctl-check-"))
     try:
         report = check_tree(series, root, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    archs = list(args.arch)
     report["trace"] = _trace(root, series, archs, app) if report["applied"] else None
     if report["trace"] is not None and report["trace"].get("ok") is False:
         report["ok"] = False
     report["capture_config"] = _capture_config(series, archs)
     if report["capture_config"] is not None and not report["capture_config"]["ok"]:
         report["ok"] = False
-    report = {"series": series.name, "series_version": series.version,
-              "sglang": {"version": version, "root": str(root), "source": source}, **report}
+    return report
+
+
+def _table(series: Series, report: dict, version, source):
+    from patchctl.core.console import table
 
     t = table(f"check {series.name} {series.version} against SGLang {version} ({source})", "Step", "Result", "Detail")
     words = {"clean": "applies cleanly", "offset": "applies with offset", "failed": "FAILS", "skipped": "not tried"}
@@ -292,10 +304,11 @@ def run_check(app, args) -> int:
     cc = report["capture_config"]
     if cc is not None:
         t.add_row("capture config", "ok" if cc["ok"] else "REFUSED", "; ".join(cc["refusals"]) or cc["detail"])
-    app.result(report, t)
-    if args.junit:
-        write_junit(args.junit, f"patchctl check {series.name}", _junit_cases(series, report))
+    return t
 
+
+def _verdict(app, series: Series, report: dict, version, source) -> int:
+    """2: a patch does not apply (its failing hunk shown); 1: another step failed (the first named); 0: ok."""
     if not report["applied"]:
         bad = next(p for p in report["patches"] if p["status"] == "failed")
         if bad.get("hunk"):
@@ -304,6 +317,7 @@ def run_check(app, args) -> int:
         print(f"patchctl: {bad['name']} does not apply to SGLang {version} ({source}): {bad['detail']}", file=sys.stderr)
         return 2
     if not report["ok"]:
+        comp = report["compile"]
         why = (comp["errors"][0] if comp["errors"] else
                report["hook"]["detail"] if report["hook"] is not None and not report["hook"]["ok"] else
                str(report["trace"].get("detail")) if report["trace"] and report["trace"].get("ok") is False else

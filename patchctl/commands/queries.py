@@ -330,56 +330,70 @@ def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
         if not d["ok"]:
             out.append(Text(f"{d['host']}: {d['outcome']}: {m.text(d['error'])}", style="red"))
             continue
-        rows = [("sglang", f"{d['sglang_version']} at {d['root']}")]
-        arch = d.get("model_arch")
-        rows.append(("model", f"{arch} (architectures[0] of config.json under the server's --model-path)" if arch
-                     else "unknown (no config.json under the server command's --model-path)"))
-        r = d.get("reachability")
-        rows.append(("trace", ("ok — " if r["ok"] else "BLOCKED — ") + r["detail"] if r
-                     else "not run (architecture unknown or no single pinned SGLang release)"))
-        rows.append(("files", "\n".join(f"{f['action']:<7} {f['path']}" for f in d["files"])))
-        rows.append(("restart", d["restart"]))
-        rc = d.get("restart_config")
-        if rc:
-            rows.append(("command", shlex.join(rc["argv"]) if rc["argv"] else f"(none: {rc['manager']} unit {rc['unit']})"))
-            env = m.env(rc["env"])
-            rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
-            if rc["manager"] == "systemd":
-                rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
-            if rc["host_expands_home"]:
-                rows.append(("", "(~ is the home directory of the login user on the host)"))
-        rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
         out.append(Text(f"{d['host']}: {d['action']}", style="bold red" if d["blockers"] else "bold"))
-        for k, v in rows:
+        for k, v in _plan_rows(d, m):
             v = m.text(str(v)).replace("\n", "\n" + " " * 12)
             out.append(Text(f"  {k:<9} {v}"))
     if show_diff:
-        diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
-        groups = [("applies on", [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]),
-                  ("already applied on", [d["host"] for d in data if d["ok"] and d["action"].startswith("nothing")]),
-                  ("not read from", [d["host"] for d in data if not d["ok"]])]
-        out.append(Text(""))
-        out.append(Text(f"diff: what {series.name} {series.version} changes, against the unpatched files", style="bold"))
-        for what, names in groups:
-            if names:
-                out.append(Text(f"  {what}: {', '.join(names)}"))
-        color = app.out.is_terminal
-        for path, text in diffs.items():
-            out.append(Text(""))
-            out.append(Text(f"=== {path}", style="bold"))
-            for line in text.rstrip("\n").split("\n"):
-                style = None
-                if color:
-                    if line.startswith(("+++", "---", "diff ", "index ", "new file", "deleted file")):
-                        style = "bold"
-                    elif line.startswith("@@"):
-                        style = "cyan"
-                    elif line.startswith("+"):
-                        style = "green"
-                    elif line.startswith("-"):
-                        style = "red"
-                out.append(Text(line, style=style or ""))
+        out += _plan_diff(app, series, data)
     return Group(*out)
+
+
+def _plan_rows(d: dict, m) -> list[tuple[str, str]]:
+    """(label, value) rows of one host read in the plan: sglang, model, trace, files, restart and its command."""
+    rows = [("sglang", f"{d['sglang_version']} at {d['root']}")]
+    arch = d.get("model_arch")
+    rows.append(("model", f"{arch} (architectures[0] of config.json under the server's --model-path)" if arch
+                 else "unknown (no config.json under the server command's --model-path)"))
+    r = d.get("reachability")
+    rows.append(("trace", ("ok — " if r["ok"] else "BLOCKED — ") + r["detail"] if r
+                 else "not run (architecture unknown or no single pinned SGLang release)"))
+    rows.append(("files", "\n".join(f"{f['action']:<7} {f['path']}" for f in d["files"])))
+    rows.append(("restart", d["restart"]))
+    rc = d.get("restart_config")
+    if rc:
+        rows.append(("command", shlex.join(rc["argv"]) if rc["argv"] else f"(none: {rc['manager']} unit {rc['unit']})"))
+        env = m.env(rc["env"])
+        rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
+        if rc["manager"] == "systemd":
+            rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
+        if rc["host_expands_home"]:
+            rows.append(("", "(~ is the home directory of the login user on the host)"))
+    rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
+    return rows
+
+
+def _plan_diff(app: App, series: Series, data: list[dict]) -> list:
+    """`plan --diff`: which hosts the diff applies on, then each file's unified diff (coloured on a terminal)."""
+    from rich.text import Text
+
+    diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
+    groups = [("applies on", [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]),
+              ("already applied on", [d["host"] for d in data if d["ok"] and d["action"].startswith("nothing")]),
+              ("not read from", [d["host"] for d in data if not d["ok"]])]
+    out = [Text(""), Text(f"diff: what {series.name} {series.version} changes, against the unpatched files", style="bold")]
+    for what, names in groups:
+        if names:
+            out.append(Text(f"  {what}: {', '.join(names)}"))
+    color = app.out.is_terminal
+    for path, text in diffs.items():
+        out.append(Text(""))
+        out.append(Text(f"=== {path}", style="bold"))
+        for line in text.rstrip("\n").split("\n"):
+            out.append(Text(line, style=(_diff_style(line) if color else None) or ""))
+    return out
+
+
+def _diff_style(line: str) -> str | None:
+    if line.startswith(("+++", "---", "diff ", "index ", "new file", "deleted file")):
+        return "bold"
+    if line.startswith("@@"):
+        return "cyan"
+    if line.startswith("+"):
+        return "green"
+    if line.startswith("-"):
+        return "red"
+    return None
 
 
 def plan_host(series: Series, host: Host, probe: dict) -> dict:
