@@ -234,25 +234,15 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     vocab = int(facts.get("vocab_size") or 1000)
     prefix = smoke_prefix(env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "", run_id)
     errlog = os.path.join(dump_dir, "_hidden_dump_errors.log")
-    try:
-        errlog_size = os.path.getsize(errlog)
-    except OSError:
-        errlog_size = 0
+    errlog_size = _size(errlog)
     rng = random.Random(run_id)
     n_prompts = int(profile.get("prompts") or 4)
     n_tokens = int(profile.get("prompt_tokens") or 32)
     problems = []
     sent = _send_prompts(cfg, prefix, n_prompts, n_tokens, vocab, rng, problems)
-    # the writer is asynchronous: wait (bounded) for every file to land
     expected = dict((rid, os.path.join(dump_dir, rid + ".safetensors")) for rid in sent)
-    deadline = time.time() + DUMP_WAIT_S
-    while time.time() < deadline and not all(os.path.exists(p) for p in expected.values()):
-        heartbeat(step="smoke_wait_files")
-        time.sleep(0.05)
-    found = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
-    ours = [f for f in found if f.startswith(prefix)]
-    tmp_left = [f for f in found if f.startswith(prefix) and not f.endswith(".safetensors")] + \
-               [f for f in found if f.endswith(".tmp") and prefix in f]
+    _wait_for_files(expected.values())
+    ours, tmp_left = _own_files(dump_dir, prefix)
     nbytes, tokens, captured = _check_dumps(expected, sent, expect, hidden, problems)
     extra = [f for f in ours if f[: -len(".safetensors")] not in expected and f not in tmp_left]
     if extra:
@@ -262,13 +252,7 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     logged = _new_in_log(errlog, errlog_size)
     if logged is not None:
         problems.append("hidden_dump error log: %s" % logged)
-    removed = []
-    for f in ours:  # only files named with this run's unique prefix
-        try:
-            os.unlink(os.path.join(dump_dir, f))
-            removed.append(f)
-        except OSError:
-            pass
+    removed = _remove(dump_dir, ours)
     result = {"prompts": n_prompts, "tokens": tokens, "bytes": nbytes, "seconds": round(time.time() - t0, 3),
               "layers": captured.get("layers_to_capture"), "hidden_size": hidden, "dump_dir": dump_dir,
               "removed": len(removed), "captured": captured,
@@ -277,6 +261,42 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
         raise AgentError("failed", "smoke failed: " + "; ".join(problems[:8]), smoke=result, problems=problems)
     event("smoke_passed", **result)
     return result
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _wait_for_files(paths):
+    """The writer is asynchronous: wait (at most DUMP_WAIT_S) for every file to land."""
+    deadline = time.time() + DUMP_WAIT_S
+    while time.time() < deadline and not all(os.path.exists(p) for p in paths):
+        heartbeat(step="smoke_wait_files")
+        time.sleep(0.05)
+
+
+def _own_files(dump_dir, prefix):
+    """(the dump directory's files named with the smoke's prefix, the temporary ones among them or of the writer)."""
+    found = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
+    ours = [f for f in found if f.startswith(prefix)]
+    tmp_left = [f for f in found if f.startswith(prefix) and not f.endswith(".safetensors")] + \
+               [f for f in found if f.endswith(".tmp") and prefix in f]
+    return ours, tmp_left
+
+
+def _remove(dump_dir, ours):
+    """Only files named with this run's unique prefix; those removed."""
+    removed = []
+    for f in ours:
+        try:
+            os.unlink(os.path.join(dump_dir, f))
+            removed.append(f)
+        except OSError:
+            pass
+    return removed
 
 
 def _send_prompts(cfg, prefix, n_prompts, n_tokens, vocab, rng, problems):
