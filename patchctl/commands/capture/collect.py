@@ -40,8 +40,8 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.commands.capture import draftconfig
 from patchctl.commands.capture.dataset import open_run_dataset
-from patchctl.commands.capture.journal import (Journal, RunState, check_run_name, failure_lines, host_state,
-                                               read_run_info, run_dir, tally)
+from patchctl.commands.capture.journal import (Journal, RunState, check_run_name, failure_lines, read_run_info,
+                                               run_dir, status_table, tally)
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file, write_atomic
@@ -97,12 +97,10 @@ def render_status(d: dict):
     head = Text(f"capture run {d['run']}: dataset {ds.get('path')} ({d['samples']} samples, {ds.get('tokens')} tokens, "
                 f"sha256 {str(ds.get('sha256'))[:12]}…) — "
                 + ("complete" if d["complete"] else f"{d['pending']} pending, {d['failed']} failed"), style="bold")
-    t = table("samples per host", "host", "done", "failed", "in flight", "tokens done", "bytes done", "host state")
-    for host, x in sorted(d["hosts"].items(), key=lambda kv: str(kv[0])):
-        t.add_row(str(host), str(x["done"]), str(x["failed"]), str(x["in_flight"]), str(x["tokens"]), _mb(x["bytes"]),
-                  host_state(x))
-    t.add_row("total", f"{d['done']} of {d['samples']}", str(d["failed"]), str(d["in_flight"]), str(d["tokens_done"]),
-              _mb(d["bytes_done"]), f"{d['pending']} pending")
+    t = status_table("samples per host", ("done", "failed", "in flight", "tokens done", "bytes done"), d["hosts"],
+                     lambda x: (str(x["done"]), str(x["failed"]), str(x["in_flight"]), str(x["tokens"]), _mb(x["bytes"])),
+                     (f"{d['done']} of {d['samples']}", str(d["failed"]), str(d["in_flight"]), str(d["tokens_done"]),
+                      _mb(d["bytes_done"]), f"{d['pending']} pending"))
     out = [head, t] + [Text(line) for line in failure_lines(d["failures"], "samples", SHOWN)]
     if d["duplicates"]:
         out.append(Text(f"duplicates ({len(d['duplicates'])}): a sample verified twice; the first file counts:"))

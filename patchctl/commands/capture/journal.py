@@ -123,9 +123,16 @@ def tally(info: dict, st: RunState, total: int, blank: dict, counts: dict) -> Ta
                  [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()])
 
 
-def host_state(x: dict) -> str:
-    """A tallied host's last state and why, for the status table."""
-    return (x["state"] or "") + (f": {x['reason']}" if x["reason"] else "")
+def status_table(title: str, columns: tuple[str, ...], hosts: dict[str, dict], cells, total: tuple[str, ...]):
+    """`capture status`'s table: a row per tallied host (`cells`: its columns' values), its last state and
+    why, then the `total` row."""
+    from patchctl.core.console import table
+
+    t = table(title, "host", *columns, "host state")
+    for host, x in sorted(hosts.items(), key=lambda kv: str(kv[0])):
+        t.add_row(str(host), *cells(x), (x["state"] or "") + (f": {x['reason']}" if x["reason"] else ""))
+    t.add_row("total", *total)
+    return t
 
 
 def failure_lines(failures: list[dict], noun: str, shown: int) -> list[str]:

@@ -159,23 +159,26 @@ class Progress:
         lines = [f"{done}/{total} samples done and verified; {len(failed)} failed; {pending} pending"
                  + (f"; {duplicates} duplicate results ignored" if duplicates else "")
                  + f" ({s['tokens_per_s']:.0f} tok/s this invocation, {human_size(s['bytes'])} written in {s['elapsed_s']:.0f}s)"]
-        lines += self.end_lines(name, failed, stopping, servers_down, restart)
-        if pending or failed:
-            lines.append(f"run the same command again to send the {pending + len(failed)} samples not done"
-                         + (" (after the restart, to use those hosts too)" if servers_down else ""))
-        lines.append(f"logs: {self.log_dir}")
-        for line in lines:
-            self.app.info(line)
+        self.print_lines(lines, name, failed, stopping, servers_down, restart,
+                         again=f"send the {pending + len(failed)} samples" if pending or failed else None)
 
-    @staticmethod
-    def end_lines(name: str, failed: dict[str, str], stopping: str | None, servers_down, restart: str | None) -> list[str]:
-        """The summary's lines on what went wrong (the first failures, why it stopped, servers down), shared
-        by capture run and regenerate."""
-        lines = [f"  failed {sid}: {why}" for sid, why in list(failed.items())[:5]]
+    def print_lines(self, lines: list[str], name: str, failed: dict[str, str], stopping: str | None, servers_down,
+                    restart: str | None, again: str | None, output: str | None = None) -> None:
+        """The summary's lines after its own `lines`, shared by capture run and regenerate: the first failures,
+        why it stopped, servers down, the `output`, what running it again would do ("run the same command again
+        to {again} not done"), the logs."""
+        lines = list(lines) + [f"  failed {sid}: {why}" for sid, why in list(failed.items())[:5]]
         if len(failed) > 5:
             lines.append(f"  ... {len(failed) - 5} more: patchctl capture status {name}")
         if stopping:
             lines.append(f"stopped: {stopping}")
         if servers_down:
             lines.append(f"servers down: {', '.join(servers_down)}; bring them back with: {restart}")
-        return lines
+        if output:
+            lines.append(output)
+        if again:
+            lines.append(f"run the same command again to {again} not done"
+                         + (" (after the restart, to use those hosts too)" if servers_down else ""))
+        lines.append(f"logs: {self.log_dir}")
+        for line in lines:
+            self.app.info(line)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, _short, again
 from patchctl.commands.capture.journal import (Journal, RunState, captures_root, check_run_name, failure_lines,
-                                               host_state, tally, write_run_info)
+                                               status_table, tally, write_run_info)
 from patchctl.commands.capture.progress import Progress, _eta
 from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
 from patchctl.core.console import table
@@ -227,17 +227,11 @@ class RegenerateProgress(Progress):
                  + (f"; {duplicates} duplicate results ignored" if duplicates else ""),
                  f"this invocation: {s['turns']} assistant turns, {s['tokens']} tokens generated, "
                  f"{s['tokens_per_s']:.0f} tok/s, in {s['elapsed_s']:.0f}s"]
-        lines += self.end_lines(name, failed, stopping, servers_down, restart)
-        if output:
-            lines.append(f"output: {output['out']} ({output['written']} conversations, in input order; "
-                         + ("originals dropped)" if output.get("drop_original") else "each original turn kept beside "
-                            "its regenerated one)"))
-        if pending or failed:
-            lines.append(f"run the same command again to regenerate the {pending + len(failed)} conversations not done"
-                         + (" (after the restart, to use those hosts too)" if servers_down else ""))
-        lines.append(f"logs: {self.log_dir}")
-        for line in lines:
-            self.app.info(line)
+        written = (f"output: {output['out']} ({output['written']} conversations, in input order; "
+                   + ("originals dropped)" if output.get("drop_original") else "each original turn kept beside "
+                      "its regenerated one)")) if output else None
+        self.print_lines(lines, name, failed, stopping, servers_down, restart, output=written,
+                         again=f"regenerate the {pending + len(failed)} conversations" if pending or failed else None)
 
 
 class RegenerateRun(CaptureRun):
@@ -367,13 +361,11 @@ def render_status(d: dict, shown: int = 20):
     head = Text(f"regeneration {d['run']}: {conv.get('path')} ({d['total']} conversations, sha256 "
                 f"{str(conv.get('sha256'))[:12]}…) -> {d['out']} — "
                 + ("complete" if d["complete"] else f"{d['pending']} pending, {d['failed']} failed"), style="bold")
-    t = table("conversations per host", "host", "regenerated", "turns", "tokens generated", "failed", "in flight",
-              "host state")
-    for host, x in sorted(d["hosts"].items(), key=lambda kv: str(kv[0])):
-        t.add_row(str(host), str(x["done"]), str(x["turns"]), str(x["tokens"]), str(x["failed"]), str(x["in_flight"]),
-                  host_state(x))
-    t.add_row("total", f"{d['done']} of {d['total']}", str(d["turns_done"]), str(d["tokens_done"]), str(d["failed"]),
-              str(d["in_flight"]), f"{d['pending']} pending")
+    t = status_table("conversations per host", ("regenerated", "turns", "tokens generated", "failed", "in flight"),
+                     d["hosts"], lambda x: (str(x["done"]), str(x["turns"]), str(x["tokens"]), str(x["failed"]),
+                                            str(x["in_flight"])),
+                     (f"{d['done']} of {d['total']}", str(d["turns_done"]), str(d["tokens_done"]), str(d["failed"]),
+                      str(d["in_flight"]), f"{d['pending']} pending"))
     out = [head, t] + [Text(line) for line in failure_lines(d["failures"], "conversations", shown)]
     if not d["complete"]:
         out.append(Text(f"resume (regenerates only the conversations not done): {d['resume']}"))
