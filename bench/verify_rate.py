@@ -65,7 +65,8 @@ def old_bf16_nonfinite(buf):
 
 
 def old_validate_dump(path, sent_ids, expect, hidden):
-    """hidden-dump's host check as of commit 4019c96 (smoke.validate_dump), unchanged."""
+    """hidden-dump's host check as of commit 4019c96 (smoke.validate_dump); its file parsing and layout
+    steps are smoke's own, which have not changed since (but for a length check)."""
     problems = []
     try:
         with open(path, "rb") as f:
@@ -73,14 +74,7 @@ def old_validate_dump(path, sent_ids, expect, hidden):
     except Exception as e:
         return ["unreadable safetensors file: %s" % e]
     T_ = len(sent_ids)
-    layers = smoke._json_meta(meta, "layers_to_capture")
-    if not isinstance(layers, list):
-        layers = None
-    wanted = [ids for ids, _ in expect.values()]
-    K_ = len(layers) if layers is not None else (len(wanted[0]) if wanted else None)
-    for name in ("input_ids", "aux_hidden_states", "hidden_states"):
-        if name not in t:
-            problems.append("tensor %s missing" % name)
+    layers, wanted, K_, problems = smoke.dump_layout(meta, t, expect)
     if problems:
         return problems
     dt, shape, raw = t["input_ids"]

@@ -118,21 +118,26 @@ def check_dump(path, sent_ids, expect, hidden, digest=True, backend=None):
         return problems, (hashlib.sha256(dump.buf).hexdigest() if digest and not problems else None)
 
 
-def _check_mapped(buf, sent_ids, expect, hidden, backend):
-    try:
-        meta, t = dumpscan.layout(buf)
-    except ValueError as e:
-        return ["unreadable safetensors file: %s" % e]
-    problems = []
-    T = len(sent_ids)
+def dump_layout(meta, tensors, expect):
+    """(the file's layers_to_capture or None, the expected id lists, K: how many layers it should hold,
+    problems: its missing tensors)."""
     layers = _json_meta(meta, "layers_to_capture")
     if not isinstance(layers, list):
         layers = None
     wanted = [ids for ids, _ in expect.values()]
     K = len(layers) if layers is not None else (len(wanted[0]) if wanted else None)
-    for name in ("input_ids", "aux_hidden_states", "hidden_states"):
-        if name not in t:
-            problems.append("tensor %s missing" % name)
+    problems = ["tensor %s missing" % name for name in ("input_ids", "aux_hidden_states", "hidden_states")
+                if name not in tensors]
+    return layers, wanted, K, problems
+
+
+def _check_mapped(buf, sent_ids, expect, hidden, backend):
+    try:
+        meta, t = dumpscan.layout(buf)
+    except ValueError as e:
+        return ["unreadable safetensors file: %s" % e]
+    T = len(sent_ids)
+    layers, wanted, K, problems = dump_layout(meta, t, expect)
     if problems:
         return problems
     dt, shape, at, _end = t["input_ids"]
