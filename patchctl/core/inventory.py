@@ -378,20 +378,26 @@ def _host(L: _Loader, name: str, table, defaults: dict, dserver: dict, gateways:
             L.fail(p, f"python = {CONTROLLER_PYTHON!r} (patchctl's own interpreter) is only for connection = \"local\"",
                    line_of=p if p[0] == "hosts" else hp)
         h.python = sys.executable
-    v, p = pick("gateway")
-    if p is not None:
-        gw = L.want_str(v, p, nonempty=False)
-        if gw.strip():
-            if h.connection == "local":
-                if p[0] == "hosts":
-                    L.fail(p, "a local host has no gateway")
-            elif p[0] == "defaults" and gw == name:
-                pass  # the bastion named in [defaults] is itself reached directly
-            else:
-                gateways[name] = (gw, p)
+    _gateway(L, h, pick, gateways)
     _become(L, h, pick, hp)
     h.server = _server(L, dserver, hserver, hp + ("server",))
     return h
+
+
+def _gateway(L: _Loader, h: Host, pick, gateways: dict) -> None:
+    """The gateway a host names (noted in `gateways`, resolved once all hosts are read)."""
+    v, p = pick("gateway")
+    if p is None:
+        return
+    gw = L.want_str(v, p, nonempty=False)
+    if gw.strip():
+        if h.connection == "local":
+            if p[0] == "hosts":
+                L.fail(p, "a local host has no gateway")
+        elif p[0] == "defaults" and gw == h.name:
+            pass  # the bastion named in [defaults] is itself reached directly
+        else:
+            gateways[h.name] = (gw, p)
 
 
 def _resolve_gateways(L: _Loader, hosts: dict[str, Host], gateways: dict) -> None:
@@ -522,52 +528,61 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
         return None, None
 
     s = ServerConfig()
-    v, p = pick("manager")
-    if p:
-        s.manager = L.want_choice(v, p, MANAGERS)
-    for key in ("command", "host", "log"):
+    for key, read in _SERVER_FIELDS:
         v, p = pick(key)
         if p:
-            setattr(s, key, L.want_str(v, p, nonempty=(key != "command")))
-    v, p = pick("port")
-    if p:
-        s.port = L.want_port(v, p)
-    for key in ("start_timeout", "stop_timeout"):
-        v, p = pick(key)
-        if p:
-            setattr(s, key, L.want_seconds(v, p))
-    v, p = pick("env")
-    if p:
-        if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
-            L.fail(p, "expected a table of strings, e.g. env = { CUDA_VISIBLE_DEVICES = \"0,1\" }")
-        for k in v:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                L.fail(p, f"{k!r} is not an environment variable name")
-        s.env = dict(v)
-    v, p = pick("public_env")
-    if p:
-        names = L.want_names(v, p)
-        for k in names:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                L.fail(p, f"{k!r} is not an environment variable name")
-        s.public_env = list(names)
-    v, p = pick("unit")
-    if p:
-        s.unit = L.want_str(v, p)
-    for key in ("capture_layers", "layer_outputs"):
-        v, p = pick(key)
-        if p:
-            if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                          for x in v):
-                L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
-            setattr(s, key, list(v))
-    v, p = pick("hidden_size")
-    if p:
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            L.fail(p, f"expected a positive integer, got {v!r}")
-        s.hidden_size = v
+            setattr(s, key, read(L, v, p))
     if s.manager == "systemd" and not s.unit:
         _, p = pick("manager")
         L.fail(hp + ("unit",), "manager = \"systemd\" needs unit = \"<name>.service\"",
                line_of=hp if hserver else p)
     return s
+
+
+def _env_names(L: _Loader, names, p) -> None:
+    for k in names:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            L.fail(p, f"{k!r} is not an environment variable name")
+
+
+def _server_env(L: _Loader, v, p) -> dict:
+    if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+        L.fail(p, "expected a table of strings, e.g. env = { CUDA_VISIBLE_DEVICES = \"0,1\" }")
+    _env_names(L, v, p)
+    return dict(v)
+
+
+def _public_env(L: _Loader, v, p) -> list:
+    names = L.want_names(v, p)
+    _env_names(L, names, p)
+    return list(names)
+
+
+def _layer_ids(L: _Loader, v, p) -> list:
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
+    return list(v)
+
+
+def _positive(L: _Loader, v, p) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        L.fail(p, f"expected a positive integer, got {v!r}")
+    return v
+
+
+# [server] keys in the order they are checked, each with its reader (value, key path) -> the ServerConfig field
+_SERVER_FIELDS = (
+    ("manager", lambda L, v, p: L.want_choice(v, p, MANAGERS)),
+    ("command", lambda L, v, p: L.want_str(v, p, nonempty=False)),
+    ("host", lambda L, v, p: L.want_str(v, p, nonempty=True)),
+    ("log", lambda L, v, p: L.want_str(v, p, nonempty=True)),
+    ("port", lambda L, v, p: L.want_port(v, p)),
+    ("start_timeout", lambda L, v, p: L.want_seconds(v, p)),
+    ("stop_timeout", lambda L, v, p: L.want_seconds(v, p)),
+    ("env", _server_env),
+    ("public_env", _public_env),
+    ("unit", lambda L, v, p: L.want_str(v, p)),
+    ("capture_layers", _layer_ids),
+    ("layer_outputs", _layer_ids),
+    ("hidden_size", _positive),
+)
