@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from patchctl.host import events, server, smoke, tree
+from patchctl.host import atomic, events, server, smoke, tree
 
 
 @pytest.mark.parametrize("version,clauses,ok", [
@@ -34,6 +34,23 @@ def test_command_placeholders_are_single_words_and_no_shell_runs(tmp_path):
     with pytest.raises(events.AgentError) as e:
         server.render_command("{python} {nope}", {"python": "p"})
     assert e.value.kind == "bad_input"
+
+
+def test_write_atomic_takes_chunks_and_a_failed_one_leaves_the_old_file(tmp_path):
+    """An iterable of bytes is written as it comes (regenerate's output); a producer that fails half way
+    leaves the file it would have replaced as it was, and no temporary file beside it."""
+    out = tmp_path / "out.jsonl"
+    atomic.write_atomic(out, (b"line %d\n" % i for i in range(3)))
+    assert out.read_bytes() == b"line 0\nline 1\nline 2\n"
+
+    def broken():
+        yield b"half"
+        raise RuntimeError("producer failed")
+
+    with pytest.raises(RuntimeError):
+        atomic.write_atomic(out, broken())
+    assert out.read_bytes() == b"line 0\nline 1\nline 2\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
 
 
 def _dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None, mutate=None, prefix="0",
