@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import subprocess
 import tomllib
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from safetensors.torch import save_file
 
 # The stand-in's duck type of SGLang's ForwardMode and its stub of SGLang's runtime context.
 from patchctl.simserver.ducks import ForwardMode, install_runtime_context
@@ -109,3 +111,26 @@ class Batch:
         end = start + self.lens[i]
         return (self.input_ids[start:end].to(torch.int64), self.aux[start:end],
                 self.last[start:end])
+
+
+def write_dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None, mutate=None, prefix="0",
+               dtype=torch.bfloat16, fmt="2", num_tokens=None, hidden_size=None):
+    """A dump as hidden-dump 2.0.0 writes it (seeded tensors); the default is Llama's
+    `--return-aux-hidden-state-layer-ids 2 4 5`, which captures layers_to_capture [3, 5, 6] (the outputs of
+    layers 2, 4, 5). `mutate(aux, hidden)` changes the tensors before they are saved. Returns the input ids."""
+    ids = ids if ids is not None else list(range(10, 10 + T))
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(T, K * H, generator=g).to(dtype)
+    hid = torch.randn(T, H, generator=g).to(dtype)
+    if mutate:
+        mutate(aux, hid)
+    layers = list(layers)
+    save_file({"input_ids": torch.tensor(ids, dtype=torch.int64), "aux_hidden_states": aux, "hidden_states": hid},
+              str(path), metadata={"format_version": fmt, "rid": "r", "num_tokens": str(num_tokens or T),
+                                   "prefix_len": prefix, "prompt_len": str(T),
+                                   "hidden_size": str(hidden_size or H), "layers": json.dumps(layers),
+                                   "layers_convention": "layers_to_capture", "layers_to_capture": json.dumps(layers),
+                                   "layer_outputs": json.dumps([i - 1 for i in layers]),
+                                   "eagle_aux_hidden_state_layer_ids": json.dumps(list(given) if given else None),
+                                   "model_arch": "X", "dtype": "bfloat16"})
+    return ids

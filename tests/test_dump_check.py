@@ -14,35 +14,14 @@ import types
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from hidden_dump_util import MODULE, REPO, load_module, make_runner, patched_tree
+from hidden_dump_util import write_dump as _dump
 from patchctl.host import capture, dumpscan, smoke
 from patchctl.simserver.ducks import ForwardMode
 
 BACKENDS = ["numpy", "stdlib"]
 LLAMA_245 = smoke.expected_layers(given=[2, 4, 5])
-
-
-def _dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None, mutate=None, prefix="0",
-          dtype=torch.bfloat16, num_tokens=None, hidden_size=None):
-    """A dump in the module's format 2 (Llama, flag ids 2 4 5 -> layers_to_capture 3 5 6)."""
-    ids = ids if ids is not None else list(range(10, 10 + T))
-    g = torch.Generator().manual_seed(0)
-    aux = torch.randn(T, K * H, generator=g).to(dtype)
-    hid = torch.randn(T, H, generator=g).to(dtype)
-    if mutate:
-        mutate(aux, hid)
-    layers = list(layers)
-    save_file({"input_ids": torch.tensor(ids, dtype=torch.int64), "aux_hidden_states": aux, "hidden_states": hid},
-              str(path), metadata={"format_version": "2", "rid": "r", "num_tokens": str(num_tokens or T),
-                                   "prefix_len": prefix, "prompt_len": str(T),
-                                   "hidden_size": str(hidden_size or H), "layers": json.dumps(layers),
-                                   "layers_convention": "layers_to_capture", "layers_to_capture": json.dumps(layers),
-                                   "layer_outputs": json.dumps([i - 1 for i in layers]),
-                                   "eagle_aux_hidden_state_layer_ids": json.dumps(list(given) if given else None),
-                                   "model_arch": "X", "dtype": "bfloat16"})
-    return ids
 
 
 @pytest.fixture(params=BACKENDS)

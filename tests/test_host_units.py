@@ -8,8 +8,8 @@ import stat
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from hidden_dump_util import write_dump as _dump
 from patchctl.host import atomic, events, server, smoke, tree
 
 
@@ -51,27 +51,6 @@ def test_write_atomic_takes_chunks_and_a_failed_one_leaves_the_old_file(tmp_path
         atomic.write_atomic(out, broken())
     assert out.read_bytes() == b"line 0\nline 1\nline 2\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
-
-
-def _dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None, mutate=None, prefix="0",
-          dtype=torch.bfloat16, fmt="2"):
-    """A dump as hidden-dump 2.0.0 writes it; the default is Llama's `--return-aux-hidden-state-layer-ids
-    2 4 5`, which captures layers_to_capture [3, 5, 6] (the outputs of layers 2, 4, 5)."""
-    ids = ids if ids is not None else list(range(10, 10 + T))
-    g = torch.Generator().manual_seed(0)
-    aux = torch.randn(T, K * H, generator=g).to(dtype)
-    hid = torch.randn(T, H, generator=g).to(dtype)
-    if mutate:
-        mutate(aux, hid)
-    layers = list(layers)
-    save_file({"input_ids": torch.tensor(ids, dtype=torch.int64), "aux_hidden_states": aux, "hidden_states": hid},
-              str(path), metadata={"format_version": fmt, "rid": "r", "num_tokens": str(T), "prefix_len": prefix,
-                                   "prompt_len": str(T), "hidden_size": str(H), "layers": json.dumps(layers),
-                                   "layers_convention": "layers_to_capture", "layers_to_capture": json.dumps(layers),
-                                   "layer_outputs": json.dumps([i - 1 for i in layers]),
-                                   "eagle_aux_hidden_state_layer_ids": json.dumps(list(given) if given else None),
-                                   "model_arch": "X", "dtype": "bfloat16"})
-    return ids
 
 
 LLAMA_245 = smoke.expected_layers(given=[2, 4, 5])
