@@ -174,17 +174,22 @@ def test_plan_touches_nothing_and_tells_what_apply_would_do(fleet):
     assert snapshot(f)["host0"] == before["host0"]
 
 
+def start_two_node_server(f: Fleet) -> None:
+    """host0 and host1 as the inventory's two-node server "kimi", both nodes started (not waited for)."""
+    dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
+    mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
+    cmd = "{python} -m patchctl.simserver --model-path {state_dir}/../model --sglang-root {sglang_root} --host {host} --port {port} "
+    f.write_inventory(servers={"kimi": ["host0", "host1"]}, host_overrides={
+        "host0": {"server": {"command": cmd + " ".join(mn(0))}},
+        "host1": {"server": {"command": cmd + " ".join(mn(1))}}})
+    f.start_server(f.hosts[0], extra=mn(0), wait=False)
+    f.start_server(f.hosts[1], extra=mn(1), wait=False)
+
+
 def test_two_node_server_is_one_unit(tmp_path, sglang_tree):
     f = Fleet(tmp_path, 3, sglang_tree, light=True)  # the operator's servers: light until a deploy
     try:
-        dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
-        mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
-        cmd = "{python} -m patchctl.simserver --model-path {state_dir}/../model --sglang-root {sglang_root} --host {host} --port {port} "
-        f.write_inventory(servers={"kimi": ["host0", "host1"]}, host_overrides={
-            "host0": {"server": {"command": cmd + " ".join(mn(0))}},
-            "host1": {"server": {"command": cmd + " ".join(mn(1))}}})
-        f.start_server(f.hosts[0], extra=mn(0), wait=False)
-        f.start_server(f.hosts[1], extra=mn(1), wait=False)
+        start_two_node_server(f)
         f.start_server(f.hosts[2])
         wait_for(lambda: f.healthy(f.hosts[0]), 60, what="two-node server ready")
         pristine = [f.digest(h) for h in f.hosts]

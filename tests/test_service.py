@@ -130,20 +130,11 @@ def test_smoke_refused_where_no_capture_series_is_deployed(tmp_path, sglang_tree
 
 @pytest.mark.slow
 def test_two_node_unit_restarts_as_a_unit(tmp_path, sglang_tree):
-    from sshhosts import free_ports
-
-    from test_fleet import cmdlines_with
+    from test_fleet import cmdlines_with, start_two_node_server
 
     f = Fleet(tmp_path, 2, sglang_tree, light=True)
     try:
-        dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
-        mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
-        cmd = "{python} -m patchctl.simserver --model-path {state_dir}/../model --sglang-root {sglang_root} --host {host} --port {port} "
-        f.write_inventory(servers={"kimi": ["host0", "host1"]}, host_overrides={
-            "host0": {"server": {"command": cmd + " ".join(mn(0))}},
-            "host1": {"server": {"command": cmd + " ".join(mn(1))}}})
-        f.start_server(f.hosts[0], extra=mn(0), wait=False)
-        f.start_server(f.hosts[1], extra=mn(1), wait=False)
+        start_two_node_server(f)
         wait_for(lambda: f.healthy(f.hosts[0]), 60, what="two-node server ready")
         assert f.patchctl("apply", "hidden-dump").returncode == 0
         head = f.server_pid(f.hosts[0])
