@@ -20,7 +20,7 @@ from patchctl.core.options import CaptureOptions, DeployOptions, QueryOptions
 from patchctl.core.rollout import parse_batch, parse_max_fail_spec
 
 # command -> (module, function, options). Modules are imported on use so that `patchctl series` does not
-# pay for Fabric, and a missing optional dependency only breaks its own command. A fleet command gets its
+# pay for paramiko, and a missing optional dependency only breaks its own command. A fleet command gets its
 # options as one frozen object built here (core.options); a local command gets the parsed arguments.
 COMMANDS = {
     "series": ("patchctl.commands.listing", "run_series", None),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -318,6 +319,36 @@ def test_gateway_user_at_host_port_is_checked_strictly(tmp_path, hosts):
                      host_overrides={"host1": {"gateway": f"root@{g.address}:{g.port}"}})
     with open_transport(inv.hosts["host1"]) as t:
         assert t.run_python("print('jumped')").stdout == "jumped\n"
+
+
+def test_ssh_config_hostname_port_user_key_and_proxyjump(tmp_path, hosts, monkeypatch):
+    """~/.ssh/config is honoured as ssh(1) does: an alias's HostName, Port, User and IdentityFile, its ProxyJump
+    through another alias (one connection on each), and `Match exec` (paramiko runs it through Invoke)."""
+    g, t1 = hosts
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(
+        f"Match originalhost alias-web exec \"test -d {home}\"\n    ProxyJump alias-jump\n"
+        f"Host alias-web\n    HostName {t1.address}\n    Port {t1.port}\n"
+        f"Host alias-jump\n    HostName {g.address}\n    Port {g.port}\n"
+        f"Host alias-*\n    User {t1.user}\n    IdentityFile {t1.identity_file}\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # Invoke's runner reads it (pytest's refuses reads)
+    p = tmp_path / "inventory.toml"
+    p.write_text(f"[defaults]\nknown_hosts = {str(tmp_path.parent / 'known_hosts')!r}\npython = {sys.executable!r}\n"
+                 "[hosts.web]\naddress = \"alias-web\"\n")
+    known_hosts_for(hosts, Path(load_inventory(p).hosts["web"].known_hosts))
+    c0, c1 = g.count_connections(), t1.count_connections()
+    with open_transport(load_inventory(p).hosts["web"]) as t:
+        assert t.run_python("print('aliased')").stdout == "aliased\n"
+    assert (g.count_connections() - c0, t1.count_connections() - c1) == (1, 1)
+
+
+def test_invoke_is_imported_only_when_an_ssh_config_needs_it():
+    """paramiko imports Invoke (for `Match exec`) when it is imported; the controller defers that import."""
+    code = "import sys, patchctl.core.transport; print('invoke.tasks' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 # --- local -----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""How to reach a host: one Fabric connection per host for the whole run, or this machine directly.
+"""How to reach a host: one SSH connection per host for the whole run (core.sshlink), or this machine directly.
 
 A remote step is exactly one command, `<python> -`, with the agent script on stdin. Nothing from the
 inventory is ever spliced into a command line unquoted, host keys are checked strictly, and every
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from patchctl.core import sshlink  # before paramiko: it defers paramiko's import of Invoke
 import paramiko
 
 # paramiko logs connect failures with tracebacks from its own thread; we report them as one line.
@@ -414,7 +415,7 @@ def _set_keepalive(conn) -> None:
 
 
 class SSHTransport(Transport):
-    """A Fabric Connection, opened lazily on the first command and reused for the whole run."""
+    """An SSH connection (sshlink.Link), opened lazily on the first command and reused for the whole run."""
 
     def __init__(self, host: Host, *, accept_new_host_keys: bool = False, connect_timeout: float = 10.0):
         super().__init__(host)
@@ -429,35 +430,19 @@ class SSHTransport(Transport):
         return f"{self.host.name} ({self.host.address}:{self.host.port}{via})"
 
     # connecting ---------------------------------------------------------------------------------
-    def _make_connection(self, h: Host, label: str):
-        from fabric import Config, Connection
-        from paramiko.config import SSHConfig
-
-        config = Config() if h.ssh_config else Config(ssh_config=SSHConfig())
-        kwargs = {}
-        if "user" in h.explicit and h.user:
-            kwargs["user"] = h.user
-        if "port" in h.explicit or not h.ssh_config:
-            kwargs["port"] = h.port
-        connect_kwargs = {
-            # a little under `timeout`, which also bounds the whole handshake: the banner error must win the race
-            "banner_timeout": self.connect_timeout * 0.9,
-            "auth_timeout": self.connect_timeout,
-            "channel_timeout": self.connect_timeout,
-            "look_for_keys": True,
-            "allow_agent": True,
-        }
-        if h.identity_file:
-            connect_kwargs["key_filename"] = [os.path.expanduser(h.identity_file)]
+    def _make_connection(self, h: Host, label: str) -> sshlink.Link:
+        """The host's Link: the inventory's user, port, key and gateway win over ~/.ssh/config's."""
         gateway = None
         if h.gateway_host is not None:
             gateway = self._make_connection(h.gateway_host, f"gateway {h.gateway} of {label}")
         elif h.gateway:
             raise HostUnreachable(f"{label}: gateway {h.gateway!r} was not resolved by the inventory")
-        conn = Connection(host=h.address, config=config, connect_timeout=self.connect_timeout,
-                          connect_kwargs=connect_kwargs, gateway=gateway if gateway is not None else None,
-                          **kwargs)
-        conn.connect_timeout = self.connect_timeout  # Fabric truncates to int (0.5 -> 0 -> no timeout)
+        conn = sshlink.link_for(
+            h.address,
+            user=h.user if "user" in h.explicit and h.user else None,
+            port=h.port if "port" in h.explicit or not h.ssh_config else None,
+            key_filenames=[os.path.expanduser(h.identity_file)] if h.identity_file else [],
+            gateway=gateway, use_ssh_config=h.ssh_config, timeout=self.connect_timeout)
         self._harden(conn, h, label)
         return conn
 
@@ -470,7 +455,7 @@ class SSHTransport(Transport):
             except (OSError, paramiko.SSHException) as e:
                 raise HostKeyRefused(f"{label}: cannot read known_hosts {known}: {e}") from None
         conn.client.set_missing_host_key_policy(_StrictPolicy(label, known, self.accept_new_host_keys))
-        if conn.gateway is not None and not isinstance(conn.gateway, str) and conn.gateway not in self._all_conns:
+        if isinstance(conn.gateway, sshlink.Link) and conn.gateway not in self._all_conns:
             self._harden(conn.gateway, h, f"gateway {conn.gateway.host} of {label}")
         self._all_conns.append(conn)
 
