@@ -35,10 +35,13 @@ from patchctl.core.inventory import Host
 # What an idle connection costs the controller is paramiko's reader waking on its socket timeout (and
 # sending a keepalive when one is due): 0.15 ms per connection per second at a 1 s poll and 5 s keepalives,
 # 0.03 ms at 5 s and 15 s (measured, 8 connections, load 10), which over a fleet waiting minutes on restarts
-# is N x wall. Data and a remote close still wake the reader at once; closing our end does not wait for it.
-KEEPALIVE_S = 15  # with TCP_USER_TIMEOUT: a dead idle link is dropped within KEEPALIVE_S + DEAD_AFTER_S
-READER_POLL_S = 5.0  # paramiko's reader-thread wake-up once connected (its own default is 0.1 s)
-DEAD_AFTER_S = 30  # unacknowledged data (keepalives included) for this long: the link is dead
+# is N x wall. The reader wakes when a keepalive can be due, no more often: it sends one only on waking, so
+# they go every KEEPALIVE_S to 2 x KEEPALIVE_S on an idle link, and during a command the agent's beats
+# (every 7.5 s by default) wake it anyway. Data and a remote close still wake the reader at once; closing our
+# end does not wait for it.
+KEEPALIVE_S = 10  # with TCP_USER_TIMEOUT: a dead idle link is dropped within 2 x KEEPALIVE_S + DEAD_AFTER_S
+READER_POLL_S = float(KEEPALIVE_S)  # paramiko's reader-thread wake-up once connected (its own default: 0.1 s)
+DEAD_AFTER_S = 25  # unacknowledged data (keepalives included) for this long: the link is dead
 
 
 class HostUnreachable(PatchctlError):
