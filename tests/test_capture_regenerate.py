@@ -24,6 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from fleet import Fleet, wait_for
+from test_capture_run import done_records as done_once
 from patchctl.simserver.tokenizer import write_tokenizer
 
 MAX_NEW = 10
@@ -106,15 +107,6 @@ def regenerated_turns(row: dict) -> list[str]:
 def journal(f, name: str) -> list[dict]:
     p = f.base / "xdg-state" / "patchctl" / "regenerations" / name / "journal.jsonl"
     return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
-
-
-def done_once(recs) -> dict[str, dict]:
-    out = {}
-    for r in recs:
-        if r["rec"] == "done":
-            assert r["id"] not in out, f"{r['id']} done twice"
-            out[r["id"]] = r
-    return out
 
 
 def check_output(f, rows, out_path, originals=True):
