@@ -230,3 +230,80 @@ def test_the_dispatcher_refuses_what_the_table_does_not_declare(tmp_path):
             agent.handle(req)
         assert e.value.kind == "bad_input"
     assert not Path(state).exists()  # refused before anything was made
+
+
+# --- each op's answer ---------------------------------------------------------------------------
+
+def test_every_op_declares_the_type_of_its_answer():
+    for op, spec in P.OPS.items():
+        assert issubclass(spec.answer, P.Result), op
+        assert spec.answer.from_wire({"notes": ["n"]}).notes == ["n"], op  # every answer carries the notes
+    assert P.OPS["apply"].answer is P.ApplyAnswer and P.OPS["release"].answer is P.Result
+
+
+def test_every_answer_of_the_previous_version_reads_through_its_ops_type():
+    seen = set()
+    for c in calls():
+        op = c["request"]["op"]
+        if not c["answer"]["ok"]:
+            continue
+        rec = round_trips(P.OPS[op].answer, c["answer"]["result"])
+        assert P.read_answer(op, c["answer"]["result"]) == rec
+        seen.add(op)
+        if isinstance(rec, (P.ApplyAnswer, P.Facts)) and rec.manifest is not None:
+            assert isinstance(rec.manifest, P.Manifest) and rec.manifest.series
+        if isinstance(rec, P.HistoryAnswer):
+            assert rec.history and all(isinstance(h, P.HistoryEntry) for h in rec.history)
+        if isinstance(rec, P.RollbackAnswer) and rec.to is not None:
+            assert isinstance(rec.to, P.SeriesRef)
+    assert {"probe", "apply", "restart", "status", "service", "rollback", "history"} <= seen
+    applied = [P.ApplyAnswer.from_wire(c["answer"]["result"]) for c in calls() if c["request"]["op"] == "apply"]
+    assert any(a.changed and a.files and a.replaced is None for a in applied)
+    assert any(isinstance(a.replaced, P.Snapshot) for a in applied)
+
+
+def test_the_agents_own_answers_read_through_their_types(tmp_path):
+    from patchctl.host import agent
+
+    root, state = _tree(tmp_path)
+    server = P.ServerSpec(port=1, command="true").to_wire()  # a server patchctl never started: none runs
+    for op in ("history", "status", "unlock", "release", "finalize"):
+        res = agent.handle(dict(_req(op, root, state), server=server))
+        rec = P.read_answer(op, res)
+        assert rec.notes == res["notes"] == [], op
+    status = P.read_answer("status", agent.handle(dict(_req("status", root, state), server=server)))
+    assert isinstance(status, P.StatusAnswer) and status.version == "0.5.23" and status.server["running"] is False
+
+
+def test_an_answer_field_its_type_does_not_name_is_an_error_on_both_sides(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from patchctl.core import remote
+    from patchctl.core.remote import AgentLost
+    from patchctl.host import agent
+
+    with pytest.raises(P.ProtocolError, match="ApplyAnswer: unknown field 'chagned'"):
+        P.read_answer("apply", {"chagned": True, "notes": []})
+    with pytest.raises(P.ProtocolError, match="unknown agent op 'aply'"):
+        P.read_answer("aply", {})
+    # the agent: a handler that answers a field its op's type lacks is an agent bug, caught before it answers
+    root, state = _tree(tmp_path)
+    monkeypatch.setitem(agent.HANDLERS, "history", (lambda a: {"root": root, "histroy": []}, None))
+    with pytest.raises(P.ProtocolError, match="HistoryAnswer: unknown field 'histroy'"):
+        agent.handle(_req("history", root, state))
+
+    # the controller: such an answer is out of protocol, the host's state unknown (never a default)
+    class Answering:
+        host = SimpleNamespace(name="h1")
+
+        def __init__(self, result):
+            self.stdout = json.dumps({"ok": True, "result": result, "seconds": 0.1, "agent_pid": 1}) + "\n"
+
+        def run_python(self, script, **kw):
+            return SimpleNamespace(stdout=self.stdout, exit_code=0)
+
+    req = next(c["request"] for c in calls() if c["request"]["op"] == "rollback")
+    good = next(c["answer"]["result"] for c in calls() if c["request"]["op"] == "rollback" and c["answer"]["ok"])
+    assert remote.call(Answering(good), req) == good  # read through the type, returned as it came
+    with pytest.raises(AgentLost, match="answered out of protocol .*RollbackAnswer: unknown field 'sever'"):
+        remote.call(Answering(dict(good, sever="restarted")), req)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 from patchctl.core import become
 from patchctl.core.errors import NeedsAttention, PatchctlError
-from patchctl.host.protocol import OPS, Answer, ErrorKind, ProtocolError, parse_event
+from patchctl.host.protocol import OPS, Answer, ErrorKind, ProtocolError, parse_event, read_answer
 
 HOST_PACKAGE = "patchctl.host"
 
@@ -142,6 +142,8 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
         if off_protocol:
             raise ProtocolError(off_protocol[0])
         ans = Answer.from_wire(answer)
+        if ans.ok:
+            read_answer(request["op"], ans.result)  # its op's answer type: an unknown field is out of protocol
     except ProtocolError as e:
         raise AgentLost(f"the agent on {transport.host.name} answered out of protocol ({e}); state unknown") from None
     if not ans.ok:

@@ -4,7 +4,8 @@ Every record that crosses the SSH session or lands in on-host state goes through
 module: each op (`OPS`: its request fields, locks, stream), the answer envelope, progress events (`EVENT_PREFIX`), the
 error kinds and the exit code each maps to (`ErrorKind`), the outcomes a unit ends in (`Outcome`),
 and the on-host records a later patchctl must still read (`Manifest`, `Snapshot`, `HistoryEntry`,
-`Journal`, `Holder`). `from_wire` is strict: an unknown field, kind or outcome is a ProtocolError,
+`Journal`, `Holder`), and each op's answer (`OPS[op].answer`: `ApplyAnswer`, `ProbeAnswer`, ...).
+`from_wire` is strict: an unknown field, kind or outcome is a ProtocolError,
 never a default. Fields an earlier version wrote and this one no longer uses are named in a
 record's LEGACY and dropped when read. Server configs (`server_before`, `server.json`) and the
 stage/smoke reports stay plain dicts: their keys belong to `server` and `smoke`.
@@ -399,6 +400,219 @@ class Envelope(Record):
     NESTED = {"holder": Holder, "server": ServerSpec}
 
 
+# --- answers: what each op's `result` holds -----------------------------------------------------
+# The agent checks its result through its op's type before answering and `remote.call` reads it through
+# the same type: a field the type does not name is an error on either side. The result travels as the
+# handler built it (absent fields stay absent). Server configs, stage and smoke reports stay plain dicts.
+
+
+@dataclass
+class Result(Record):
+    """What every op's answer carries: the agent's notes (the dispatcher adds them)."""
+
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class Facts(Result):
+    """A tree as the read-only ops see it (`Agent.facts`)."""
+
+    root: str = None
+    version: str = None
+    manifest: Manifest = None
+    drift: list = None
+    lock: Holder = None
+    python: str = None
+    hostname: str = None
+    server: dict = None  # `Agent._server_status`: running, series, port, manager, pid, uptime_s, health
+    NESTED = {"manifest": Manifest, "lock": Holder}
+
+
+@dataclass
+class ProbeAnswer(Facts):
+    """`probe` (plan, apply's preflight): the facts, a dry staging of the series, capture refusals."""
+
+    journal: Journal = None
+    stage: dict = None  # applier.stage's report
+    free_bytes: int = None
+    model_arch: str = None
+    capture_refusals: list = None
+    NESTED = dict(Facts.NESTED, journal=Journal)
+
+
+@dataclass
+class StatusAnswer(Facts):
+    interrupted: dict = None  # a journal left by an interrupted change: op, run_id, phase, files, recovery
+    history_tail: list = None
+    NESTED = dict(Facts.NESTED, history_tail=(list, HistoryEntry))
+
+
+@dataclass
+class HistoryAnswer(Result):
+    root: str = None
+    history: list = None
+    NESTED = {"history": (list, HistoryEntry)}
+
+
+@dataclass
+class UnlockAnswer(Result):
+    unlocked: Holder = None  # the holder released; None: nothing was locked
+    NESTED = {"unlocked": Holder}
+
+
+@dataclass
+class ServerSteps(Result):
+    """What restarting a server answers (`Agent._restart`), and a smoke after it (`{"smoke": report}`)."""
+
+    stop: dict = None  # the manager's stop report
+    dump_dir: object = None
+    ready_seconds: float = None
+    smoke: dict = None
+
+
+@dataclass
+class ApplyAnswer(ServerSteps):
+    """`apply`: the files part; with `then`, the restart and smoke that followed in the same command."""
+
+    changed: bool = None
+    note: str = None  # unchanged: why
+    already_verified: bool = None
+    files: list = None
+    patches: list = None  # applier.stage's per-patch report
+    replaced: Snapshot = None
+    version: str = None
+    root: str = None
+    history_id: str = None
+    server_before: dict = None
+    manifest: Manifest = None
+    NESTED = {"replaced": Snapshot, "manifest": Manifest}
+
+
+@dataclass
+class RollbackAnswer(ServerSteps):
+    changed: bool = None
+    note: str = None
+    files: list = None
+    to: SeriesRef = None
+    hand_edits_saved: str = None
+    server_before: dict = None  # restart = "stop" (a multi-node unit): the config the controller restarts
+    server: str = None  # what became of the server, in words
+    NESTED = {"to": SeriesRef}
+
+
+@dataclass
+class ServiceAnswer(ServerSteps):
+    action: str = None
+    deployed: dict = None  # series, version, status
+    running_before: bool = None
+    pid_before: int = None
+    changed: bool = None
+    note: str = None
+    pid: int = None
+
+
+@dataclass
+class PullAnswer(Result):
+    files: list = None  # pieces: path, offset, size, eof, data, sha256; or path, error, reason
+    root: str = None
+
+
+@dataclass
+class TokenizerAnswer(Result):
+    """`tokenizer.served`: the served model's tokenizer files (their bytes in `data` with `with_data`)."""
+
+    path: str = None
+    files: dict = None
+    digest: str = None
+    data: dict = None
+    model_path: str = None
+    tokenizer_path: str = None
+    why: str = None
+
+
+@dataclass
+class CaptureProbeAnswer(Result):
+    """`capture.probe`: whether this host takes part in an extraction run, and the facts it runs with."""
+
+    series: str = None
+    version: str = None
+    state: str = None
+    ready: bool = None
+    why: str = None
+    server_down: bool = None
+    dump_dir: str = None
+    rid_prefix: str = None
+    hidden_size: int = None
+    layers: int = None
+    expect: dict = None
+    bytes_per_token: int = None
+    free_bytes: int = None
+    model_path: str = None
+    num_hidden_layers: int = None
+    vocab_size: int = None
+    max_position_embeddings: int = None
+    architectures: list = None
+    format_version: int = None
+    config_context_len: int = None
+    config_context_from: str = None
+    max_req_input_len: int = None  # limits.from_server_info
+    context_length: int = None
+    max_total_num_tokens: int = None
+    server_info_error: str = None
+    tokenizer: dict = None  # path, digest, why
+    hostname: str = None
+
+
+@dataclass
+class RegenerateProbeAnswer(Result):
+    ready: bool = None
+    port: int = None
+    why: str = None
+    model_path: str = None
+    tokenizer: dict = None
+    hostname: str = None
+
+
+@dataclass
+class StreamedAnswer(Result):
+    """A streamed op's counts (`streamed.Streamed`) and how it ended."""
+
+    done: int = None
+    failed: int = None
+    returned: int = None
+    tokens: int = None
+    stopped: str = None  # why this host took no more work
+    seconds: float = None
+
+
+@dataclass
+class CaptureAnswer(StreamedAnswer):
+    bytes: int = None
+    run_dir: str = None
+
+
+@dataclass
+class ConvertAnswer(Result):
+    converted: int = None
+    present: int = None
+    failed: int = None
+    bytes: int = None
+    tokens: int = None
+    seconds: float = None
+    out_dir: str = None
+    workers: int = None
+
+
+@dataclass
+class ReadyAnswer(Result):
+    ready_seconds: float = None
+
+
+@dataclass
+class SmokeAnswer(Result):
+    smoke: dict = None  # smoke.smoke's report
+
+
 # The locks an op needs; the agent's dispatcher takes them, in this order, before the op runs.
 REFUSE_HELD = "refuse_held"  # fail at once when another run holds the tree (no wait on the agent lock)
 AGENT = "agent"  # the one-agent-per-host flock (state_dir/agent.lock), waiting up to 30 s for it
@@ -408,14 +622,15 @@ TREE = "tree"  # this run's lock on the tree (lock.json), held across agent call
 
 class Op(object):
     """One agent op: its own request fields beside the envelope ({name: Record class or None}), the
-    locks it needs, whether it reads a stream on stdin while it runs, and whether it only looks
-    (creates, changes and locks nothing on the host, not even state_dir)."""
+    locks it needs, whether it reads a stream on stdin while it runs, whether it only looks
+    (creates, changes and locks nothing on the host, not even state_dir), and its answer's type."""
 
-    def __init__(self, fields, locks=(), streamed=False, read_only=False):
+    def __init__(self, fields, locks=(), streamed=False, read_only=False, answer=Result):
         self.fields = fields
         self.locks = tuple(locks)
         self.streamed = streamed
         self.read_only = read_only
+        self.answer = answer
 
 
 _CHANGES = (REFUSE_HELD, AGENT, TREE)
@@ -423,31 +638,42 @@ _SMOKE = {"profile": Profile, "capture_layers": None, "hidden_size": None}
 
 # Every op the agent runs: the one table (the agent binds each to its handler with `Agent.handles`).
 OPS = {
-    "probe": Op({"series": SeriesRequest}, read_only=True),
-    "status": Op({}, read_only=True),
-    "history": Op({}, read_only=True),
-    "pull": Op({"run": None, "files": None, "max_bytes": None}, read_only=True),
-    "capture_probe": Op({"capture_layers": None, "hidden_size": None}, read_only=True),
-    "regenerate_probe": Op({}),
-    "tokenizer": Op({"with_data": None}),
+    "probe": Op({"series": SeriesRequest}, read_only=True, answer=ProbeAnswer),
+    "status": Op({}, read_only=True, answer=StatusAnswer),
+    "history": Op({}, read_only=True, answer=HistoryAnswer),
+    "pull": Op({"run": None, "files": None, "max_bytes": None}, read_only=True, answer=PullAnswer),
+    "capture_probe": Op({"capture_layers": None, "hidden_size": None}, read_only=True, answer=CaptureProbeAnswer),
+    "regenerate_probe": Op({}, answer=RegenerateProbeAnswer),
+    "tokenizer": Op({"with_data": None}, answer=TokenizerAnswer),
     "convert": Op({"run": None, "host": None, "out_dir": None, "expect": None, "layers": None, "workers": None,
-                   "pause_s": None, "ids": None}, streamed=True),
+                   "pause_s": None, "ids": None}, streamed=True, answer=ConvertAnswer),
     "apply": Op(dict(_SMOKE, series=SeriesRequest, restart=None, keep_lock=None, repo_commit=None, force=None,
-                     min_free_bytes=None, then=None, finalize=None, rollback_on_fail=None), _CHANGES),
-    "restart": Op(dict(_SMOKE, config=None, stop_only=None, no_wait=None, then=None, finalize=None), _CHANGES),
+                     min_free_bytes=None, then=None, finalize=None, rollback_on_fail=None), _CHANGES, answer=ApplyAnswer),
+    "restart": Op(dict(_SMOKE, config=None, stop_only=None, no_wait=None, then=None, finalize=None), _CHANGES,
+                  answer=ServerSteps),
     "service": Op({"action": None, "phase": None, "keep_lock": None, "smoke": None, "capture_layers": None,
-                   "hidden_size": None}, _CHANGES),
-    "rollback": Op({"to": None, "force": None, "reason": None, "restart": None, "keep_lock": None}, _CHANGES),
-    "wait_ready": Op({"config": None, "profile": Profile, "capture_layers": None}, [AGENT]),
-    "smoke": Op(dict(_SMOKE, finalize=None), [AGENT]),
+                   "hidden_size": None}, _CHANGES, answer=ServiceAnswer),
+    "rollback": Op({"to": None, "force": None, "reason": None, "restart": None, "keep_lock": None}, _CHANGES,
+                   answer=RollbackAnswer),
+    "wait_ready": Op({"config": None, "profile": Profile, "capture_layers": None}, [AGENT], answer=ReadyAnswer),
+    "smoke": Op(dict(_SMOKE, finalize=None), [AGENT], answer=SmokeAnswer),
     "release": Op({"record": None}, [AGENT]),
     "finalize": Op({}, [AGENT]),
-    "unlock": Op({"expect_run_id": None}, [AGENT]),
+    "unlock": Op({"expect_run_id": None}, [AGENT], answer=UnlockAnswer),
     "capture": Op({"capture_run": None, "in_flight": None, "keep_free": None, "request_timeout": None,
-                   "pool_from_bytes": None, "capture_layers": None, "hidden_size": None}, [AGENT_NOW], streamed=True),
+                   "pool_from_bytes": None, "capture_layers": None, "hidden_size": None}, [AGENT_NOW], streamed=True,
+                  answer=CaptureAnswer),
     "regenerate": Op({"in_flight": None, "request_timeout": None, "max_new_tokens": None, "temperature": None},
-                     [AGENT_NOW], streamed=True),
+                     [AGENT_NOW], streamed=True, answer=StreamedAnswer),
 }
+
+
+def read_answer(op, result):
+    """An op's result read through its answer type (protocol.OPS): a ProtocolError for an unknown op,
+    or a field the type does not name."""
+    if op not in OPS:
+        raise ProtocolError("unknown agent op %r" % (op,))
+    return OPS[op].answer.from_wire(result)
 
 
 def check_request(req):
