@@ -38,9 +38,20 @@ FAST_LANE = {
 }
 
 
+# The README's test command runs modules side by side in pytest-xdist workers (`--dist loadfile`: a module
+# stays in one worker, so its module-scoped fleets are built once). Workers take modules in collection
+# order, so the longest go first (seconds at commit fd276e2, --durations) and the short ones fill
+# in behind them; the order is the same in every worker, as xdist requires.
+LONGEST_FIRST = ["test_fleet.py", "test_deploy.py", "test_operator.py", "test_capture_run.py", "test_service.py",
+                 "test_capture_collect.py", "test_apply_rollback_files.py", "test_capture_tokenizer.py"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """In a FAST_LANE module, a test that needs an SGLang tree (a fleet, a server, real SGLang: every
-    fixture of theirs depends on `sglang_tree`) is slow unless named; its quick tests stay fast."""
+    """Longest modules first (see LONGEST_FIRST). In a FAST_LANE module, a test that needs an SGLang tree
+    (a fleet, a server, real SGLang: every fixture of theirs depends on `sglang_tree`) is slow unless
+    named; its quick tests stay fast."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     slow = pytest.mark.slow
     for item in items:
         keep = FAST_LANE.get(item.path.name)

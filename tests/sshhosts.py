@@ -57,6 +57,9 @@ def _fingerprint(pub_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
+DEMO_PORT = 30000  # the shipped inventory's demo host serves here
+
+
 def free_port(address: str = "127.0.0.1") -> int:
     return free_ports(address, 1)[0]
 
@@ -64,7 +67,9 @@ def free_port(address: str = "127.0.0.1") -> int:
 def free_ports(address: str, n: int, avoid: set[int] = frozenset()) -> list[int]:
     """n distinct free ports on address, none in avoid, all below the kernel's ephemeral range: a server
     restarted on a port that an outgoing connection took as its source port meanwhile could not bind,
-    and two servers handed one port would each see the other. All stay bound until all are chosen."""
+    and two servers handed one port would each see the other. All stay bound until all are chosen.
+    Never DEMO_PORT: the demo test (tests/test_operator.py) needs it free while other modules run
+    beside it in other pytest-xdist workers."""
     try:
         ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -76,7 +81,7 @@ def free_ports(address: str, n: int, avoid: set[int] = frozenset()) -> list[int]
         for port in candidates:
             if len(held) == n:
                 break
-            if port in avoid:
+            if port in avoid or port == DEMO_PORT:
                 continue
             s = socket.socket()
             try:
