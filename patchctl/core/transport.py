@@ -513,69 +513,87 @@ class SSHTransport(Transport):
         with self._lock:
             command = (shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " "
                        + " ".join(shlex.quote(w) for w in python_args(stream is not None)))
-            for attempt in (1, 2):
-                conn = self._open()
-                transport = conn.transport
-                try:
-                    chan = transport.open_session(timeout=self.connect_timeout)
-                    break
-                except (paramiko.SSHException, OSError, EOFError) as e:
-                    # No command was sent yet, so one fresh connection is safe (a stale idle session).
-                    self._drop()
-                    if attempt == 2:
-                        raise HostUnreachable(f"{self.describe()}: cannot open a session: "
-                                              f"{e or type(e).__name__}") from None
-            try:
-                chan.exec_command(command)
-            except (paramiko.SSHException, OSError, EOFError) as e:
-                self._drop()
-                raise ConnectionLost(f"{self.describe()}: the session broke while starting the command: "
-                                     f"{e or type(e).__name__}; it may or may not have started") from None
-            self.commands_run += 1
-            events: queue.Queue = queue.Queue()
+            chan = self._open_channel()
+            self._exec(chan, command)
             out_chunks: list[bytes] = []
-            feed_stdin = _feed(chan.sendall, chan.shutdown_write, stdin_payload(script, stream is not None), stream)
-
-            threads = _start_pumps(feed_stdin, chan.recv, chan.recv_stderr, events, out_chunks)
-            started = threading.Event()  # the command's first byte: from then on only its own words count
-            cap = (silence or 4) / 4
-            probe = threading.Thread(target=_probe_link, args=(transport, events, started, min(PROBE_EVERY_S, cap), cap),
-                                     daemon=True)
-            if silence is not None:
-                probe.start()
             err_lines: list[str] = []
-            deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                outcome = _pump(events, 2, deadline, silence, on_stderr_line, err_lines, started)
-                if outcome == FINISHED:  # both streams at EOF: the exit status follows at once, or the session is gone
-                    wait = self.connect_timeout if deadline is None else max(0.0, deadline - time.monotonic())
-                    chan.status_event.wait(wait)  # none within that: the session is gone (seen below)
-            except BaseException:  # a callback raised, or ^C: do not leave the command attached
-                chan.close()
-                raise
-            finally:
-                started.set()  # the probe stops
-            if outcome != FINISHED:
-                chan.close()
-                self._drop()
-                if outcome == SILENT:
-                    raise ConnectionLost(_silent_message(self.describe(), silence, "the session was closed"))
-                if outcome == NOT_STARTED:
-                    raise ConnectionLost(_not_started_message(self.describe(), silence))
-                raise CommandTimeout(f"{self.describe()}: command did not finish within {timeout:g}s; the session was "
-                                     "closed and the host's state is unknown")
+            outcome, threads, probe = self._pump_command(chan, script, stream, timeout, silence, on_stderr_line,
+                                                         out_chunks, err_lines)
+            self._check_outcome(chan, outcome, timeout, silence)
             for t in threads:
                 t.join(1)
             if probe.is_alive():  # its answer is on its way: let it not count for the next command
                 probe.join(self.connect_timeout)
-            got_status = chan.exit_status != -1
-            alive = transport.is_active()
-            if not alive or (not got_status and not chan.closed):
-                self._drop()
-                raise ConnectionLost(f"{self.describe()}: the SSH connection broke while a command was running; "
-                                     "the host's state is unknown")
+            self._check_ended(chan)
             chan.close()
             return RunResult(chan.exit_status, b"".join(out_chunks).decode("utf-8", "replace"), "".join(err_lines))
+
+    def _open_channel(self):
+        for attempt in (1, 2):
+            conn = self._open()
+            try:
+                return conn.transport.open_session(timeout=self.connect_timeout)
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                # No command was sent yet, so one fresh connection is safe (a stale idle session).
+                self._drop()
+                if attempt == 2:
+                    raise HostUnreachable(f"{self.describe()}: cannot open a session: "
+                                          f"{e or type(e).__name__}") from None
+
+    def _exec(self, chan, command: str) -> None:
+        try:
+            chan.exec_command(command)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            self._drop()
+            raise ConnectionLost(f"{self.describe()}: the session broke while starting the command: "
+                                 f"{e or type(e).__name__}; it may or may not have started") from None
+        self.commands_run += 1
+
+    def _pump_command(self, chan, script, stream, timeout, silence, on_stderr_line, out_chunks, err_lines):
+        """Feed the script (and the stream), read stdout, stderr lines and events until both streams end, the
+        deadline passes or the host falls silent; the link probe runs meanwhile when a silence limit is set."""
+        transport = chan.get_transport()
+        events: queue.Queue = queue.Queue()
+        feed_stdin = _feed(chan.sendall, chan.shutdown_write, stdin_payload(script, stream is not None), stream)
+        threads = _start_pumps(feed_stdin, chan.recv, chan.recv_stderr, events, out_chunks)
+        started = threading.Event()  # the command's first byte: from then on only its own words count
+        cap = (silence or 4) / 4
+        probe = threading.Thread(target=_probe_link, args=(transport, events, started, min(PROBE_EVERY_S, cap), cap),
+                                 daemon=True)
+        if silence is not None:
+            probe.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            outcome = _pump(events, 2, deadline, silence, on_stderr_line, err_lines, started)
+            if outcome == FINISHED:  # both streams at EOF: the exit status follows at once, or the session is gone
+                wait = self.connect_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+                chan.status_event.wait(wait)  # none within that: the session is gone (seen below)
+        except BaseException:  # a callback raised, or ^C: do not leave the command attached
+            chan.close()
+            raise
+        finally:
+            started.set()  # the probe stops
+        return outcome, threads, probe
+
+    def _check_outcome(self, chan, outcome, timeout, silence) -> None:
+        if outcome == FINISHED:
+            return
+        chan.close()
+        self._drop()
+        if outcome == SILENT:
+            raise ConnectionLost(_silent_message(self.describe(), silence, "the session was closed"))
+        if outcome == NOT_STARTED:
+            raise ConnectionLost(_not_started_message(self.describe(), silence))
+        raise CommandTimeout(f"{self.describe()}: command did not finish within {timeout:g}s; the session was "
+                             "closed and the host's state is unknown")
+
+    def _check_ended(self, chan) -> None:
+        got_status = chan.exit_status != -1
+        alive = chan.get_transport().is_active()
+        if not alive or (not got_status and not chan.closed):
+            self._drop()
+            raise ConnectionLost(f"{self.describe()}: the SSH connection broke while a command was running; "
+                                 "the host's state is unknown")
 
     def _drop(self) -> None:
         """Forget a connection that broke or timed out; the next command reports it, never retries blindly."""
