@@ -179,6 +179,21 @@ def module_dump(sglang_tree, tmp_path_factory):
     return out / "m-0.safetensors", fb.input_ids.tolist(), H
 
 
+def test_the_hand_written_dump_has_the_layout_the_module_writes(module_dump, tmp_path):
+    """write_dump (hidden_dump_util, used by the defect tests here and in test_host_units) writes what the
+    hidden-dump module writes: the same metadata keys and, for the same shape and layers, the same values but
+    the request's own, and the same tensors in the same dtypes and shapes."""
+    path, ids, H = module_dump
+    real_meta, real_t = dumpscan.layout(path.read_bytes())
+    mine = tmp_path / "mine.safetensors"
+    _dump(mine, T=len(ids), H=H, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=ids)
+    meta, t = dumpscan.layout(mine.read_bytes())
+    assert set(meta) == set(real_meta)
+    own = {"rid", "model_arch"}  # the request's id and the model: the module's from its runner, ours made up
+    assert {k: v for k, v in meta.items() if k not in own} == {k: v for k, v in real_meta.items() if k not in own}
+    assert {k: (v[0], v[1]) for k, v in t.items()} == {k: (v[0], v[1]) for k, v in real_t.items()}
+
+
 def test_files_the_module_writes_pass_and_their_corruption_is_caught(module_dump, tmp_path, backend):
     path, ids, H = module_dump
     assert capture.check_file(str(path), ids, LLAMA_245, H) == (
