@@ -96,8 +96,7 @@ class UnitDeploy:
         self.applied: list[HostSession] = []  # the nodes whose files this run changed (or may have)
         self.results: dict[str, dict] = {}  # each node's apply answer
         self.failure: tuple[HostSession, Exception] | None = None  # APPLY: the first node that failed
-        self.chained_failure: Exception | None = None  # CHAINED: the restart or smoke that failed in the command
-        self.error: Exception | None = None  # FAILED: what failed
+        self.error: Exception | None = None  # FAILED: what failed (CHAINED: the restart or smoke in the command)
 
     def layers(self, host: Host):
         return host.server.capture_layers or (list(self.series.smoke.layers) if self.series.smoke.layers else None)
@@ -170,7 +169,7 @@ class UnitDeploy:
             return s, r, None
         except Exception as e:  # noqa: BLE001 - reported per host
             if chain and getattr(e, "step", "apply") != "apply":  # the files were applied; restart or smoke failed
-                self.chained_failure = e
+                self.error = e
                 return s, {"changed": True}, None
             return s, None, e
 
@@ -211,8 +210,8 @@ class UnitDeploy:
         return self._deployed(res)
 
     def _chained(self):
-        if self.chained_failure is not None:
-            raise self.chained_failure
+        if self.error is not None:  # the command's restart or smoke failed
+            return State.FAILED
         return self._deployed(self.results[self.head.host.name])
 
     def _deployed(self, res: dict | None) -> UnitResult:
