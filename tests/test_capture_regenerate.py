@@ -24,7 +24,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from fleet import Fleet, wait_for
-from test_capture_run import done_records as done_once
+from test_capture_run import agent_lock_free, done_records as done_once, journal as run_journal
 from patchctl.simserver.tokenizer import write_tokenizer
 
 MAX_NEW = 10
@@ -105,8 +105,34 @@ def regenerated_turns(row: dict) -> list[str]:
 
 
 def journal(f, name: str) -> list[dict]:
-    p = f.base / "xdg-state" / "patchctl" / "regenerations" / name / "journal.jsonl"
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
+    return run_journal(f, name, "regenerations")
+
+
+def serve_with(f, h, **knobs: str) -> int:
+    """Restart h's server with these stand-in knobs (PATCHCTL_SIM_<NAME>), its log emptied (stalled() and
+    held() read it): a host held at a known point of a run, with work out, however fast the run."""
+    old = f.server_pid(h)
+    if old:
+        os.killpg(old, signal.SIGKILL)
+        wait_for(lambda: f.server_pid(h) is None, 30, what=f"{h.name}'s server gone")
+    (h.dir / "server.log").write_text("")
+    return f.start_server(h, env={f"PATCHCTL_SIM_{k.upper()}": v for k, v in knobs.items()})
+
+
+def stalled(h) -> bool:
+    """h's server has received a request it will never answer (PATCHCTL_SIM_STALL_AFTER logs the moment)."""
+    return "will never be answered" in (h.dir / "server.log").read_text(errors="replace")
+
+
+def held(h) -> bool:
+    """h's server holds a request at its closed gate (PATCHCTL_SIM_REQUEST_GATE logs it)."""
+    return "waits until" in (h.dir / "server.log").read_text(errors="replace")
+
+
+def restart_plain(f, h) -> None:
+    os.killpg(f.server_pid(h), signal.SIGKILL)
+    wait_for(lambda: f.server_pid(h) is None, 30, what=f"{h.name}'s server gone")
+    f.start_server(h)
 
 
 def check_output(f, rows, out_path, originals=True):
@@ -173,13 +199,26 @@ def test_every_turn_is_the_servers_answer_to_its_regenerated_context(fleet, tmp_
 def test_a_server_killed_mid_run_its_conversations_finish_elsewhere_none_twice(fleet, tmp_path):
     f = fleet
     rows = conversations(tmp_path / "conv.jsonl", 90, seed=2)
-    proc = f.popen("--json", "capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "killed", "--out",
-                   str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "1",
-                   "--max-fail", "1", "--drop-original")
-    wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 3
-             or proc.poll() is not None, 120, what="host1 at work")
-    assert proc.poll() is None, "the run ended before host1's server could be killed"
-    os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)
+    # held at a known point, however fast the run (90 conversations take ~1 s here): host0's and host2's
+    # servers hold their requests at a closed gate, so host1 works alone until its server holds its 8th
+    # request (2+ conversations done, one out on it); then its server is killed and the gate opened
+    gate = tmp_path / "gate"
+    serve_with(f, f.hosts[0], request_gate=str(gate))
+    serve_with(f, f.hosts[2], request_gate=str(gate))
+    serve_with(f, f.hosts[1], stall_after="8")
+    try:
+        proc = f.popen("--json", "capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "killed", "--out",
+                       str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "1",
+                       "--max-fail", "1", "--drop-original")
+        wait_for(lambda: stalled(f.hosts[1]) or proc.poll() is not None, 120, what="host1's server holding a request")
+        assert proc.poll() is None, proc.communicate()
+        wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 2,
+                 60, what="host1's first conversations journalled")
+        wait_for(lambda: held(f.hosts[0]) and held(f.hosts[2]), 60, what="host0 and host2 holding their first requests")
+        assert not any(r["rec"] == "done" and r["host"] != "host1" for r in journal(f, "killed"))
+        os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)  # mid-run: a conversation is out on host1
+    finally:
+        gate.touch()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     recs = journal(f, "killed")
@@ -205,12 +244,19 @@ def test_the_controller_killed_then_resumed_redoes_no_finished_conversation(flee
     rows = conversations(tmp_path / "conv.jsonl", 120, seed=3)
     args = ("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "crash", "--out",
             str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "1")
+    # held at a known point, however fast the run: every server answers 15 requests and holds its 16th, so
+    # each host has finished 5+ conversations (at most 3 turns each, one at a time) and has one out
+    for h in f.hosts:
+        serve_with(f, h, stall_after="16")
     proc = f.popen(*args)
-    wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 15 or proc.poll() is not None,
-             120, what="15 conversations done")
-    assert proc.poll() is None, "the run ended before it could be killed"
+    wait_for(lambda: all(stalled(h) for h in f.hosts) or proc.poll() is not None, 120, what="every server holding a request")
+    assert proc.poll() is None, proc.communicate()
+    wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 15, 60, what="15 conversations journalled")
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
+    for h in f.hosts:
+        restart_plain(f, h)
+        wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
     first = journal(f, "crash")
     finished = set(done_once(first))
     assert 15 <= len(finished) < len(rows)

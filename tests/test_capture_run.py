@@ -89,9 +89,10 @@ def dataset(path: Path, n: int, *, seed: int, lengths=(4, 40), poison: int = 0, 
     return out
 
 
-def journal(f, name: str) -> list[dict]:
-    """The run's journal; a last line still being written (no newline yet) is skipped, as the product does."""
-    p = f.base / "xdg-state" / "patchctl" / "captures" / name / "journal.jsonl"
+def journal(f, name: str, kind: str = "captures") -> list[dict]:
+    """The run's journal (kind "regenerations": a regeneration's); a last line still being written (no
+    newline yet) is skipped, as the product does."""
+    p = f.base / "xdg-state" / "patchctl" / kind / name / "journal.jsonl"
     if not p.exists():
         return []
     lines = p.read_text().split("\n")

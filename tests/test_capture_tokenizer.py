@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleet import Fleet
+from test_capture_run import journal
 from patchctl.host.tokenizer import listing
 from patchctl.simserver.tokenizer import write_tokenizer
 
@@ -35,11 +36,6 @@ def fleet2(tmp_path_factory, sglang_tree):
     assert p.returncode == 0, p.stdout + p.stderr
     yield f
     f.close()
-
-
-def journal(f, name: str) -> list[dict]:
-    p = f.base / "xdg-state" / "patchctl" / "captures" / name / "journal.jsonl"
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else []
 
 
 @pytest.mark.slow  # a prepare over SSH and a capture run on two hosts

@@ -74,7 +74,8 @@ def test_help_says_stand_in():
                          capture_output=True, text=True, check=True).stdout
     assert "stand-in" in out.lower() and "not SGLang" in out
     for knob in ("PATCHCTL_SIM_START_DELAY", "PATCHCTL_SIM_START_GATE", "PATCHCTL_SIM_CRASH_AT_START", "PATCHCTL_SIM_HANG",
-                 "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_STALL_AFTER", "PATCHCTL_SIM_NAN_LAYER", "PATCHCTL_SIM_LIGHT"):
+                 "PATCHCTL_SIM_DIE_AFTER", "PATCHCTL_SIM_STALL_AFTER", "PATCHCTL_SIM_REQUEST_GATE", "PATCHCTL_SIM_NAN_LAYER",
+                 "PATCHCTL_SIM_LIGHT"):
         assert knob in out
     # the console script (pyproject: patchctl.simserver:main) is the same program
     script = Path(sys.executable).with_name("patchctl-simserver")
@@ -352,6 +353,26 @@ def test_knob_start_gate_holds_loading_until_the_file_exists(sglang_tree, start,
     assert s.get("/health")[0] == 503 and "Load weight end" not in s.text()
     gate.touch()
     s.wait_ready()
+
+
+def test_knob_request_gate_holds_requests_until_the_file_exists(sglang_tree, start, tmp_path):
+    import threading
+
+    gate = tmp_path / "gate"
+    s = start(sglang_tree, env={"PATCHCTL_SIM_REQUEST_GATE": str(gate)})
+    s.wait_ready()
+    assert s.get("/health_generate")[0] == 200  # healthy while it holds requests
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", gen(s, [1, 2, 3])))
+    t.start()
+    deadline = time.monotonic() + 120  # only catches a hang
+    while "request 1 waits until" not in s.text():
+        assert time.monotonic() < deadline and s.proc.poll() is None, s.text()
+        time.sleep(0.05)
+    assert t.is_alive() and "r" not in box
+    gate.touch()
+    t.join(120)
+    assert box["r"][0] == 200
 
 
 def test_knob_die_after(sglang_tree, start):

@@ -6,7 +6,7 @@ it shuts down), then run a one-token health request through the engine;
 takes `text` or `input_ids` (one or a batch), `rid`, `sampling_params`, and answers
 with `meta_info.prompt_tokens` as SGLang does. Prompt lengths are checked as SGLang 0.5.23 does
 (patchctl.host.limits): `T >= context` or `T + max_new_tokens > context` refused up front (HTTP 400),
-`T >= max_req_input_len` aborted by the scheduler: a 1-token stub prefill, then HTTP 400. The DIE_AFTER / STALL_AFTER knobs act here.
+`T >= max_req_input_len` aborted by the scheduler: a 1-token stub prefill, then HTTP 400. The DIE_AFTER / STALL_AFTER / REQUEST_GATE knobs act here.
 Generation is greedy from the tiny model (temperature is ignored), up to max_new_tokens, ending early
 after the tokenizer's eos (finish_reason stop). With tokenizer files in the model directory
 (`chat.ChatTokenizer`) `text` is tokenized and answered with them and `POST /v1/chat/completions`
@@ -42,6 +42,7 @@ class State:
         self.count_lock = threading.Lock()
         self.die_after = knobs.die_after()
         self.stall_after = knobs.stall_after()
+        self.request_gate = knobs.request_gate()
 
 
 class BadRequest(ValueError):
@@ -114,6 +115,11 @@ class Handler(BaseHTTPRequestHandler):
             while not app.state.shutting_down:
                 time.sleep(0.05)
             return self._send(503, {"detail": "shutting down"})
+        gate = app.state.request_gate
+        if gate and not os.path.exists(gate):
+            logger.warning("PATCHCTL_SIM_REQUEST_GATE: request %d waits until %s exists (stand-in knob)", count, gate)
+            while not os.path.exists(gate) and not app.state.shutting_down:
+                time.sleep(0.05)
         if not app.state.ready:
             # SGLang queues requests until the scheduler runs; we do the same by waiting.
             while not app.state.ready and not app.state.shutting_down:

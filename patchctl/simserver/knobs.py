@@ -8,6 +8,8 @@
   PATCHCTL_SIM_DIE_AFTER=N     os._exit(1) when the N-th client POST /generate arrives
   PATCHCTL_SIM_STALL_AFTER=N   the N-th and later client POST /generate never answer (a hung
                                scheduler: the connection stays open until shutdown)
+  PATCHCTL_SIM_REQUEST_GATE=F  client POSTs wait until the file F exists (healthy, but holding its work:
+                               tests hold a host at a known point of a run and let it go)
   PATCHCTL_SIM_NAN_LAYER=L     NaN in column 0 of the captured input of layer L
   PATCHCTL_SIM_NAN_TOKEN=T,..  NaN in column 0 of the first captured layer, in the rows of these token
                                ids only (a corrupt dump for exactly the prompts holding one)
@@ -31,6 +33,7 @@ HELP = """\
   PATCHCTL_SIM_HANG=1            never become ready (/health answers 503 forever)
   PATCHCTL_SIM_DIE_AFTER=N       os._exit(1) when the N-th client POST /generate arrives
   PATCHCTL_SIM_STALL_AFTER=N     the N-th and later client POST /generate never answer
+  PATCHCTL_SIM_REQUEST_GATE=F    client POSTs wait until the file F exists (health checks answer)
   PATCHCTL_SIM_NAN_LAYER=L       write NaN into the captured input of layer L
   PATCHCTL_SIM_NAN_TOKEN=T,...   write NaN into the first captured layer's rows of these token ids
   PATCHCTL_SIM_RECORD_DIR=D      save each prompt's computed capture rows in D (tests compare dumps)
@@ -69,6 +72,10 @@ def die_after() -> int:
 
 def stall_after() -> int:
     return int(os.environ.get("PATCHCTL_SIM_STALL_AFTER") or 0)
+
+
+def request_gate() -> str | None:
+    return os.environ.get("PATCHCTL_SIM_REQUEST_GATE") or None
 
 
 def nan_layer() -> str | None:
