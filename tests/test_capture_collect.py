@@ -416,7 +416,8 @@ def test_on_host_resumes_after_the_controller_is_killed(fleet, tmp_path):
     shared, dest = tmp_path / "shared", tmp_path / "idx"
     args = ("--json", "capture", "collect", "ohk", "--format", "specforge", "--on-host", str(shared), "--to", str(dest),
             "--workers", "1")
-    proc = f.popen(*args, env={"PATCHCTL_CONVERT_PAUSE_S": "0.3"})  # tests: each host pauses after every sample
+    # tests: each host pauses 1 s after every sample, so the 20 left when the kill lands need 10 s or more
+    proc = f.popen(*args, env={"PATCHCTL_CONVERT_PAUSE_S": "1"})
     wait_for(lambda: (dest / "index.jsonl").exists() and len(index_of(dest)) >= 4 or proc.poll() is not None, 120,
              what="4 samples converted")
     proc.send_signal(signal.SIGKILL)
