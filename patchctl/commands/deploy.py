@@ -23,7 +23,7 @@ from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
 from patchctl.core.options import DeployOptions
 from patchctl.core.remote import AgentFailure, AgentLost
-from patchctl.core.preflight import preflight
+from patchctl.core.preflight import Gate, preflight
 from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, UnitResult, host_error
@@ -161,11 +161,23 @@ class UnitDeploy:
             return UnitResult(self.names, Outcome.APPLIED, "files applied; server not restarted (--no-restart)", touched=True)
         return State.CHAINED if chain else State.RESTART
 
+    def apply_fields(self) -> dict:
+        """What each node's apply request carries (the same whether the preflight's gate sends it)."""
+        return dict(series=self.run.series_req, restart=self.restart_server, keep_lock=self.restart_server,
+                    repo_commit=self.run.repo_commit, **self.chain_fields())
+
     def _apply_one(self, s: HostSession, chain: dict):
-        """(session, its answer, its error): one node's apply, and with `chain` its restart and smoke."""
+        """(session, its answer, its error): one node's apply, and with `chain` its restart and smoke.
+        A node whose apply command the preflight started (its Gate) gets the go; one whose command ended
+        before the go (nothing applied) gets a command of its own."""
+        gate = self.run.gates.pop(s.host.name, None)
         try:
-            r = s.call("apply", "apply", series=self.run.series_req, restart=self.restart_server,
-                       keep_lock=self.restart_server, repo_commit=self.run.repo_commit, **chain)
+            if gate is not None and gate.go():
+                r = gate.wait()
+            else:
+                if gate is not None:
+                    gate.ended.wait()  # ended already: its transport is free
+                r = s.call("apply", "apply", **self.apply_fields())
             return s, r, None
         except Exception as e:  # noqa: BLE001 - reported per host
             if chain and getattr(e, "step", "apply") != "apply":  # the files were applied; restart or smoke failed
@@ -331,6 +343,11 @@ def run_apply(app: App, opts: DeployOptions) -> int:
     stopped = None
     try:
         with rep, Interrupts(run) as intr:
+            if not opts.skip_trace:  # the first batch's nodes are probed by their own apply commands
+                first = [h for u in units[:sizes[0]] for h in u][:run.forks] if sizes else []
+                for h in first:
+                    d = UnitDeploy(run, series, next(u for u in units if h in u), opts)
+                    run.gates[h.name] = Gate(run.session(h), d.apply_fields())
             blocked = {} if opts.skip_trace else preflight(run, series, run.hosts)
             if blocked:  # refuse the whole run before any change: nothing touched anywhere
                 stopped = "refused by the reachability preflight (nothing touched; --skip-trace deploys anyway)"

@@ -99,8 +99,9 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
     """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
     every `beat_s` seconds (a quarter of the silence limit), so `silence` seconds without a byte means a hung link or
     host (ConnectionLost).
-    `stream`: more input for a long-running op, after the script (Transport.run_python)."""
-    if stream is not None and not OPS[request["op"]].streamed:
+    `stream`: more input for a long-running op, after the script (Transport.run_python), or an apply's
+    go (`gate`: core.preflight.Gate)."""
+    if stream is not None and not (OPS[request["op"]].streamed or request.get("gate")):
         raise ProtocolError(f"op {request['op']} reads no stream (protocol.OPS)")
     other: list[str] = []
     saw_agent: list[bool] = []

@@ -103,16 +103,22 @@ class HostSession:
                        state_dir=h.state_dir, sglang_root=h.sglang_root, python=python, server=h.server.to_spec())
         return make_request(env, **fields)
 
-    def call(self, op: str, step: str | None = None, **fields) -> dict:
+    def call(self, op: str, step: str | None = None, *, gate=None, **fields) -> dict:
         """One agent round trip; with `step`, reported as a host step. Breaks provably stale locks once.
         An agent that goes on to a next step in the same command says so (a `step` event): the step in
-        hand ends and that one starts, so the report and a failure's step are the host's true ones."""
+        hand ends and that one starts, so the report and a failure's step are the host's true ones.
+        `gate` (core.preflight.Gate): an apply whose agent first answers the preflight's probe and then
+        waits for the go; its step starts with the go."""
         rep = self.run.reporter if step else None
-        at = {"op": op, "step": step, "rec": rep.step_start(self.host.name, step) if rep else None}
+        at = {"op": op, "step": step, "rec": rep.step_start(self.host.name, step) if rep and gate is None else None}
+        if gate is not None:
+            fields["gate"] = True
+            if rep:
+                gate.on_go = lambda: at.update(rec=rep.step_start(self.host.name, step))
 
         def next_step(ev: dict) -> None:
             failed = ev.get("failed")  # the step in hand failed and the agent goes on to roll it back
-            if rep:
+            if at["rec"]:
                 if failed is None:
                     rep.step_end(at["rec"], True, ev.get("ended") or "")
                 else:
@@ -127,12 +133,13 @@ class HostSession:
         try:
             req = self.request(op, **fields)
             try:
-                res = self._call(req, next_step)
+                res = self._call(req, next_step, gate)
             except AgentFailure as e:
                 holder = e.details.get("holder") or {}
                 if e.kind == "locked" and holder.get("run_id") and holder_is_stale(holder):
                     self.note(f"breaking stale lock of {describe_holder(holder)}: its process is gone")
                     req["break_stale"] = holder["run_id"]
+                    req.pop("gate", None)  # the go was given: the retry applies at once
                     res = self._call(req, next_step)
                 else:
                     raise
@@ -157,14 +164,18 @@ class HostSession:
             self.run.reporter.step_end(at["rec"], True, _step_summary(at["op"], res), res)
         return res
 
-    def _call(self, req: dict, next_step=None) -> dict:
+    def _call(self, req: dict, next_step=None, gate=None) -> dict:
         def on_event(ev):
+            if ev.get("event") == "probed" and gate is not None:
+                gate.probed(ev)  # the preflight's answer, reported by the preflight
+                return
             if ev.get("event") == "step" and next_step is not None:
                 next_step(ev)
             if self.run.reporter:
                 self.run.reporter.agent_event(self.host.name, ev)
 
-        return remote.call(self.transport, req, on_event=on_event, silence=self.run.silence)
+        stream = gate.decision() if gate is not None and req.get("gate") else None
+        return remote.call(self.transport, req, on_event=on_event, silence=self.run.silence, stream=stream)
 
     def note(self, msg: str) -> None:
         if self.run.reporter:
@@ -261,6 +272,7 @@ class Run:
         self.repo_commit = repo_commit
         self.stopping = threading.Event()  # first Ctrl-C: start no new unit
         self.preflight_errors: dict[str, Exception] = {}  # host -> why it could not even be probed
+        self.gates: dict = {}  # host -> its apply command, started by the preflight and waiting for the go (Gate)
         self.recover_verb = recover_verb  # after a second Ctrl-C: the command that recovers a cut-off unit
         self.state_left = state_left  # steps -> what a cut-off unit was left in (None: apply's reading)
         self._units: list[list[Host]] | None = None
@@ -304,6 +316,11 @@ class Run:
             return list(ex.map(fn, items))
 
     def close(self):
+        for g in self.gates.values():  # the go never came (refused, interrupted, stopped): they change nothing
+            g.stop()
+        for g in self.gates.values():
+            g.ended.wait(self.connect_timeout)
+        self.gates.clear()
         for s in self.sessions.values():
             try:
                 s.close()

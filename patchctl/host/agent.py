@@ -822,6 +822,8 @@ def handle(req):
         check_request(req)
     except ProtocolError as e:
         raise AgentError("bad_input", str(e))
+    if req.get("gate") and not _gate(req):
+        return {"changed": False, "note": "not applied: the run did not go ahead", "notes": []}
     fn, check = HANDLERS[req["op"]]
     if check:
         check(req)
@@ -836,6 +838,20 @@ def handle(req):
     result["notes"] = agent.notes
     OPS[req["op"]].answer.from_wire(result)  # a field its answer's type lacks: an agent bug, said here
     return result
+
+
+def _gate(req):
+    """apply with `gate`: apply's reachability preflight in the same command. First the read-only
+    `probe` (it creates, changes and locks nothing), answered as a `probed` event; then the controller's
+    word on stdin, which it gives once every host of the run was probed and this host's unit starts.
+    True only for "go"; anything else (EOF: the run refused, interrupted or gone) changes nothing."""
+    probe = dict((k, v) for k, v in req.items() if k not in OPS["apply"].fields)
+    probe["op"] = "probe"
+    try:
+        event("probed", facts=handle(probe))
+    except AgentError as e:
+        event("probed", error={"kind": e.kind, "message": str(e), "details": e.details})
+    return sys.stdin.buffer.readline().strip() == b"go"
 
 
 def main(req):

@@ -648,7 +648,8 @@ OPS = {
     "convert": Op({"run": None, "host": None, "out_dir": None, "expect": None, "layers": None, "workers": None,
                    "pause_s": None, "ids": None}, streamed=True, answer=ConvertAnswer),
     "apply": Op(dict(_SMOKE, series=SeriesRequest, restart=None, keep_lock=None, repo_commit=None, force=None,
-                     min_free_bytes=None, then=None, finalize=None, rollback_on_fail=None), _CHANGES, answer=ApplyAnswer),
+                     min_free_bytes=None, then=None, finalize=None, rollback_on_fail=None, gate=None), _CHANGES,
+                answer=ApplyAnswer),
     "restart": Op(dict(_SMOKE, config=None, stop_only=None, no_wait=None, then=None, finalize=None), _CHANGES,
                   answer=ServerSteps),
     "service": Op({"action": None, "phase": None, "keep_lock": None, "smoke": None, "capture_layers": None,
@@ -729,6 +730,7 @@ class Answer(Record):
 EVENTS = {
     "heartbeat": ("step", "pid", "path", "elapsed", "last", "sent"),
     "step": ("step", "op", "ended", "failed", "reason", "details"),  # failed: the step in hand failed (reason, details)
+    "probed": ("facts", "error"),  # apply with `gate`: the preflight's probe answer (or its failure), before the go
     "lock_broken": ("holder",),
     "undo_pending": ("series", "run_id"),
     "recovered": ("op", "run_id", "action", "files"),
