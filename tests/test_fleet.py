@@ -97,12 +97,18 @@ def test_max_fail_boundaries(fleet, max_fail, batch, crash, expect_reached, expe
     f = fleet
     f.write_inventory(host_overrides=light_deploys(f, crash))
     before = snapshot(f)
+    cmds = {h.name: h.ssh.count_commands() for h in f.hosts}
     p = f.patchctl("--json", "apply", "hidden-dump", "--no-smoke", "--batch", batch, "--max-fail", max_fail)
     assert p.returncode == expect_code, p.stderr
     ev = events(p)
     results = {e["host"]: e["outcome"] for e in ev if e["event"] == "host_result"}
     reached = [h for h, o in results.items() if o != "not reached"]
     assert len(reached) == expect_reached, results
+    # the first batch's hosts were probed by their own apply command (one command: probe, then the go;
+    # a crash rolled back in it too); a later batch's host by a probe of its own, then its apply if reached
+    first = {h.name for h in f.hosts[:int(batch)]}
+    sent = {h.name: h.ssh.count_commands() - cmds[h.name] for h in f.hosts}
+    assert sent == {h: 1 if h in first or results[h] == "not reached" else 2 for h in sent}, sent
     for h in crash:
         assert results[h] == "failed, rolled back (verified)"
     after = snapshot(f)

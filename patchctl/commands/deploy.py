@@ -175,7 +175,7 @@ class UnitDeploy:
             if gate is not None and gate.go():
                 r = gate.wait()
             else:
-                if gate is not None:
+                if gate is not None and gate.started:
                     gate.ended.wait()  # ended already: its transport is free
                 r = s.call("apply", "apply", **self.apply_fields())
             return s, r, None
@@ -343,8 +343,9 @@ def run_apply(app: App, opts: DeployOptions) -> int:
     stopped = None
     try:
         with rep, Interrupts(run) as intr:
-            if not opts.skip_trace:  # the first batch's nodes are probed by their own apply commands
-                first = [h for u in units[:sizes[0]] for h in u][:run.forks] if sizes else []
+            if not opts.skip_trace:  # the first batch's hosts are probed by their own apply commands
+                selected = {h.name for h in run.hosts}  # what the preflight probes (a unit may have more nodes)
+                first = [h for u in units[:sizes[0]] for h in u if h.name in selected][:run.forks] if sizes else []
                 for h in first:
                     d = UnitDeploy(run, series, next(u for u in units if h in u), opts)
                     run.gates[h.name] = Gate(run.session(h), d.apply_fields())

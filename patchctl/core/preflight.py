@@ -100,8 +100,7 @@ class Gate:
         if err:
             from patchctl.core.remote import AgentFailure
 
-            self.probe_error = AgentFailure(err.get("kind") or "attention", err.get("message") or "probe failed",
-                                            err.get("details"))
+            self.probe_error = AgentFailure(err.get("kind") or "attention", err.get("message") or "probe failed")
         else:
             self.facts = ev.get("facts") or {}
         self.answered.set()

@@ -318,8 +318,9 @@ class Run:
     def close(self):
         for g in self.gates.values():  # the go never came (refused, interrupted, stopped): they change nothing
             g.stop()
+        deadline = time.monotonic() + self.connect_timeout
         for g in self.gates.values():
-            g.ended.wait(self.connect_timeout)
+            g.ended.wait(max(0.0, deadline - time.monotonic()))
         self.gates.clear()
         for s in self.sessions.values():
             try:

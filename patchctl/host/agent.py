@@ -850,7 +850,7 @@ def _gate(req):
     try:
         event("probed", facts=handle(probe))
     except AgentError as e:
-        event("probed", error={"kind": e.kind, "message": str(e), "details": e.details})
+        event("probed", error={"kind": e.kind, "message": str(e)})
     return sys.stdin.buffer.readline().strip() == b"go"
 
 
