@@ -53,16 +53,19 @@ class ServiceUnit:
             return self._failed(e)
         if not res.get("changed"):
             return UnitResult(self.names, "unchanged", res.get("note") or "nothing to do")
-        msg = PAST[self.action]
+        parts = []  # the outcome says "restarted"; the detail what came of it
+        before = res.get("pid_before") if self.action != "start" else None
+        now = res.get("pid") if self.action != "stop" else None
+        if before or now:
+            parts.append(", ".join(([f"pid {before} stopped"] if before else []) + ([f"now pid {now}"] if now else [])))
         if res.get("ready_seconds") is not None:
-            msg += f", ready after {res['ready_seconds']}s"
+            parts.append(f"ready after {res['ready_seconds']}s")
         sm = res.get("smoke")
         if sm:
-            msg += f"; smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s"
+            parts.append(f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s")
         elif self.action != "stop":
-            msg += "; no smoke (" + ("--no-smoke" if self.opts.smoke is False
-                                     else "no capture series deployed") + ")"
-        return UnitResult(self.names, PAST[self.action], msg, touched=True)
+            parts.append("no smoke (" + ("--no-smoke" if self.opts.smoke is False else "no capture series deployed") + ")")
+        return UnitResult(self.names, PAST[self.action], "; ".join(parts) or PAST[self.action], touched=True)
 
     def _multi_node(self) -> dict:
         out = {"changed": False}
