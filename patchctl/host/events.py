@@ -62,6 +62,11 @@ def event(kind, **data):
         _last_beat[0] = time.time()
 
 
+def controller_gone():
+    """Whether a write failed or the heartbeat thread saw the controller's end closed (no write needed)."""
+    return _gone[0]
+
+
 def heartbeat(**data):
     """Called in every wait loop: raises ControllerGone there (a safe point) once the controller is gone."""
     if _gone[0]:

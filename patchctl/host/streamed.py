@@ -7,7 +7,7 @@ the controller routes it elsewhere). A subclass says what one sample is (`_take`
 import json
 import threading
 
-from .events import ControllerGone, event
+from .events import ControllerGone, controller_gone, event
 
 COUNTED = {"sample_done": "done", "sample_failed": "failed", "sample_returned": "returned"}
 
@@ -40,6 +40,9 @@ class Streamed(object):
         for w in workers:
             while w.is_alive() and not self.gone:
                 w.join(0.5)
+                # workers stuck on a hung server write nothing, so no write of theirs fails: the heartbeat
+                # thread's look at stderr is what tells an orphaned agent to stop (within a second)
+                self.gone = self.gone or controller_gone()
 
     def _read(self):
         try:
