@@ -254,9 +254,10 @@ def test_the_controller_killed_then_resumed_redoes_no_finished_conversation(flee
     wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 15, 60, what="15 conversations journalled")
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
+    for h in f.hosts:  # the agents see their controller gone and end, though their servers never answer
+        wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
     for h in f.hosts:
         restart_plain(f, h)
-        wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
     first = journal(f, "crash")
     finished = set(done_once(first))
     assert 15 <= len(finished) < len(rows)

@@ -39,6 +39,33 @@ def knobs(h) -> dict:
     return {"server": {"env": env}}
 
 
+@contextlib.contextmanager
+def held_servers(f, gate: Path, stall: dict[str, int]):
+    """A run held at a known point, however fast it goes: every server restarted by patchctl (as deployed,
+    no smoke) with a stand-in knob. A host in `stall` answers that many requests minus one, then holds
+    every later one (PATCHCTL_SIM_STALL_AFTER): it keeps samples out until its server is killed, stopped
+    or restarted. The others hold their requests at a gate until the file `gate` exists
+    (PATCHCTL_SIM_REQUEST_GATE): no progress until the test opens it. After: the usual inventory, and
+    every server restarted as usual (a stalled one still looks healthy)."""
+    def env(h):
+        knob = {"PATCHCTL_SIM_STALL_AFTER": str(stall[h.name])} if h.name in stall else {"PATCHCTL_SIM_REQUEST_GATE": str(gate)}
+        return {"server": {"env": dict(knobs(h)["server"]["env"], **knob)}}
+
+    f.write_inventory(host_overrides={h.name: env(h) for h in f.hosts})
+    try:
+        p = f.patchctl("restart", "--no-smoke")
+        assert p.returncode == 0, p.stdout + p.stderr
+        yield
+    finally:
+        gate.touch()
+        f.reap()
+        for h in f.hosts:
+            wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
+        f.write_inventory(host_overrides={h.name: knobs(h) for h in f.hosts})
+        p = f.patchctl("restart", "--no-smoke")
+        assert p.returncode == 0, p.stdout + p.stderr
+
+
 @pytest.fixture(scope="module")
 def fleet3(tmp_path_factory, sglang_tree):
     f = started_fleet(tmp_path_factory.mktemp("capture"), 3, sglang_tree, light=True)  # replaced by the deploy
@@ -172,33 +199,39 @@ def test_a_dataset_through_three_hosts_every_file_bit_exact_failures_retried_els
 def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(fleet, tmp_path):
     f = fleet
     samples = dataset(tmp_path / "ds.jsonl", 400, seed=2)
-    proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "killed", "--in-flight", "2",
-                   "--max-fail", "1", "--keep-free", "0")
-    wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 10
-             or proc.poll() is not None, 120, what="host1 at work")
-    assert proc.poll() is None, proc.communicate()  # the run is under way: the kill lands mid-run
-    os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
-    recs = journal(f, "killed")
-    done = done_records(recs)
-    assert set(done) == set(samples)
-    for sid, rec in done.items():
-        assert_bit_exact(f, rec, samples[sid])
-    stopped = [r for r in recs if r["rec"] == "host"]
-    assert [r["host"] for r in stopped] == ["host1"] and "does not answer" in stopped[0]["reason"], stopped
-    returned = [r for r in recs if r["rec"] == "returned"]
-    assert returned and all(r["host"] == "host1" for r in returned)
-    assert all(done[r["id"]]["host"] != "host1" for r in returned)
-    assert "host1: takes no more work" in err
-    restart = f"patchctl --inventory {f.inventory} --patches {f.patches} restart --limit host1"
-    assert f"servers down: host1; bring them back with: {restart}" in err
-    # a host whose server is gone does not take part; when no host does, nothing is sent (exit 2)
-    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "lonely", "--limit", "host1")
-    assert p.returncode == 2, p.stderr
-    assert "host1: does not take part: no server is running" in p.stderr and "nothing sent" in p.stderr
-    assert f"bring its server back: {restart}\n" in p.stderr and f"servers down on host1: {restart}" in p.stderr
-    assert journal(f, "lonely") == []
+    # host1 alone at work (host0 and host2 hold their first samples at the gate) until its server holds
+    # its 12th request: 10+ samples done, two out on it when the kill lands; then the gate opens
+    gate = tmp_path / "gate"
+    with held_servers(f, gate, {"host1": 12}):
+        proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "killed", "--in-flight", "2",
+                       "--max-fail", "1", "--keep-free", "0")
+        wait_for(lambda: sum(1 for r in journal(f, "killed") if r["rec"] == "done" and r["host"] == "host1") >= 10
+                 or proc.poll() is not None, 120, what="host1 at work")
+        assert proc.poll() is None, proc.communicate()
+        assert not any(r["rec"] == "done" and r["host"] != "host1" for r in journal(f, "killed"))
+        os.kill(f.server_pid(f.hosts[1]), signal.SIGKILL)  # mid-run: samples are out on host1
+        gate.touch()
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
+        recs = journal(f, "killed")
+        done = done_records(recs)
+        assert set(done) == set(samples)
+        for sid, rec in done.items():
+            assert_bit_exact(f, rec, samples[sid])
+        stopped = [r for r in recs if r["rec"] == "host"]
+        assert [r["host"] for r in stopped] == ["host1"] and "does not answer" in stopped[0]["reason"], stopped
+        returned = [r for r in recs if r["rec"] == "returned"]
+        assert returned and all(r["host"] == "host1" for r in returned)
+        assert all(done[r["id"]]["host"] != "host1" for r in returned)
+        assert "host1: takes no more work" in err
+        restart = f"patchctl --inventory {f.inventory} --patches {f.patches} restart --limit host1"
+        assert f"servers down: host1; bring them back with: {restart}" in err
+        # a host whose server is gone does not take part; when no host does, nothing is sent (exit 2)
+        p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "lonely", "--limit", "host1")
+        assert p.returncode == 2, p.stderr
+        assert "host1: does not take part: no server is running" in p.stderr and "nothing sent" in p.stderr
+        assert f"bring its server back: {restart}\n" in p.stderr and f"servers down on host1: {restart}" in p.stderr
+        assert journal(f, "lonely") == []
 
 
 def assert_handed_over(f, name: str, samples: dict, host: str, why: str) -> list[dict]:
@@ -221,48 +254,58 @@ def test_a_frozen_link_mid_run_its_samples_go_elsewhere_after_the_silence_limit(
     f = fleet
     h = f.hosts[1]
     samples = dataset(tmp_path / "ds.jsonl", 400, seed=7)
-    proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "frozen", "--in-flight", "2",
-                   "--max-fail", "1", "--keep-free", "0", env={"PATCHCTL_SILENCE_S": "10"})
-    try:
-        wait_for(lambda: sum(1 for r in journal(f, "frozen") if r["rec"] == "done" and r["host"] == h.name) >= 10
-                 or proc.poll() is not None, 120, what=f"{h.name} at work")
-        assert proc.poll() is None, "the run ended before the link froze"
-        # the link freezes: the host's SSH session processes stop (TCP still acknowledges, nothing moves)
-        assert h.ssh.kill_sessions(signal.SIGSTOP) >= 1
-        out, err = proc.communicate(timeout=300)
-    finally:
-        h.ssh.kill_sessions(signal.SIGKILL)  # the link is cut for good: the host's agent sees its controller gone
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
-    assert_handed_over(f, "frozen", samples, h.name, "no word from the command for 10s")
-    assert f"{h.name}: takes no more work" in err and "servers down" not in err  # the link, not the server
-    wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
+    # host1 alone at work (the others hold their first samples at the gate) until its server holds its
+    # 12th request: samples are out on it when its link freezes; then the gate opens
+    gate = tmp_path / "gate"
+    with held_servers(f, gate, {h.name: 12}):
+        proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "frozen", "--in-flight", "2",
+                       "--max-fail", "1", "--keep-free", "0", env={"PATCHCTL_SILENCE_S": "10"})
+        try:
+            wait_for(lambda: sum(1 for r in journal(f, "frozen") if r["rec"] == "done" and r["host"] == h.name) >= 10
+                     or proc.poll() is not None, 120, what=f"{h.name} at work")
+            assert proc.poll() is None, "the run ended before the link froze"
+            # the link freezes: the host's SSH session processes stop (TCP still acknowledges, nothing moves)
+            assert h.ssh.kill_sessions(signal.SIGSTOP) >= 1
+            gate.touch()
+            out, err = proc.communicate(timeout=300)
+        finally:
+            h.ssh.kill_sessions(signal.SIGKILL)  # the link is cut for good: the host's agent sees its controller gone
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
+        assert_handed_over(f, "frozen", samples, h.name, "no word from the command for 10s")
+        assert f"{h.name}: takes no more work" in err and "servers down" not in err  # the link, not the server
+        wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
 
 
 def test_a_hung_server_mid_run_its_samples_go_elsewhere_after_the_request_timeout(fleet, tmp_path):
     f = fleet
     h = f.hosts[2]
     samples = dataset(tmp_path / "ds.jsonl", 400, seed=8)
-    proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "hung", "--in-flight", "2",
-                   "--max-fail", "1", "--keep-free", "0", "--request-timeout", "15")
-    pid = None
-    try:
-        wait_for(lambda: sum(1 for r in journal(f, "hung") if r["rec"] == "done" and r["host"] == h.name) >= 10
-                 or proc.poll() is not None, 120, what=f"{h.name} at work")
-        assert proc.poll() is None, "the run ended before the server hung"
-        pid = f.server_pid(h)
-        os.kill(pid, signal.SIGSTOP)  # the server hangs: its port still accepts, nothing answers
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out + err
-    assert_handed_over(f, "hung", samples, h.name, "does not answer: no answer to a sample within 15s (--request-timeout)")
-    assert f"{h.name}: takes no more work" in err
-    assert f"servers down: {h.name}; bring them back with: " in err and f"restart --limit {h.name}" in err
+    # host2 alone at work (the others hold their first samples at the gate) until its server holds its
+    # 12th request: samples are out on it when it hangs; then the gate opens
+    gate = tmp_path / "gate"
+    with held_servers(f, gate, {h.name: 12}):
+        proc = f.popen("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "hung", "--in-flight", "2",
+                       "--max-fail", "1", "--keep-free", "0", "--request-timeout", "15")
+        pid = None
+        try:
+            wait_for(lambda: sum(1 for r in journal(f, "hung") if r["rec"] == "done" and r["host"] == h.name) >= 10
+                     or proc.poll() is not None, 120, what=f"{h.name} at work")
+            assert proc.poll() is None, "the run ended before the server hung"
+            pid = f.server_pid(h)
+            os.kill(pid, signal.SIGSTOP)  # the server hangs: its port still accepts, nothing answers
+            gate.touch()
+            out, err = proc.communicate(timeout=300)
+        finally:
+            if pid:
+                os.kill(pid, signal.SIGCONT)
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out + err
+        assert_handed_over(f, "hung", samples, h.name, "does not answer: no answer to a sample within 15s (--request-timeout)")
+        assert f"{h.name}: takes no more work" in err
+        assert f"servers down: {h.name}; bring them back with: " in err and f"restart --limit {h.name}" in err
 
 
 def test_the_controller_killed_then_resumed_resends_no_verified_sample(fleet, tmp_path):
@@ -271,19 +314,23 @@ def test_the_controller_killed_then_resumed_resends_no_verified_sample(fleet, tm
     args = ("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "crash", "--in-flight", "2", "--keep-free", "0")
     # the hosts check these dumps in their worker processes (as they do a big model's): an agent whose
     # controller is killed must still end, pool and all
-    proc = f.popen(*args, env={"PATCHCTL_CAPTURE_POOL_FROM_BYTES": "1"})
-    wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 60 or proc.poll() is not None,
-             120, what="60 samples done")
-    assert proc.poll() is None, proc.communicate()  # still running with >= 60 done: the kill lands mid-run
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
+    # every server answers 21 requests and holds the later ones: 63 samples done and the run held with
+    # samples out when the kill lands, however fast it goes; then the servers are restarted as usual
+    with held_servers(f, tmp_path / "gate", {h.name: 22 for h in f.hosts}):
+        proc = f.popen(*args, env={"PATCHCTL_CAPTURE_POOL_FROM_BYTES": "1"})
+        wait_for(lambda: sum(1 for r in journal(f, "crash") if r["rec"] == "done") >= 60 or proc.poll() is not None,
+                 120, what="60 samples done")
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        # the hosts' agents notice their controller is gone and end (the agent lock is free again), though
+        # their servers hold requests they never answer
+        for h in f.hosts:
+            wait_for(lambda: agent_lock_free(h), 30, what=f"{h.name}'s agent gone")
     first = journal(f, "crash")
     done_before = done_records(first)
     assert 60 <= len(done_before) < 600, "the kill must land mid-run"
     in_flight = {r["id"] for r in first if r["rec"] == "sent"} - set(done_before)
-    # the hosts' agents notice their controller is gone and end (the agent lock is free again)
-    for h in f.hosts:
-        wait_for(lambda: agent_lock_free(h), 30, what=f"{h.name}'s agent gone")
     p = f.patchctl(*args)
     assert p.returncode == 0, p.stdout + p.stderr
     second = journal(f, "crash")[len(first):]
