@@ -336,3 +336,35 @@ def test_repo_commit_names_the_patches_commit_and_says_dirty(tmp_path):
     assert repo_commit(patches) == sha
     (patches / "a.patch").write_text("two\n")
     assert repo_commit(patches) == sha + "-dirty"
+
+
+def test_a_gate_never_started_or_ended_before_its_go_gives_no_go(tmp_path):
+    """apply's preflight gate (core.preflight.Gate) over a real Run and SSH transport whose host refuses
+    the connection (a closed loopback port): the gated command ends before any probe answer, so the
+    unit's go is refused and it sends an apply of its own; a gate never started gives no go either,
+    and closing the run does not wait for it."""
+    from sshhosts import free_ports
+    from patchctl.core.console import App
+    from patchctl.core.options import DeployOptions
+    from patchctl.core.preflight import Gate
+    from patchctl.core.session import Run
+    from patchctl.core.transport import HostUnreachable
+
+    port = free_ports("127.0.0.1", 1)[0]  # nothing listens there: the connection is refused
+    inv = tmp_path / "inventory.toml"
+    inv.write_text(f'[hosts.h]\naddress = "127.0.0.1"\nport = {port}\nknown_hosts = "{tmp_path / "known_hosts"}"\n'
+                   f'sglang_root = "{tmp_path}"\n')
+    run = Run(App(patches_dir=tmp_path, inventory_path=inv), DeployOptions(), "apply")
+    try:
+        unstarted = Gate(run.session(run.hosts[0]), {})
+        assert not unstarted.started and not unstarted.go()
+        run.gates["h"] = unstarted
+        ended = Gate(run.session(run.hosts[0]), {}).start()
+        assert ended.answered.wait(60) and ended.ended.wait(60)
+        assert ended.facts is None and isinstance(ended.error, HostUnreachable)
+        assert not ended.go()
+        with pytest.raises(HostUnreachable):
+            ended.wait()
+    finally:
+        run.close()
+    assert run.gates == {}

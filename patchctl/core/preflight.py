@@ -79,9 +79,11 @@ class Gate:
         self._word: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._decided = False
+        self.started = False  # the preflight started its command (a gate never started is no gate)
         self._thread = threading.Thread(target=self._run, name=f"gate {session.host.name}", daemon=True)
 
     def start(self) -> "Gate":
+        self.started = True
         self._thread.start()
         return self
 
@@ -112,9 +114,10 @@ class Gate:
             yield word
 
     def go(self) -> bool:
-        """Let the agent apply. False when the command ended first: nothing was applied by it."""
+        """Let the agent apply. False when the command never started or ended first: nothing was applied by
+        it, and the unit sends an apply of its own."""
         with self._lock:
-            if self._decided or self.ended.is_set():
+            if self._decided or not self.started or self.ended.is_set():
                 return False
             self._decided = True
             if self.on_go is not None:

@@ -320,7 +320,8 @@ class Run:
             g.stop()
         deadline = time.monotonic() + self.connect_timeout
         for g in self.gates.values():
-            g.ended.wait(max(0.0, deadline - time.monotonic()))
+            if g.started:  # one never started has no command to end
+                g.ended.wait(max(0.0, deadline - time.monotonic()))
         self.gates.clear()
         for s in self.sessions.values():
             try:
