@@ -343,12 +343,13 @@ def run_apply(app: App, opts: DeployOptions) -> int:
     stopped = None
     try:
         with rep, Interrupts(run) as intr:
-            if not opts.skip_trace:  # the first batch's hosts are probed by their own apply commands
+            if not opts.skip_trace and sizes:  # the first batch's hosts are probed by their own apply commands
                 selected = {h.name for h in run.hosts}  # what the preflight probes (a unit may have more nodes)
-                first = [h for u in units[:sizes[0]] for h in u if h.name in selected][:run.forks] if sizes else []
-                for h in first:
-                    d = UnitDeploy(run, series, next(u for u in units if h in u), opts)
-                    run.gates[h.name] = Gate(run.session(h), d.apply_fields())
+                for u in units[:sizes[0]]:
+                    fields = UnitDeploy(run, series, u, opts).apply_fields()
+                    for h in u:
+                        if h.name in selected and len(run.gates) < run.forks:
+                            run.gates[h.name] = Gate(run.session(h), fields)
             blocked = {} if opts.skip_trace else preflight(run, series, run.hosts)
             if blocked:  # refuse the whole run before any change: nothing touched anywhere
                 stopped = "refused by the reachability preflight (nothing touched; --skip-trace deploys anyway)"
