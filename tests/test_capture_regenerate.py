@@ -109,8 +109,8 @@ def journal(f, name: str) -> list[dict]:
 
 
 def serve_with(f, h, **knobs: str) -> int:
-    """Restart h's server with these stand-in knobs (PATCHCTL_SIM_<NAME>), its log emptied (stalled() and
-    held() read it): a host held at a known point of a run, with work out, however fast the run."""
+    """Restart h's server with these stand-in knobs (PATCHCTL_SIM_<NAME>; none: as usual), its log emptied
+    (stalled() and held() read it): a host held at a known point of a run, with work out, however fast."""
     old = f.server_pid(h)
     if old:
         os.killpg(old, signal.SIGKILL)
@@ -127,12 +127,6 @@ def stalled(h) -> bool:
 def held(h) -> bool:
     """h's server holds a request at its closed gate (PATCHCTL_SIM_REQUEST_GATE logs it)."""
     return "waits until" in (h.dir / "server.log").read_text(errors="replace")
-
-
-def restart_plain(f, h) -> None:
-    os.killpg(f.server_pid(h), signal.SIGKILL)
-    wait_for(lambda: f.server_pid(h) is None, 30, what=f"{h.name}'s server gone")
-    f.start_server(h)
 
 
 def check_output(f, rows, out_path, originals=True):
@@ -257,7 +251,7 @@ def test_the_controller_killed_then_resumed_redoes_no_finished_conversation(flee
     for h in f.hosts:  # the agents see their controller gone and end, though their servers never answer
         wait_for(lambda: agent_lock_free(h), 60, what=f"{h.name}'s agent gone")
     for h in f.hosts:
-        restart_plain(f, h)
+        serve_with(f, h)  # no knob: as usual again
     first = journal(f, "crash")
     finished = set(done_once(first))
     assert 15 <= len(finished) < len(rows)

@@ -213,16 +213,7 @@ def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(f
         gate.touch()
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, out + err  # one host may stop (--max-fail 1): every sample done elsewhere
-        recs = journal(f, "killed")
-        done = done_records(recs)
-        assert set(done) == set(samples)
-        for sid, rec in done.items():
-            assert_bit_exact(f, rec, samples[sid])
-        stopped = [r for r in recs if r["rec"] == "host"]
-        assert [r["host"] for r in stopped] == ["host1"] and "does not answer" in stopped[0]["reason"], stopped
-        returned = [r for r in recs if r["rec"] == "returned"]
-        assert returned and all(r["host"] == "host1" for r in returned)
-        assert all(done[r["id"]]["host"] != "host1" for r in returned)
+        assert_handed_over(f, "killed", samples, "host1", "does not answer")
         assert "host1: takes no more work" in err
         restart = f"patchctl --inventory {f.inventory} --patches {f.patches} restart --limit host1"
         assert f"servers down: host1; bring them back with: {restart}" in err
