@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from patchctl.host.protocol import Holder
 from patchctl.host.state import TreeState
 
 from fleet import PATCHES, SERVER_COMMAND, Fleet, hidden_dump_patches, tree_digest, wait_for, write_by_rename, write_series
@@ -214,7 +215,8 @@ def test_unlock_refuses_a_live_holder_and_releases_a_stale_one(local2):
     h = f.hosts[0]
     assert f.patchctl("status").returncode == 0
     tree_dir = Path(TreeState(str(h.state), str(h.root), create=True).dir)  # status only looks: it made none
-    live = {"run_id": "someone-else", "controller": "other-controller", "pid": 1, "who": "ops@other"}
+    # another controller's live lock, in the record the agent writes and reads (protocol.Holder, strict)
+    live = Holder(run_id="someone-else", controller="other-controller", pid=1, who="ops@other").to_wire()
     (tree_dir / "lock.json").write_text(json.dumps(live))
     p = f.patchctl("apply", "hidden-dump", "--no-restart", "--limit", h.name)
     assert p.returncode == 4 and "someone-else" in p.stdout + p.stderr and "ops@other" in p.stdout + p.stderr
