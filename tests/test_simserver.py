@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -310,6 +311,48 @@ def test_syntax_error_fails_startup(sglang_tree, start, tmp_path, where):
     s = start(tree)
     assert s.wait_exit() != 0
     assert "SyntaxError" in s.text() and str(target) in s.text()
+
+
+def test_remembered_digests_never_hide_a_change(sglang_tree, tmp_path, monkeypatch):
+    """The stand-in remembers each file's sha256 under its inode, size, mtime and ctime (so 16 stand-ins
+    restarting at once do not each hash 4 700 files); a file written in place, same size, mtime set back,
+    is still found changed, because its ctime moved. In process: `changed_sources` is what start-up runs.
+    `now` pretends the files were written long ago (files younger than 2 s are never remembered)."""
+    from patchctl.simserver.tree import changed_sources
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cache = tmp_path / "cache/patchctl/simserver-digests.json"
+    tree = make_mini_tree(sglang_tree, tmp_path / "tree")
+    later = time.time() + 10
+    assert changed_sources(tree) == [] and json.loads(cache.read_text()) == {}  # all written just now
+    assert changed_sources(tree, now=later) == []
+    remembered = json.loads(cache.read_text())
+    listed = [row for row in (tree / "sglang-0.5.23.dist-info/RECORD").read_text().splitlines() if ".py," in row]
+    assert len(remembered) == len(listed) >= 5  # every RECORD-listed .py
+
+    # the cache is what is read: a wrong digest remembered for an unchanged file shows as a change
+    target = tree / "sglang/srt/model_executor/forward_batch_info.py"
+    st = target.stat()
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    cache.write_text(json.dumps(dict(remembered, **{key: "not-the-digest"})))
+    assert changed_sources(tree, now=later) == [target]
+    cache.write_text(json.dumps(remembered))
+
+    # written in place, same size, mtime put back: the ctime differs, so it is hashed again
+    data = bytearray(target.read_bytes())
+    i = data.index(b"import")
+    data[i:i + 6] = b"IMPORT"
+    before = target.stat()
+    with open(target, "r+b") as f:
+        f.write(data)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = target.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert changed_sources(tree, now=later + 10) == [target]
+    # a cache that is not JSON, or not a table, is ignored
+    for junk in ("{not json", "[1, 2]"):
+        cache.write_text(junk)
+        assert changed_sources(tree, now=later + 10) == [target]
 
 
 def test_import_error_in_hidden_dump_fails_startup(sglang_tree, start, tmp_path):
