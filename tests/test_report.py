@@ -56,3 +56,25 @@ def test_a_fleet_larger_than_the_screen_shows_failures_first_and_counts_the_rest
     assert lines[3].split()[0] == "h035"  # the failed host first
     assert lines[-1].startswith("… ") and lines[-1].rstrip().endswith("more")
     assert len(lines) <= 12
+
+
+def test_event_lines_mask_env_tables_and_secrets_in_any_json_form():
+    """`Masker.dumps` walks an event only where its JSON shows an `env` table or a secret; a secret that JSON
+    escapes (a quote, a backslash, non-ASCII) is still found, anywhere in the event, and masked."""
+    import json
+
+    from patchctl.core.redact import MASK, Masker
+
+    secrets = ['hf_"quoted\\back', "clé-ünïcode-✓", "plain-token"]
+    m = Masker(public={"CUDA_VISIBLE_DEVICES"}, secrets=set(secrets) | {"ab"})  # "ab": too short to mask as text
+    for s in secrets:
+        ev = {"event": "step_end", "detail": {"log_tail": f"line 1\nKEY={s} failed", "argv": ["x", s]}}
+        masked, text = m.dumps(ev)
+        assert s not in json.dumps(masked) and json.dumps(s)[1:-1] not in text, s
+        assert json.loads(text) == masked and masked["detail"]["argv"] == ["x", MASK]
+    ev = {"event": "step_end", "detail": {"env": {"HF_TOKEN": "ab", "CUDA_VISIBLE_DEVICES": "0,1"}}}
+    masked, text = m.dumps(ev)
+    assert masked["detail"]["env"] == {"HF_TOKEN": MASK, "CUDA_VISIBLE_DEVICES": "0,1"} and json.loads(text) == masked
+    clean = {"event": "step_end", "host": "h1", "seconds": 1.5, "detail": {"files": ["a.py"]}}
+    out, text = m.dumps(clean)
+    assert out is clean and json.loads(text) == clean  # nothing to mask: no walk, no copy

@@ -10,6 +10,8 @@ server log's tail, an argv).
 
 from __future__ import annotations
 
+import json
+
 MASK = "<masked>"
 MIN_VALUE_LEN = 4  # shorter values ("0", "1") would mask unrelated text; their `env` entry is still masked
 
@@ -18,6 +20,9 @@ class Masker:
     def __init__(self, public: set[str] | frozenset[str] = frozenset(), secrets: set[str] | frozenset[str] = frozenset()):
         self.public = frozenset(public)
         self.secrets = sorted({s for s in secrets if len(s) >= MIN_VALUE_LEN}, key=len, reverse=True)
+        # each secret as it reads inside a JSON string: JSON escapes character by character, so a string
+        # holding a secret holds it in its JSON form too
+        self._in_json = [json.dumps(s)[1:-1] for s in self.secrets]
 
     @classmethod
     def from_inventory(cls, inventory, extra_public=()) -> "Masker":
@@ -62,6 +67,15 @@ class Masker:
         if isinstance(obj, str):
             return self.text(obj)
         return obj
+
+    def dumps(self, obj) -> tuple[object, str]:
+        """(obj with env values masked, its JSON line): `data`'s walk (a dozen calls per field of every
+        event) only where the JSON shows an `env` table or a secret; otherwise obj itself, as it is."""
+        text = json.dumps(obj, default=str)
+        if '"env": ' in text or any(s in text for s in self._in_json):
+            obj = self.data(obj)
+            text = json.dumps(obj, default=str)
+        return obj, text
 
     def table(self, table):
         """Mask the text cells of a rich Table in place (tables are built from host data)."""

@@ -75,8 +75,8 @@ def append_private(path: Path, text: str) -> None:
 def record_event(app, log_dir: Path, ev: dict, lock) -> dict:
     """One event of a command: env values masked, appended to log_dir/events.jsonl (0600) and, with
     --json, written to stdout as one line, under `lock`; returns the masked event."""
-    ev = app.masker.data(ev)
-    text = json.dumps(ev, default=str) + "\n"
+    ev, text = app.masker.dumps(ev)
+    text += "\n"
     with lock:
         append_private(Path(log_dir) / "events.jsonl", text)
         if app.json:
@@ -209,9 +209,9 @@ class Reporter:
 
     def host_log(self, host: str, entry: dict) -> None:
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in host)
-        entry = self.app.masker.data(entry)
+        entry, text = self.app.masker.dumps(entry)
         with self.lock:
-            append_private(self.log_dir / f"{safe}.jsonl", json.dumps(entry, default=str) + "\n")
+            append_private(self.log_dir / f"{safe}.jsonl", text + "\n")
         tail = (entry.get("detail") or {}).get("log_tail")
         if tail:
             with self.lock:
