@@ -647,8 +647,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
 
-    # warm-up, untimed: byte-compile whatever changed since the last run (others edit the tree)
-    subprocess.run([sys.executable, "-m", "patchctl", "--help"], capture_output=True)
+    # warm-up, untimed: byte-compile every module that changed since the last run (others edit the tree); `--help`
+    # alone imported only the CLI, leaving the commands' modules to the first timed run
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "patchctl")], check=True,
+                   env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
     ansible = shutil.which("ansible-playbook") if "ansible" in args.tools else None
     if ansible:
         subprocess.run([ansible, "--version"], capture_output=True)

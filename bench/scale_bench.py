@@ -329,8 +329,13 @@ def main(argv=None) -> int:
     if args.ansible_max >= min(ns) and not shutil.which("ansible-playbook"):
         ap.error("ansible-playbook not found: pip install -e '.[bench]'")
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    for ctl in [args.controller] + ([args.compare] if args.compare else []):  # byte-compile, untimed
-        subprocess.run([sys.executable, "-m", "patchctl", "--help"], capture_output=True, cwd=ctl, env=dict(os.environ, PYTHONPATH=str(ctl)))
+    for ctl in [args.controller] + ([args.compare] if args.compare else []):
+        # byte-compile every module, untimed, as an installed package is: `--help` alone imports only the CLI,
+        # which left the commands' modules (deploy, session, transport…) to be compiled inside the first timed
+        # run of each controller, and not at all where PYTHONDONTWRITEBYTECODE is set
+        env = dict(os.environ, PYTHONPATH=str(ctl))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "patchctl"], check=True, cwd=ctl, env=env)
         fb.log(f"controller {ctl}: " + subprocess.run([sys.executable, "-c", "import patchctl; print(patchctl.__file__)"], cwd=ctl,
                                                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ctl))).stdout.strip())
     pristine = fetch_release(fb.SGLANG_VERSION)

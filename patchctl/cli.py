@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import importlib
+import os
 import re
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 from patchctl import __version__
@@ -560,5 +563,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The process's entry (the `patchctl` script, `python -m patchctl`): `main`, then out without tearing the
+    interpreter down. Freeing every module and object of a run costs a fleet-wide command ~50 ms of CPU at
+    exit (3 ms per host at N = 16) and does nothing for the user; so once `main` has returned, every
+    non-daemon thread has ended and the atexit handlers have run, as at a normal exit, the output is flushed
+    and the process ends with os._exit. An exception out of `main` (a bug) exits the usual way."""
+    code = main()
+    current = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not current and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:  # a closed pipe: let the interpreter report it as it would
+        sys.exit(code)
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
