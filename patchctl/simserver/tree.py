@@ -85,6 +85,9 @@ def _digest_cache() -> Path | None:
     return Path(base) / "patchctl" / "simserver-digests.json" if os.path.isabs(base) else None
 
 
+_CACHE_MAX = 10_000  # entries: two trees of ~4 700 files (~1 MB of JSON read at each start); past it, only the last tree
+
+
 def _stat_key(st: os.stat_result) -> str:
     """What changes whenever a file's bytes can have: a new inode (a replaced file) or a new mtime or ctime (a
     file written in place; user space can set mtime back, never ctime)."""
@@ -141,8 +144,8 @@ def changed_sources(root: Path, now: float | None = None) -> list[Path]:
                 seen[key] = digest
             if digest != want:
                 changed.append(Path(p))
-    if missed and cache_path:
-        _remember(cache_path, seen)
+    if missed and cache_path:  # other trees' entries kept (a test suite's many trees), up to a bound
+        _remember(cache_path, {**cache, **seen} if len(cache) + len(seen) <= _CACHE_MAX else seen)
     return sorted(changed)
 
 
