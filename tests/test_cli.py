@@ -104,3 +104,34 @@ def test_piped_tables_never_break_words():
             if c.startswith("hidden-dum"):  # a series name, or a reference to a patch of hidden-dump
                 assert c in ("hidden-dump", "hidden-dump-dead-hook", "hidden-dump/0001-hidden-dump-module.patch",
                              "hidden-dump/0003-forward-batch-prompt-lens.patch"), l
+
+
+def test_the_process_exits_with_mains_code_after_its_threads_atexit_handlers_and_output(tmp_path):
+    """`patchctl` ends with os._exit (no interpreter tear-down) only once what a normal exit waits for is done:
+    a non-daemon thread still writing, an atexit handler, buffered stdout. A real process, main replaced."""
+    script = f"""
+import atexit, sys, threading
+from pathlib import Path
+import patchctl.cli as cli
+out = Path({str(tmp_path)!r})
+def main():
+    go = threading.Event()
+    def late():  # starts its work as main returns, and it takes a while: only a join lets it finish
+        go.wait()
+        with open(out / "thread", "w") as f:
+            for i in range(3000):
+                f.write(f"{{i}}\\n")
+                f.flush()
+    threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
+    sys.stdout.write("x" * 100000)  # more than a pipe's buffer: flushed at exit, not lost
+    go.set()
+    return 3
+cli.main = main
+cli.run()
+raise SystemExit("not reached: run() ends the process")
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 3, p.stderr
+    assert p.stdout == "x" * 100000 and p.stderr == ""
+    assert (tmp_path / "thread").read_text().splitlines()[-1] == "2999" and (tmp_path / "atexit").read_text() == "ran"

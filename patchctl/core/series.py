@@ -174,13 +174,13 @@ def validate_patch_text(text: str, *, file: str, line: int | None = None) -> tup
                 why = applier.unsafe_path(applier._strip1(p))
                 if why:
                     raise BadInput(f"{why}; patches may only touch files inside sglang/", file=file, line=line)
-    reasons = applier.refusals(text)
+    reasons = applier.refusals(text, sections)
     if reasons:
         extra = "; patches may only touch files inside sglang/" if "outside" in reasons[0] or "absolute" in reasons[0] or ".." in reasons[0] else ""
         raise BadInput(reasons[0] + extra, file=file, line=line)
     if not any(s["hunks"] or s["action"] in ("rename", "copy", "delete", "add") or s["mode"] for s in sections):
         raise BadInput("not a unified diff (no hunks)", file=file, line=line)
-    return tuple(FileChange(p, a) for p, a in applier.touched_paths(text))
+    return tuple(FileChange(p, a) for p, a in applier.touched_paths(text, sections))
 
 
 def _req(d: dict, key: str, typ, *, text, rel, table, index=None, what=None):

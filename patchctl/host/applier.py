@@ -258,15 +258,16 @@ def _settle(s):
     s["header"] = "".join(s["header"])
 
 
-def touched_paths(text):
+def touched_paths(text, sections=None):
     """[(path, action)] in patch order; action is 'modify', 'add' or 'delete'.
 
     A rename is a delete of the old path and an add of the new one; a copy adds
-    the new path (its source is read, not changed).
+    the new path (its source is read, not changed). `sections`: parse_sections(text),
+    where the caller has it already (each parse walks every line of the patch).
     """
     out = []
     seen = {}
-    for s in parse_sections(text):
+    for s in parse_sections(text) if sections is None else sections:
         pairs = []
         if s["action"] == "rename":
             pairs = [(s["old"], "delete"), (s["new"], "add")]
@@ -289,10 +290,10 @@ def touched_paths(text):
     return out
 
 
-def all_paths(text):
+def all_paths(text, sections=None):
     """Every path a patch names anywhere in its headers (for validation)."""
     paths = []
-    for s in parse_sections(text):
+    for s in parse_sections(text) if sections is None else sections:
         for key in ("old", "new", "git_old", "git_new", "rename_from", "copy_from"):
             p = s.get(key)
             if p is not None and p not in paths:
@@ -322,10 +323,11 @@ def unsafe_path(path):
     return None
 
 
-def refusals(text):
+def refusals(text, sections=None):
     """Reasons this patch text may not be applied (paths, binary, links); [] when fine."""
     reasons = []
-    sections = parse_sections(text)
+    if sections is None:
+        sections = parse_sections(text)
     if not sections:
         reasons.append("not a unified diff (no file headers found)")
     for s in sections:
@@ -334,7 +336,7 @@ def refusals(text):
             reasons.append("binary patch for %s refused" % name)
         if s["mode"] in ("120000", "160000"):
             reasons.append("symlink or submodule %s refused" % name)
-    for p in all_paths(text):
+    for p in all_paths(text, sections):
         why = unsafe_path(p)
         if why and why not in reasons:
             reasons.append(why)
