@@ -413,6 +413,41 @@ def test_wrong_key_is_unreachable_with_cause(tmp_path, hosts):
     assert "authentication failed as 'root'" in str(e.value) and "host0" in str(e.value)
 
 
+def test_a_key_file_is_read_once_per_version_and_one_with_a_passphrase_is_left_to_paramiko(tmp_path, inv, hosts):
+    """The identity file is loaded once and shared by every connection of the run (paramiko read it three times
+    per connection, once per key class); a changed file is loaded again; a key that needs a passphrase is
+    handed to paramiko by name, as before, and the host is unreachable with the cause."""
+    import shutil
+    import subprocess
+
+    from patchctl.core import sshlink
+
+    ident = inv.hosts["host0"].identity_file
+    key = sshlink.identity(ident)
+    assert key is not None and sshlink.identity(ident) is key
+    for name in ("host0", "host1"):
+        with open_transport(inv.hosts[name]) as t:
+            assert t.run_python("print(1)").stdout == "1\n"
+    assert sshlink.identity(ident) is key
+
+    copy, other = tmp_path / "copy", tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    shutil.copyfile(ident, copy)
+    first = sshlink.identity(str(copy))
+    assert first.get_fingerprint() == key.get_fingerprint()
+    copy.unlink()
+    shutil.copyfile(other, copy)  # a rotated key at the same path: a new file
+    assert sshlink.identity(str(copy)).get_fingerprint() != first.get_fingerprint()
+
+    locked = tmp_path / "locked"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a passphrase", "-f", str(locked)], check=True)
+    assert sshlink.identity(str(locked)) is None and sshlink.identity(str(tmp_path / "absent")) is None
+    inv2 = _inventory(tmp_path, hosts, identity_file=locked)
+    with pytest.raises(HostUnreachable) as e:
+        open_transport(inv2.hosts["host0"], connect_timeout=30).run_python("pass")
+    assert "host0" in str(e.value)
+
+
 def test_idle_connection_cut_between_commands_reconnects(inv, hosts):
     h = hosts[1]
     with open_transport(inv.hosts["host1"]) as t:

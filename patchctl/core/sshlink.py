@@ -141,6 +141,29 @@ def _transport(sock, **kwargs) -> paramiko.Transport:
     return t
 
 
+_keys: dict[tuple, "paramiko.PKey | None"] = {}
+_keys_lock = threading.Lock()
+
+
+def identity(path: str) -> "paramiko.PKey | None":
+    """The private key at `path` (with its `-cert.pub`, as ssh(1) and paramiko pair them), loaded once per
+    version of the files and shared by every connection of the run. paramiko's SSHClient reads and parses a
+    key file once per key class it tries (RSA, ECDSA, then Ed25519: three times for an Ed25519 key) on every
+    connection. None where it cannot be loaded so (a passphrase, an unknown type, no file): the connection
+    then hands paramiko the file name, as before, and paramiko says why."""
+    path = os.path.expanduser(path)
+    version = (path, _version(path), _version(path + "-cert.pub"))
+    if version[1] is None:
+        return None
+    with _keys_lock:
+        if version not in _keys:
+            try:
+                _keys[version] = paramiko.PKey.from_path(path)
+            except Exception:  # noqa: BLE001 - paramiko's own attempt, with the file name, reports it
+                _keys[version] = None
+        return _keys[version]
+
+
 class Link:
     """One SSH connection, through a jump host (another Link) or a ProxyCommand, or direct.
     `client` is paramiko's SSHClient (host-key policy and known hosts are set by the caller);
@@ -171,11 +194,16 @@ class Link:
                                                        timeout=self.timeout)
         elif isinstance(self.gateway, str):
             sock = paramiko.ProxyCommand(self.gateway)
+        pkey, files = None, list(self.key_filenames)
+        if files:  # the first key file, loaded once per run, is tried first, as it was; the others by name
+            pkey = identity(files[0])
+            if pkey is not None:
+                files = files[1:]
         self.client.connect(
             hostname=self.host, port=self.port, username=self.user, sock=sock, timeout=self.timeout,
             # a little under `timeout`, which also bounds the whole handshake: the banner error must win the race
             banner_timeout=self.timeout * 0.9, auth_timeout=self.timeout, channel_timeout=self.timeout,
-            look_for_keys=True, allow_agent=True, key_filename=self.key_filenames or None,
+            look_for_keys=True, allow_agent=True, pkey=pkey, key_filename=files or None,
             transport_factory=_transport)
         self.transport = self.client.get_transport()
 

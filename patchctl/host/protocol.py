@@ -132,8 +132,7 @@ class Record(object):
             return None
         if not isinstance(data, dict):
             raise ProtocolError("%s: expected an object, got %s" % (cls.__name__, type(data).__name__))
-        spec = dict((f.name, f) for f in fields(cls))
-        by_wire = dict((cls.RENAMED.get(n, n), n) for n in spec)
+        by_wire, required = _shape(cls)
         unknown = sorted(k for k in data if k not in by_wire and k not in cls.LEGACY)
         if unknown:
             raise ProtocolError("%s: unknown field%s %s" % (cls.__name__, "s" if len(unknown) > 1 else "",
@@ -143,14 +142,28 @@ class Record(object):
             if key in by_wire:
                 name = by_wire[key]
                 kw[name] = _decode(cls.NESTED.get(name), value)
-        missing = [n for n, f in spec.items() if n not in kw and f.default is MISSING and f.default_factory is MISSING]
+        missing = [n for n in required if n not in kw]
         if missing:
             raise ProtocolError("%s: missing field%s %s" % (cls.__name__, "s" if len(missing) > 1 else "",
                                                             ", ".join(map(repr, missing))))
         return cls(**kw)
 
     def to_wire(self):
-        return dict((self.RENAMED.get(f.name, f.name), _encode(getattr(self, f.name))) for f in fields(self))
+        return dict((wire, _encode(getattr(self, name))) for wire, name in _shape(type(self))[0].items())
+
+
+_SHAPES = {}
+
+
+def _shape(cls):
+    """({wire name: field name} in field order, [required field names]) of a Record class, worked out once:
+    `fields()` builds its tuple anew on every call, and every event and answer goes through here."""
+    shape = _SHAPES.get(cls)
+    if shape is None:
+        spec = fields(cls)
+        shape = _SHAPES[cls] = (dict((cls.RENAMED.get(f.name, f.name), f.name) for f in spec),
+                                [f.name for f in spec if f.default is MISSING and f.default_factory is MISSING])
+    return shape
 
 
 def _decode(kind, value):
