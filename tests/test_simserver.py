@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -317,7 +318,8 @@ def test_remembered_digests_never_hide_a_change(sglang_tree, tmp_path, monkeypat
     """The stand-in remembers each file's sha256 under its inode, size, mtime and ctime (so 16 stand-ins
     restarting at once do not each hash 4 700 files); a file written in place, same size, mtime set back,
     is still found changed, because its ctime moved. In process: `changed_sources` is what start-up runs.
-    `now` pretends the files were written long ago (files younger than 2 s are never remembered)."""
+    `now` pretends the files were written long ago (files written less than 2 s ago are never remembered);
+    a tree of hard links to files written long ago is remembered at once."""
     from patchctl.simserver.tree import changed_sources
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -349,6 +351,14 @@ def test_remembered_digests_never_hide_a_change(sglang_tree, tmp_path, monkeypat
     after = target.stat()
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     assert changed_sources(tree, now=later + 10) == [target]
+    # hard links to old files (how the tests and benches make a host's tree): remembered at once
+    linked = tmp_path / "linked"
+    for f in (tree / "sglang").rglob("*.py"):
+        os.utime(f, (time.time() - 60, time.time() - 60))
+    shutil.copytree(tree, linked, copy_function=os.link)
+    assert changed_sources(linked) == [linked / "sglang/srt/model_executor/forward_batch_info.py"]
+    st = (linked / "sglang/srt/models/llama.py").stat()
+    assert f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}" in json.loads(cache.read_text())
     # a cache that is not JSON, or not a table, is ignored
     for junk in ("{not json", "[1, 2]"):
         cache.write_text(junk)

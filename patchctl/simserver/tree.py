@@ -100,7 +100,9 @@ def changed_sources(root: Path, now: float | None = None) -> list[Path]:
     Hashing all ~4 700 files costs ~0.25 s of CPU per start-up, which 16 stand-ins restarting at once on a
     2-core box turn into seconds that are no part of what patchctl does; so each file's sha256 is remembered
     (XDG_CACHE_HOME/patchctl/simserver-digests.json) under its `_stat_key` and hashed again only when that
-    changes. A file written less than 2 s ago is not remembered (a second write in the same clock tick)."""
+    changes. A file whose mtime is less than 2 s old is not remembered: a second write within the same clock
+    tick would leave its key as it was. Any later write sets a new mtime, and setting the mtime back sets a
+    new ctime; a new hard link (a fresh copy of a tree) only moves the ctime, which needs no wait."""
     record = _record_hashes(root)
     pkg = root / "sglang"
     if record is None:
@@ -138,7 +140,7 @@ def changed_sources(root: Path, now: float | None = None) -> list[Path]:
                 with open(p, "rb") as f:
                     digest = base64.urlsafe_b64encode(hashlib.sha256(f.read()).digest()).rstrip(b"=").decode()
                 missed = True
-            if st.st_mtime >= recent or st.st_ctime >= recent:
+            if st.st_mtime >= recent:
                 missed = True  # not remembered: this file may be written again within the same tick
             else:
                 seen[key] = digest
