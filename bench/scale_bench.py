@@ -258,8 +258,9 @@ def per_n(base: Path, n: int, pristine: Path, args) -> list[dict]:
                 f.run_patchctl("plan", LIGHT, controller=ctl)
             if any("apply" in [label.split()[0] for label, _ in g] for g in groups):
                 # and a deploy undone, files only: a host's first deploy also makes its state directory and
-                # records its tree (at N = 64: 15 s more of the hosts' CPU and 9 s more wall), which only the
-                # first controller to deploy would otherwise pay; a fleet deployed to before has them
+                # records its tree, which only the first controller to deploy would otherwise pay. (The first
+                # restart still adopts the servers this bench started, found through /proc, in the first
+                # controller's timed apply: docs/bench-scale.md, "Start-up, exit and a fair warm-up".)
                 f.run_patchctl("apply", LIGHT, "--no-restart", controller=args.controller)
                 f.run_patchctl("rollback", "--no-restart", controller=args.controller)
         for group in groups:

@@ -699,7 +699,7 @@ def check_request(req):
     if op not in OPS:
         raise ProtocolError("unknown agent op %r" % (op,))
     own = OPS[op].fields
-    env_names = set(Envelope.RENAMED.get(f.name, f.name) for f in fields(Envelope))
+    env_names = _shape(Envelope)[0]  # the envelope's wire names
     unknown = sorted(k for k in req if k not in env_names and k not in own)
     if unknown:
         raise ProtocolError("request %s: unknown field%s %s" % (op, "s" if len(unknown) > 1 else "",
