@@ -336,6 +336,7 @@ def test_remembered_digests_never_hide_a_change(sglang_tree, tmp_path, monkeypat
     target = tree / "sglang/srt/model_executor/forward_batch_info.py"
     st = target.stat()
     key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    assert key in remembered  # the layout the stand-in wrote, read back
     cache.write_text(json.dumps(dict(remembered, **{key: "not-the-digest"})))
     assert changed_sources(tree, now=later) == [target]
     cache.write_text(json.dumps(remembered))
