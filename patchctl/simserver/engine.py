@@ -94,7 +94,8 @@ class Engine:
         if not self.light:
             nan = knobs.nan_layer()
             self.model = TinyModel(self.layers, self.hidden, self.vocab, self.capture_ids,
-                                   int(nan) if nan not in (None, "") else None, knobs.nan_tokens())
+                                   int(nan) if nan not in (None, "") else None, knobs.nan_tokens(),
+                                   model_dir=self.args.model_path)
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     def submit(self, work: Work):

@@ -1,8 +1,8 @@
 """The tiny deterministic model: its config.json, its forward with aux capture, the capture layer ids.
 
 Model: embedding -> N layers `h = h + tanh(h @ W_i)` -> RMSNorm -> tied lm
-head, float32 weights from a fixed seed, greedy decoding (temperature is
-ignored). Tokens do not mix, so the next token depends on the last token only.
+head, float32 weights made from a fixed seed and read from the model directory
+(`weights.py`), greedy decoding (temperature is ignored). Tokens do not mix, so the next token depends on the last token only.
 Aux capture (`--enable-return-aux-hidden-states`): layer id L captures the
 INPUT of layer L (= output of layer L-1), ids used as given (DeepseekV2
 semantics; Llama would add 1); default `[2, N//2, N-3]`; the list is the model's
@@ -18,8 +18,10 @@ from pathlib import Path
 
 
 def write_model_config(path, layers: int = 8, hidden: int = 64, vocab: int = 512,
-                       model_type: str = "llama", architecture: str = "LlamaForCausalLM") -> Path:
-    """Write a model directory (config.json only: weights come from a fixed seed)."""
+                       model_type: str = "llama", architecture: str = "LlamaForCausalLM",
+                       weights: bool = True) -> Path:
+    """Write a model directory: config.json and, with `weights` (torch and safetensors needed), the weights
+    with their index, as a Hugging Face model directory holds them."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     cfg = {
@@ -33,21 +35,27 @@ def write_model_config(path, layers: int = 8, hidden: int = 64, vocab: int = 512
         "torch_dtype": "bfloat16",
     }
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if weights:
+        from patchctl.simserver.weights import write_weights  # noqa: PLC0415
+
+        write_weights(d, int(layers), int(hidden), int(vocab))
     return d
 
 
 class TinyModel:
     """embedding -> N x (h + tanh(h @ W)) -> RMSNorm -> tied lm head; float32, seed 0."""
 
-    def __init__(self, layers, hidden, vocab, capture_ids, nan_layer=None, nan_tokens=()):
+    def __init__(self, layers, hidden, vocab, capture_ids, nan_layer=None, nan_tokens=(), model_dir=None):
         import torch  # noqa: PLC0415
 
+        from patchctl.simserver.weights import load_weights, seeded  # noqa: PLC0415
+
         self.torch = torch
-        g = torch.Generator().manual_seed(0)
         self.layers, self.hidden, self.vocab = layers, hidden, vocab
-        self.embed = torch.randn(vocab, hidden, generator=g)
-        self.weights = [torch.randn(hidden, hidden, generator=g) / hidden ** 0.5 for _ in range(layers)]
-        self.norm = 1.0 + 0.1 * torch.randn(hidden, generator=g)
+        params = load_weights(model_dir, layers, hidden, vocab) if model_dir else seeded(layers, hidden, vocab)
+        self.embed = params["model.embed_tokens.weight"]
+        self.weights = [params[f"model.layers.{i}.proj.weight"] for i in range(layers)]
+        self.norm = params["model.norm.weight"]
         self.capture_ids = capture_ids
         self.nan_layer = nan_layer
         self.nan_tokens = list(nan_tokens)
