@@ -284,6 +284,18 @@ ERRORS = [
                  id="become-user-name"),
     pytest.param(BASE + "become = \"sudo\"\nbecome_user = \"\"\n", 10, ["hosts.b.become_user", "must not be empty"],
                  id="become-user-empty"),
+    pytest.param(BASE + "\n[hosts.b.server.speculative]\nalgorithm = \"NGRAM\"\n", 11,
+                 ["hosts.b.server.speculative.algorithm", "EAGLE-3", "'NGRAM'"], id="speculative-algorithm"),
+    pytest.param(BASE + "\n[hosts.b.server.speculative]\neagle_topk = 1\n", 10,
+                 ["hosts.b.server.speculative.num_steps", "without num_steps"], id="speculative-topk-without-steps"),
+    pytest.param(BASE + "\n[hosts.b.server.speculative]\nnum_steps = 3\neagle_topk = 1\nnum_draft_tokens = 8\n", 13,
+                 ["hosts.b.server.speculative.num_draft_tokens", "num_steps + 1 = 4"], id="speculative-topk1-tokens"),
+    pytest.param(BASE + "\n[hosts.b.server.speculative]\nnum_steps = 0\n", 11,
+                 ["hosts.b.server.speculative.num_steps", "positive integer"], id="speculative-steps"),
+    pytest.param(BASE + "\n[hosts.b.server.speculative]\nargs = [\"--speculative-draft-model-path=/x\"]\n", 11,
+                 ["hosts.b.server.speculative.args", "set by patchctl"], id="speculative-managed-flag"),
+    pytest.param(BASE + "\n[hosts.b.server.speculative]\nsteps = 3\n", 11,
+                 ["hosts.b.server.speculative.steps", "unknown key"], id="speculative-typo"),
     pytest.param(BASE + "address = \"127.0.9.3\n", 9, ["TOML syntax error"], id="toml-syntax"),
     pytest.param(BASE + "[hosts.a]\nport = 1\n", 9, ["TOML syntax error"], id="toml-duplicate-table"),
 ]
@@ -384,3 +396,16 @@ def test_bad_timeout_from_the_environment_exits_2_before_any_host(tmp_path, caps
     assert main(["--inventory", str(p), "status"]) == 2
     err = capsys.readouterr().err
     assert f"{name}={value!r}" in err and "positive number of seconds" in err
+
+
+def test_speculative_settings_resolved_with_explicit_defaults(tmp_path):
+    """A host that names no settings still gets all three set explicitly (the canary's arms must agree);
+    a host table's [server.speculative] replaces the defaults' as a whole, as every server key does."""
+    p = write(tmp_path, BASE + "\n[hosts.b.server.speculative]\nnum_steps = 5\nnum_draft_tokens = 6\nargs = [\"--x\"]\n"
+              + "\n[defaults.server.speculative]\nnum_steps = 2\neagle_topk = 1\nnum_draft_tokens = 3\n")
+    inv = load_inventory(p)
+    assert inv.hosts["a"].server.speculative == {"algorithm": "EAGLE3", "num_steps": 2, "eagle_topk": 1,
+                                                 "num_draft_tokens": 3, "args": []}
+    assert inv.hosts["b"].server.speculative == {"algorithm": "EAGLE3", "num_steps": 5, "eagle_topk": 1,
+                                                 "num_draft_tokens": 6, "args": ["--x"]}
+    assert inv.hosts["b"].server.to_spec().speculative == inv.hosts["b"].server.speculative

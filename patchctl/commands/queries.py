@@ -81,6 +81,11 @@ def attention_of(app: App, d: dict) -> list[dict]:
         out.append({"why": f"an interrupted {j['op']} of run {j['run_id']} ({len(j['files'])} files); the next apply or "
                            f"rollback {what.get(j['recovery'], 'recovers it')} from its journal first",
                     "run": app.cmd("rollback", "--limit", host) + "   # recovers, then back to the state before"})
+    dr = d.get("drafter")
+    if dr and dr.get("status") == "pending" and (not lock or dead):
+        out.append({"why": f"the drafter {dr['digest'][:12]} (run {dr.get('run_id')}) serves but its acceptance was never "
+                           "measured: its deploy was cut off",
+                    "run": app.cmd("drafter", "rollback", "--limit", host) + "   # back to the drafter before it, verified"})
     if d.get("drift") and not j:
         files = ", ".join(x["path"] for x in d["drift"])
         out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
@@ -96,13 +101,13 @@ def run_status(app: App, opts: QueryOptions) -> int:
                 "state": m.get("status") if m else "clean", "when": m.get("when"), "who": m.get("who"),
                 "repo_commit": m.get("repo_commit"), "run_id": m.get("run_id"),
                 "patches": m.get("patches"), "drift": r["drift"], "lock": r["lock"], "server": r["server"],
-                "interrupted": r.get("interrupted"), "notes": r.get("notes") or []}
+                "interrupted": r.get("interrupted"), "drafter": r.get("drafter"), "notes": r.get("notes") or []}
 
     def render(data):
-        t = table("status", "host", "series", "state", "applied", "drift", "lock", "server")
+        t = table("status", "host", "series", "state", "applied", "drift", "lock", "server", "drafter")
         for d in data:
             if not d["ok"]:
-                t.add_row(d["host"], "?", d["outcome"], "", "", "", d["error"])
+                t.add_row(d["host"], "?", d["outcome"], "", "", "", d["error"], "")
                 continue
             srv = d["server"]
             lock = d["lock"]
@@ -112,7 +117,7 @@ def run_status(app: App, opts: QueryOptions) -> int:
                       f"{d['when']} by {d['who']} @ {d['repo_commit']}" if d["series"] else "",
                       ", ".join(x["path"] for x in d["drift"]) or "none",
                       (("DEAD " if holder_is_stale(lock) else "") + describe_holder(lock)) if lock else "free",
-                      server_cell(srv))
+                      server_cell(srv), drafter_cell(d.get("drafter")))
         return t
 
     def hints(data):
@@ -159,6 +164,21 @@ def server_cell(srv: dict) -> str:
     return ", ".join(parts)
 
 
+def drafter_cell(dr: dict | None) -> str:
+    """sha 1a2b3c4d5e6f, verified, accept 1.00 -> 2.85 (from /data/x) | -."""
+    if not dr:
+        return "-"
+    parts = [dr["digest"][:12], dr.get("status", "?")]
+    acc = dr.get("acceptance") or {}
+    new, base = acc.get("new") or {}, acc.get("baseline") or {}
+    if new.get("accept_length") is not None:
+        was = base.get("accept_length")
+        parts.append(f"accept {'%.2f' % was if was is not None else 'off'} -> {new['accept_length']:.2f}")
+    if dr.get("source"):
+        parts.append(f"from {dr['source']}")
+    return ", ".join(parts)
+
+
 def _short(text: str, n: int = 100) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
@@ -168,8 +188,10 @@ def _history_rows(d: dict) -> list[tuple[str, ...]]:
     rows = []
     for h in d["history"]:
         what = h if h.get("series") else (h.get("from") or {})  # a rollback: the series it took away
-        rows.append((str(h.get("id", "")), str(h.get("time", "")), str(h.get("op", "")),
-                     f"{what.get('series') or ''} {what.get('version') or ''}".strip(), str(h.get("outcome", "")),
+        label = f"{what.get('series') or ''} {what.get('version') or ''}".strip()
+        if h.get("drafter"):  # a drafter deploy or rollback: the drafter it left serving
+            label = f"drafter {h['drafter']['digest'][:12]}"
+        rows.append((str(h.get("id", "")), str(h.get("time", "")), str(h.get("op", "")), label, str(h.get("outcome", "")),
                      str(h.get("reason") or ""), str(h.get("run_id", ""))))
     return rows
 

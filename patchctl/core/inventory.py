@@ -19,6 +19,7 @@ from pathlib import Path
 
 from patchctl.core.errors import BadInput
 from patchctl.core.tomlloc import Locator
+from patchctl.host.drafter import check_speculative
 from patchctl.host.protocol import ServerSpec
 
 CONNECTIONS = ("ssh", "local")
@@ -47,12 +48,14 @@ class ServerConfig:
     capture_layers: list[int] | None = None
     layer_outputs: list[int] | None = None
     hidden_size: int | None = None
+    # [server.speculative]: algorithm, num_steps, eagle_topk, num_draft_tokens, args (host/drafter.py fills defaults)
+    speculative: dict | None = None
 
     def to_spec(self) -> ServerSpec:
         """What the host's agent is told of this server (every request carries it)."""
         return ServerSpec(manager=self.manager, command=self.command, host=self.host, port=self.port, env=dict(self.env),
                           log=self.log, start_timeout=self.start_timeout, stop_timeout=self.stop_timeout,
-                          unit=self.unit, layer_outputs=self.layer_outputs)
+                          unit=self.unit, layer_outputs=self.layer_outputs, speculative=self.speculative)
 
 
 @dataclass
@@ -177,7 +180,7 @@ _HOST_KEYS = (
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
     "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
-    "unit", "capture_layers", "layer_outputs", "hidden_size",
+    "unit", "capture_layers", "layer_outputs", "hidden_size", "speculative",
 )
 _SERVERS_KEYS = ("nodes",)
 
@@ -564,6 +567,14 @@ def _layer_ids(L: _Loader, v, p) -> list:
     return list(v)
 
 
+def _speculative(L: _Loader, v, p) -> dict:
+    """[server.speculative], checked against what SGLang 0.5.23 accepts; defaults filled in."""
+    settings, problems = check_speculative(L.want_table(v, p))
+    for key, msg in problems:
+        L.fail(p + (key,), msg, line_of=p + (key,) if key in v else p)
+    return settings
+
+
 def _positive(L: _Loader, v, p) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         L.fail(p, f"expected a positive integer, got {v!r}")
@@ -585,4 +596,5 @@ _SERVER_FIELDS = (
     ("capture_layers", _layer_ids),
     ("layer_outputs", _layer_ids),
     ("hidden_size", _positive),
+    ("speculative", _speculative),
 )

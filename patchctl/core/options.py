@@ -73,3 +73,19 @@ class CaptureOptions(RunOptions):
     on_host: str | None = None
     streams: int | None = None
     workers: int | None = None
+
+
+@dataclass(frozen=True)
+class DrafterOptions(DeployOptions):
+    """drafter check / deploy / bench / rollback: a trained EAGLE-3 draft, the prompts its acceptance is
+    measured on, and the canary's gate (`commands/drafter/gate.py`)."""
+
+    draft: Path | None = None  # the draft directory (`specforge export --to sglang`'s output)
+    data: Path | None = None  # the collected training directory (draft-config.json, index.jsonl) it was trained on
+    prompts: Path | None = None  # JSONL prompt set the acceptance is measured on
+    max_new_tokens: int = 64
+    concurrency: int = 4
+    min_accept_length: float = 1.5
+    min_gain: float = 0.0
+    max_tps_loss: float | None = None  # a fraction: 0.1 = at most 10 % fewer output tokens/s than the baseline
+    keep_free: int = 2**30

@@ -35,8 +35,9 @@ import tempfile
 import threading
 import time
 
-from . import applier, capture, convert, regenerate, tokenizer
+from . import applier, capture, convert, drafter_ops, regenerate, tokenizer
 from .capture_config import refusals
+from .drafter import read_record, refusal_with_capture, summary as drafter_summary
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
 from .osutil import expand, now, proc_uptime, sha256_bytes, sha256_file, write_json
 from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, FileRecord, HistoryEntry, Holder,
@@ -165,10 +166,11 @@ class Agent(object):
         t = self.tree
         m = t.manifest()
         return {"root": t.root, "version": tree_version(t.root), "manifest": m and m.to_wire(), "drift": t.drift(m),
-                "lock": t.lock_holder(), "python": sys.executable, "hostname": socket.gethostname()}
+                "lock": t.lock_holder(), "python": sys.executable, "hostname": socket.gethostname(),
+                "drafter": drafter_summary(read_record(self.state_dir))}
 
     def server_cfg(self, profile=None, layers=None):
-        return build_server_config(self.req, profile, layers)
+        return build_server_config(self.req, profile, layers, drafter=read_record(self.state_dir))
 
     def base_manager(self):
         cfg = self.server_cfg()
@@ -264,6 +266,9 @@ class Agent(object):
         judged on the exact command line the restart would run and the model it serves."""
         if not profile or not profile.get("dump_dir_env"):
             return []
+        serving = refusal_with_capture(profile, read_record(self.state_dir))
+        if serving:
+            return [serving]
         cfg = self.server_cfg(profile)
         return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
 
@@ -643,16 +648,29 @@ class Agent(object):
         mgr, _ = self.base_manager()
         return mgr.current_config()
 
+    def _refuse_drafter_for_capture(self):
+        """A capture run never goes to a server that speculates (SGLang refuses the two together)."""
+        rec = read_record(self.state_dir)
+        if rec:
+            raise AgentError("bad_input", "cannot capture here: the server speculates with the drafter %s (from %s); "
+                             "take it away first: patchctl drafter rollback --to none" % (rec["digest"][:12], rec.get("source")))
+
     @handles("capture_probe")
     def op_capture_probe(self):
         """Does this host take part in an extraction run (`capture.probe`); reads only."""
         m = self.tree.manifest()
-        return dict(capture.probe(m, self._capture_server(), self.req), hostname=socket.gethostname())
+        info = capture.probe(m, self._capture_server(), self.req)
+        rec = read_record(self.state_dir)
+        if rec and info.get("ready"):
+            info = dict(info, ready=False, why="its server speculates with the drafter %s (from %s): take it away first "
+                        "with patchctl drafter rollback --to none" % (rec["digest"][:12], rec.get("source")))
+        return dict(info, hostname=socket.gethostname())
 
     @handles("capture", check=capture.check_request)
     def op_capture(self):
         """One host's share of an extraction run: samples on stdin until it closes (`capture.Capture`).
         Holds the agent lock throughout: no deploy restarts this server under a running capture."""
+        self._refuse_drafter_for_capture()
         cfg = self._capture_server()
         info = capture.probe(self.tree.manifest(), cfg, self.req)
         if not info["ready"]:
@@ -797,6 +815,18 @@ class Agent(object):
             out["smoke"] = smoke(self.state_dir, cfg, self.run_id + "-prev")
             out["server"] += ", smoke of %s passed" % state.series
         return out
+
+    @handles("drafter_deploy")
+    def op_drafter_deploy(self):
+        return drafter_ops.deploy(self)
+
+    @handles("drafter_finalize")
+    def op_drafter_finalize(self):
+        return drafter_ops.finalize(self)
+
+    @handles("drafter_rollback")
+    def op_drafter_rollback(self):
+        return drafter_ops.rollback(self)
 
 
 def _originals(m):

@@ -267,6 +267,7 @@ class ServerSpec(Record):
     stop_timeout: float = 60.0
     unit: str = None
     layer_outputs: list = None
+    speculative: dict = None  # [server.speculative]: how the server speculates with a deployed drafter (host/drafter.py)
 
 
 @dataclass
@@ -362,6 +363,7 @@ class HistoryEntry(Record):
     to: SeriesRef = None
     files: list = None
     server: object = None  # rollback: what became of the server (words)
+    drafter: dict = None  # drafter-deploy / drafter-rollback: the drafter deployed or returned to (drafter.summary)
     NESTED = {"state": Snapshot, "holder": Holder, "from_": SeriesRef, "to": SeriesRef}
     RENAMED = {"from_": "from"}
 
@@ -438,6 +440,7 @@ class Facts(Result):
     python: str = None
     hostname: str = None
     server: dict = None  # `Agent._server_status`: running, series, port, manager, pid, uptime_s, health
+    drafter: dict = None  # the drafter this host's server speculates with (drafter.summary), None: none
     NESTED = {"manifest": Manifest, "lock": Holder}
 
 
@@ -617,6 +620,36 @@ class ConvertAnswer(Result):
 
 
 @dataclass
+class DrafterDeployAnswer(ServerSteps):
+    """`drafter_deploy`: the drafter recorded (pending) and the server restarted with it, ready."""
+
+    changed: bool = None
+    note: str = None  # unchanged: why
+    drafter: dict = None  # drafter.summary of the record written
+    previous: dict = None  # the drafter before it (None: none)
+    argv: list = None  # the command line the server runs now
+    argv_before: list = None
+
+
+@dataclass
+class DrafterFinalizeAnswer(Result):
+    drafter: dict = None
+
+
+@dataclass
+class DrafterRollbackAnswer(Result):
+    changed: bool = None
+    note: str = None
+    to: dict = None  # the drafter returned to (None: none)
+    from_: dict = None  # the drafter taken away
+    stop: dict = None
+    ready_seconds: float = None
+    server: str = None
+    argv: list = None
+    RENAMED = {"from_": "from"}
+
+
+@dataclass
 class ReadyAnswer(Result):
     ready_seconds: float = None
 
@@ -679,6 +712,9 @@ OPS = {
                   answer=CaptureAnswer),
     "regenerate": Op({"in_flight": None, "request_timeout": None, "max_new_tokens": None, "temperature": None},
                      [AGENT_NOW], streamed=True, answer=StreamedAnswer),
+    "drafter_deploy": Op({"drafter": None, "host_name": None}, _CHANGES, answer=DrafterDeployAnswer),
+    "drafter_finalize": Op({"acceptance": None}, [AGENT], answer=DrafterFinalizeAnswer),
+    "drafter_rollback": Op({"to": None, "reason": None, "host_name": None}, _CHANGES, answer=DrafterRollbackAnswer),
 }
 
 

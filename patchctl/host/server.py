@@ -22,6 +22,7 @@ import threading
 import time
 
 from .atomic import write_atomic
+from .drafter import draft_dir, refusal_with_capture, speculative_args
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail, now, pid_alive, proc_cmdline, proc_start_time, read_json, write_json
 from .tree import locate_tree
@@ -49,8 +50,9 @@ def expand_placeholders(text, values):
     return text
 
 
-def build_server_config(req, profile=None, capture_layers=None):
-    """The exact argv/env/log to start: inventory config plus the series' smoke profile."""
+def build_server_config(req, profile=None, capture_layers=None, drafter=None):
+    """The exact argv/env/log to start: inventory config plus the series' smoke profile, or plus the
+    speculative flags of the deployed drafter (`drafter`: its record; never both, see host/drafter.py)."""
     srv = req["server"]
     state_dir = expand(req["state_dir"])
     values = {"python": expand(req["python"]) if req["python"].startswith("~") else req["python"],
@@ -68,12 +70,18 @@ def build_server_config(req, profile=None, capture_layers=None):
         for k, v in (profile.get("env") or {}).items():
             env[k] = expand_placeholders(str(v), values)
         series = profile.get("series")
+    if drafter:
+        refused = refusal_with_capture(profile, drafter)
+        if refused:
+            raise AgentError("bad_input", refused)
+        extra = extra + speculative_args(srv.get("speculative"), draft_dir(state_dir, drafter["digest"]))
     return {"manager": srv.get("manager", "process"), "argv": argv + extra, "extra_args": extra, "env": env,
             "log": expand(srv.get("log") or os.path.join(state_dir, "server.log")),
             "host": srv["host"], "port": int(srv["port"]), "unit": srv.get("unit"),
             "start_timeout": float(srv.get("start_timeout") or 1800),
             "stop_timeout": float(srv.get("stop_timeout") or 60),
-            "series": series, "profile": profile, "capture_layers": capture_layers}
+            "series": series, "profile": profile, "capture_layers": capture_layers,
+            "drafter": drafter and drafter["digest"]}
 
 
 def _proc_net_address(hexaddr):
@@ -335,7 +343,8 @@ class SystemdManager(object):
 
     @staticmethod
     def render_dropin(cfg):
-        lines = ["# written by patchctl for series %s; removed on rollback" % cfg.get("series"), "[Service]"]
+        lines = ["# written by patchctl for %s; removed on rollback" % (
+            "series %s" % cfg["series"] if cfg.get("series") else "drafter %s" % cfg.get("drafter")), "[Service]"]
         for k, v in sorted(cfg["env"].items()):
             lines.append("Environment=%s" % _systemd_quote("%s=%s" % (k, v)))
         # The unit's ExecStart must end with $PATCHCTL_EXTRA_ARGS (systemd splits it into words).
@@ -345,7 +354,7 @@ class SystemdManager(object):
     def start(self, cfg):
         cfg = dict(cfg)
         cfg.pop("running", None)
-        if cfg.get("dropin") is None and cfg.get("series"):
+        if cfg.get("dropin") is None and (cfg.get("series") or cfg.get("drafter")):
             cfg["dropin"] = self.render_dropin(cfg)
         if cfg.get("dropin") is not None:
             if not os.path.isdir(self.dropin_dir):

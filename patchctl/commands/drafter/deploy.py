@@ -1,0 +1,191 @@
+"""`patchctl drafter deploy DIR` and `drafter rollback`: a trained EAGLE-3 drafter onto the fleet, gated on
+the acceptance it really achieves there.
+
+Before anything is sent: the draft directory is checked on its own and against the data it was trained on
+(`check`), the prompt set is read, every selected host is probed read-only and the draft is checked against
+the model it serves (hidden size, vocab, layers, tokenizer); any problem refuses the run (exit 2).
+Then the draft goes to every selected host at once, content-addressed (`core.artifact`: what a host has is
+not sent again). Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C), each:
+
+  baseline: the prompt set on what serves now (`bench.measure`)
+  restart:  the drafter recorded on the host, the server restarted with the speculative flags, ready
+  canary:   the same prompts on the new server
+  gate:     `gate.Gate` -> verified (the acceptance recorded on the host) or rolled back: the drafter
+            before (or none) and the exact server config before, restarted and ready.
+
+A unit that already serves this drafter, verified, is left as it is ("unchanged"). One-node units only:
+a multi-node server's drafter deploy is refused (see docs/design.md "Drafters").
+"""
+
+from __future__ import annotations
+
+from patchctl.commands.drafter import bench, check
+from patchctl.commands.drafter.gate import Gate, accept_of, describe
+from patchctl.core import artifact
+from patchctl.core.console import App
+from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.options import DrafterOptions
+from patchctl.core.remote import AgentFailure
+from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
+from patchctl.core.session import Run, UnitResult, host_error
+
+
+class DrafterUnit:
+    """One unit's drafter deploy: baseline, restart with the drafter, canary, gate, verified or rolled back."""
+
+    def __init__(self, run: Run, nodes, opts: DrafterOptions, ctx: dict):
+        self.run, self.opts, self.ctx = run, opts, ctx
+        self.session = run.session(nodes[0])
+        self.name = nodes[0].name
+        self.names = [h.name for h in nodes]
+
+    def run_unit(self) -> UnitResult:
+        if self.run.stopping.is_set():
+            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        if self.name in self.ctx["not_sent"]:
+            return UnitResult(self.names, *self.ctx["not_sent"][self.name])
+        s = self.session
+        try:
+            base = bench.measure(s, self.ctx["prompts"], self.opts, step="baseline")
+            res = s.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
+        except AgentFailure as e:
+            if e.details.get("rolled_back") is not None:
+                return UnitResult(self.names, "failed, rolled back (verified)",
+                                  f"restart with the drafter failed: {e}; {e.details['rolled_back'].get('server')}",
+                                  touched=True)
+            return self._failed(e)
+        except PatchctlError as e:
+            return self._failed(e)
+        if not res.get("changed"):
+            acc = (res.get("drafter") or {}).get("acceptance") or {}
+            last = acc.get("new")
+            return UnitResult(self.names, "unchanged", (res.get("note") or "unchanged")
+                              + (f"; last measured {describe(last)}" if last else ""))
+        try:
+            new = bench.measure(s, self.ctx["prompts"], self.opts, step="canary")
+        except PatchctlError as e:
+            return self._roll_back(f"canary measurement failed: {e}", None, base)
+        missed = self.ctx["gate"].verdict(base, new)
+        figures = f"baseline {describe(base)} -> new {describe(new)}; prompts {self.ctx['prompts_digest'][:12]}"
+        acceptance = {"baseline": base, "new": new, "prompts_sha256": self.ctx["prompts_digest"],
+                      "max_new_tokens": self.opts.max_new_tokens, "gate": self.ctx["gate_words"]}
+        if missed:
+            return self._roll_back("; ".join(missed), figures, base)
+        try:
+            s.call("drafter_finalize", "verified", acceptance=acceptance)
+        except PatchctlError as e:
+            return self._failed(e)
+        gain = accept_of(new) - accept_of(base)
+        return UnitResult(self.names, "deployed", f"{figures} (gain {gain:+.2f})", touched=True)
+
+    def _roll_back(self, why: str, figures: str | None, base: dict) -> UnitResult:
+        try:
+            rb = self.session.call("drafter_rollback", "rollback", to="previous", reason=f"canary: {why}",
+                                   host_name=self.name)
+        except PatchctlError as e:
+            outcome, msg = host_error(e)
+            return UnitResult(self.names, "rollback failed", f"canary refused the drafter ({why}); rollback failed: {msg}; "
+                              f"next: {self.run.app.cmd('drafter', 'rollback', '--limit', self.name)}", touched=True)
+        return UnitResult(self.names, "failed, rolled back (verified)",
+                          f"canary refused the drafter: {why}" + (f" ({figures})" if figures else "")
+                          + f"; {rb.get('server')}", touched=True)
+
+    def _failed(self, e: Exception) -> UnitResult:
+        outcome, msg = host_error(e)
+        if outcome == "failed":
+            outcome = "failed, left as is"
+            msg += f"; next: {self.run.app.cmd('drafter', 'rollback', '--limit', self.name)}"
+        return UnitResult(self.names, outcome, msg, touched=outcome not in ("refused", "locked", "unreachable"))
+
+
+def _prepare(app: App, opts: DrafterOptions) -> dict:
+    """Everything decided before a host is contacted: the draft's own checks, the prompt set, the gate."""
+    draft = check.local_checks(app, opts)  # exit 2 with every problem named, before anything is sent
+    prompts = bench.load_prompts(opts.prompts, required=True)
+    art = artifact.Artifact.from_dir(opts.draft)
+    gate = Gate(opts.min_accept_length, opts.min_gain, opts.max_tps_loss)
+    words = {"min_accept_length": gate.min_accept_length, "min_gain": gate.min_gain, "max_tps_loss": gate.max_tps_loss}
+    return {"artifact": art, "prompts": prompts, "prompts_digest": prompts.digest, "gate": gate, "gate_words": words,
+            "draft": draft, "not_sent": {},
+            "drafter": {"digest": art.digest, "source": str(opts.draft.resolve()),
+                        "data_run": draft.get("data_run") if isinstance(draft, dict) else None}}
+
+
+def _send_all(run: Run, units, ctx: dict) -> None:
+    """The draft to every selected host at once; a host that could not take it is not deployed to."""
+    hosts = [u[0] for u in units]
+
+    def one(h):
+        try:
+            return h.name, artifact.send(run.session(h), ctx["artifact"], keep_free=run.opts.keep_free), None
+        except PatchctlError as e:
+            return h.name, None, e
+
+    for name, res, err in run.parallel(one, hosts):
+        if err is not None:
+            outcome, msg = host_error(err)
+            ctx["not_sent"][name] = (outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}", False)
+
+
+def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
+    ctx = _prepare(app, opts)
+    run = Run(app, opts, "drafter deploy", title="drafter deploy", recover_verb="drafter rollback")
+    try:
+        units = run.units()
+        multi = [u for u in units if len(u) > 1]
+        if multi:
+            raise BadInput("drafter deploy: multi-node servers are not supported yet: "
+                           + ", ".join("+".join(h.name for h in u) for u in multi))
+        check.fleet_checks(run, ctx["draft"], opts)  # read-only, every host: exit 2 before anything is sent
+        sizes = plan_batches(len(units), opts.canary, opts.batch)
+        max_fail = parse_max_fail(opts.max_fail, len(units))
+        results: list[UnitResult] = []
+        rep = run.reporter
+        with rep, Interrupts(run) as intr:
+            _send_all(run, units, ctx)
+            stopped = rollout(run, opts, units, sizes, max_fail, lambda u: DrafterUnit(run, u, opts, ctx), results, [])
+            stopped = announce_stopped(app, run, rep, stopped, intr.interrupted)
+            return finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted,
+                                                               "drafter": ctx["drafter"],
+                                                               "prompts_sha256": ctx["prompts_digest"]})
+    finally:
+        run.close()
+
+
+class RollbackUnit:
+    def __init__(self, run: Run, nodes, opts: DrafterOptions):
+        self.run, self.opts = run, opts
+        self.session = run.session(nodes[0])
+        self.names = [h.name for h in nodes]
+
+    def run_unit(self) -> UnitResult:
+        if self.run.stopping.is_set():
+            return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        try:
+            res = self.session.call("drafter_rollback", "rollback", to=self.opts.to or "previous",
+                                    reason="drafter rollback", host_name=self.names[0])
+        except PatchctlError as e:
+            outcome, msg = host_error(e)
+            return UnitResult(self.names, "rollback failed" if outcome == "failed" else outcome, msg, touched=True)
+        if not res.get("changed"):
+            return UnitResult(self.names, "unchanged", res.get("note") or "nothing to roll back")
+        to = res.get("to")
+        words = f"to drafter {to['digest'][:12]} ({to.get('source')})" if to else "to no drafter"
+        return UnitResult(self.names, "rolled back", f"{words}; {res.get('server')}", touched=True)
+
+
+def run_drafter_rollback(app: App, opts: DrafterOptions) -> int:
+    run = Run(app, opts, "drafter rollback", title="drafter rollback", recover_verb="drafter rollback")
+    try:
+        units = run.units()
+        sizes = plan_batches(len(units), opts.canary, opts.batch)
+        max_fail = parse_max_fail(opts.max_fail, len(units))
+        results: list[UnitResult] = []
+        rep = run.reporter
+        with rep, Interrupts(run) as intr:
+            stopped = rollout(run, opts, units, sizes, max_fail, lambda u: RollbackUnit(run, u, opts), results, [])
+            stopped = announce_stopped(app, run, rep, stopped, intr.interrupted)
+            return finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted})
+    finally:
+        run.close()
+

@@ -1,0 +1,55 @@
+"""The canary's gate: does the new drafter accept enough, against what served before, to keep it?
+
+Both arms are measured in the same run on the same unit with the same prompts, temperature 0 and the same
+`max_new_tokens` (`bench.measure`); the figures are SGLang's own (per-request `meta_info`, aggregated as
+sum(completion_tokens) / sum(spec_verify_ct)). A server that does not speculate accepts exactly one token
+per forward, so a baseline without speculation counts as 1.0 here, and says so.
+
+The rules, each explicit and each named in the verdict when it fails:
+- the new server must report speculation at all (no spec fields: the drafter is not serving);
+- its acceptance length >= `min_accept_length` (default 1.5: a drafter under it rarely pays for its draft
+  forwards; the first Kimi-K2.5 drafter shipped at ~15 % acceptance and 0.66x the throughput);
+- its acceptance length >= the baseline's + `min_gain` (default 0: never accept less than what serves);
+- with `max_tps_loss`, output tokens/s >= the baseline's x (1 - max_tps_loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def accept_of(m: dict) -> float:
+    """The arm's acceptance length: SGLang's figure, or 1.0 for a server that does not speculate."""
+    return m["accept_length"] if m.get("accept_length") is not None else 1.0
+
+
+def describe(m: dict) -> str:
+    acc = m.get("accept_length")
+    words = f"accept {acc:.2f}" if acc is not None else "no speculation (1.00)"
+    return f"{words}, {m.get('tokens_per_s', 0):.1f} tok/s"
+
+
+@dataclass(frozen=True)
+class Gate:
+    min_accept_length: float = 1.5
+    min_gain: float = 0.0
+    max_tps_loss: float | None = None
+
+    def verdict(self, base: dict, new: dict) -> list[str]:
+        """The rules the new arm misses (empty: it passes)."""
+        if new.get("accept_length") is None:
+            return ["the server reports no speculation after the deploy (no spec_verify_ct in meta_info): "
+                    "the drafter is not serving"]
+        out = []
+        acc, was = new["accept_length"], accept_of(base)
+        if acc < self.min_accept_length:
+            out.append(f"acceptance length {acc:.2f} < --min-accept-length {self.min_accept_length:g}")
+        if acc < was + self.min_gain:
+            out.append(f"acceptance length {acc:.2f} < the baseline's {was:.2f}"
+                       + (f" + --min-gain {self.min_gain:g}" if self.min_gain else ""))
+        if self.max_tps_loss is not None:
+            floor = base.get("tokens_per_s", 0) * (1 - self.max_tps_loss)
+            if new.get("tokens_per_s", 0) < floor:
+                out.append(f"{new.get('tokens_per_s', 0):.1f} tok/s < {floor:.1f} (the baseline's "
+                           f"{base.get('tokens_per_s', 0):.1f} less --max-tps-loss {self.max_tps_loss:.0%})")
+        return out

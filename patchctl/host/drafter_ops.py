@@ -1,0 +1,141 @@
+"""The host's side of a drafter deploy (`patchctl drafter deploy` / `drafter rollback`), as agent ops.
+
+deploy:   the drafter's files already in the host's store (`artifact`) -> record it (pending) with the
+          server config in force now -> restart with the speculative flags -> ready. A start-up that fails
+          is rolled back in the same command (record and server as before, proven ready).
+finalize: the canary measured it and let it through: verified, with the acceptance measured.
+rollback: back to the drafter before (or none): its record, the exact server config in force before the
+          deploy, restarted and proven ready.
+The tree's lock is taken as `apply` takes it and kept from deploy to finalize or rollback, so no other
+run changes this server while its acceptance is measured. Standard library only, Python 3.8 syntax.
+"""
+
+from .drafter import (DEFAULTS, draft_dir, faking_env, read_record, summary, write_record)
+from .events import AgentError, event
+from .osutil import now
+from .protocol import HistoryEntry
+from .server import build_server_config, manager_for, wait_ready
+
+# what a record keeps of the drafter before it (enough to serve it again and to show it)
+_PREVIOUS_KEYS = ("digest", "source", "data_run", "status", "run_id", "deployed_at", "verified_at", "acceptance",
+                  "speculative", "path")
+
+
+def _present(state_dir, digest):
+    """The draft directory is complete on this host: the store writes its manifest last (host/artifact.py)."""
+    import os
+
+    return os.path.isdir(draft_dir(state_dir, digest)) and os.path.isfile(draft_dir(state_dir, digest) + ".json")
+
+
+def _history(agent, op, outcome, rec, reason=None):
+    agent.tree.append_history(HistoryEntry(op=op, outcome=outcome, run_id=agent.run_id, reason=reason,
+                                           who=(agent.req.get("holder") or {}).get("who"), drafter=summary(rec)))
+
+
+def deploy(agent):
+    req, state_dir = agent.req, agent.state_dir
+    agent.recover()
+    m, profile = agent._deployed()  # an unverified series deploy of another run is refused there
+    limit = req.get("host_name") or "HOST"
+    if profile and profile.get("dump_dir_env"):
+        raise AgentError("bad_input", "%s %s is deployed here, a capture configuration: SGLang 0.5.23 never runs the "
+                         "capture and a draft in one server; switch explicitly: patchctl rollback --to clean --limit %s, "
+                         "then deploy the drafter" % (m.series, m.version, limit), capture=m.series)
+    want = req["drafter"]
+    if not _present(state_dir, want["digest"]):
+        raise AgentError("bad_input", "the drafter %s is not (completely) in this host's store %s: send it first" % (
+            want["digest"][:12], draft_dir(state_dir, want["digest"])))
+    cur = read_record(state_dir)
+    if cur and cur["status"] == "pending" and cur.get("run_id") != agent.run_id:
+        raise AgentError("attention", "an unfinished drafter deploy (%s, run %s) was never measured: take it back "
+                         "first: patchctl drafter rollback --limit %s" % (cur["digest"][:12], cur.get("run_id"), limit),
+                         pending=True)
+    fakes = faking_env((req.get("server") or {}).get("env"))
+    if fakes:
+        raise AgentError("bad_input", "the server's env sets %s: SGLang would fake its acceptance figures (environ.py), "
+                         "so no canary could measure this drafter; remove it from [server] env" % ", ".join(fakes))
+    spec = (req.get("server") or {}).get("speculative") or dict(DEFAULTS, args=[])
+    rec = dict(want, path=draft_dir(state_dir, want["digest"]), status="pending", run_id=agent.run_id,
+               who=(req.get("holder") or {}).get("who"), deployed_at=now(), speculative=spec,
+               previous=cur and dict((k, cur[k]) for k in _PREVIOUS_KEYS if k in cur))
+    cfg = build_server_config(req, None, None, drafter=rec)
+    base_mgr, _ = agent.base_manager()
+    before = base_mgr.current_config()
+    if cur and cur["digest"] == want["digest"] and cur["status"] == "verified" and before.get("running") \
+            and before.get("argv") == cfg["argv"]:
+        agent.tree.release(agent.run_id)
+        return {"changed": False, "note": "already serving this drafter (verified)", "drafter": summary(cur),
+                "argv": cfg["argv"]}
+    rec["server_before"] = before
+    write_record(state_dir, rec)
+    _history(agent, "drafter-deploy", "restarting with the drafter", rec)
+    mgr = manager_for(state_dir, cfg)
+    out = {"changed": True, "drafter": summary(rec), "argv": cfg["argv"], "argv_before": before.get("argv"),
+           "previous": rec["previous"]}
+    try:
+        out["stop"] = mgr.stop()
+        mgr.start(cfg)
+        out["ready_seconds"] = wait_ready(mgr, cfg)
+    except AgentError as e:
+        event("step", step="rollback", op="drafter_rollback", failed=str(e), reason="start-up with the drafter failed: %s" % e,
+              details=e.details)
+        e.details["rolled_back"] = _back(agent, rec, "previous", "start-up with the drafter failed: %s" % e)
+        agent.tree.release(agent.run_id)
+        raise
+    return out
+
+
+def finalize(agent):
+    """The canary let the drafter through: verified, with what it measured."""
+    rec = read_record(agent.state_dir)
+    if not rec or rec.get("run_id") != agent.run_id:
+        raise AgentError("attention", "no drafter deploy of this run (%s) to finalize here" % agent.run_id)
+    rec.update(status="verified", verified_at=now(), acceptance=agent.req.get("acceptance"))
+    write_record(agent.state_dir, rec)
+    _history(agent, "drafter-deploy", "verified", rec)
+    agent.tree.release(agent.run_id)
+    return {"drafter": summary(rec)}
+
+
+def rollback(agent):
+    """Back to the drafter before (`to` previous, the default) or to none, server proven ready."""
+    agent.recover()
+    rec = read_record(agent.state_dir)
+    to = agent.req.get("to") or "previous"
+    if to not in ("previous", "none"):
+        raise AgentError("bad_input", "drafter rollback --to %r: expected previous or none" % to)
+    if not rec:
+        agent.tree.release(agent.run_id)
+        return {"changed": False, "note": "no drafter is deployed here"}
+    out = _back(agent, rec, to, agent.req.get("reason") or "drafter rollback")
+    agent.tree.release(agent.run_id)
+    return out
+
+
+def _back(agent, rec, to, reason):
+    """Restore the record of the drafter before (or none) and restart the server config in force before
+    `rec`'s deploy (to none: the inventory's server without a drafter); wait until it serves."""
+    state_dir = agent.state_dir
+    target = rec.get("previous") if to == "previous" else None
+    if to == "previous" and rec.get("server_before") is not None:
+        cfg = dict(rec["server_before"])
+    else:
+        _m, profile = agent._deployed()
+        cfg = build_server_config(agent.req, profile, None, drafter=target)
+        cfg["running"] = True
+    write_record(state_dir, target)
+    cfg_run = dict(cfg)
+    running = cfg_run.pop("running", True)
+    mgr = manager_for(state_dir, cfg_run)
+    out = {"changed": True, "to": summary(target), "from": summary(rec), "stop": mgr.stop()}
+    if not running:
+        out["server"] = "left stopped (it was not running before the deploy)"
+    else:
+        mgr.start(cfg_run)
+        out["ready_seconds"] = wait_ready(mgr, cfg_run)
+        out["server"] = "restarted on the previous config, ready"
+    out["argv"] = cfg_run.get("argv")
+    _history(agent, "drafter-rollback", "to %s" % (("drafter %s" % target["digest"][:12]) if target else "no drafter"),
+             target, reason=reason)
+    return out
