@@ -149,10 +149,17 @@ class UnitDeploy:
                 self.failure = (s, e)
             if r is not None:
                 self.results[s.host.name] = r
-                if r.get("changed"):
-                    self.applied.append(s)
+                if r.get("changed") or (r.get("config_change") and chain):
+                    self.applied.append(s)  # a one-node unit's config change is restarted and smoked in its command
         if self.failure:
             return self._apply_failed()
+        changed = [s.host.name for s in self.sessions if (self.results.get(s.host.name) or {}).get("config_change")]
+        if changed and not chain:
+            self.release_all()
+            return UnitResult(self.names, Outcome.NEEDS_ATTENTION,
+                              f"server config of {', '.join(changed)} differs from the inventory's; a multi-node unit's "
+                              f"config is rolled out by {self.run.app.cmd('restart', '--limit', ','.join(self.names))} "
+                              "(no automatic return to the old config)")
         if not self.applied:
             self.release_all()
             notes = "; ".join(sorted({r.get("note", "") for r in self.results.values()}))
@@ -228,9 +235,11 @@ class UnitDeploy:
 
     def _deployed(self, res: dict | None) -> UnitResult:
         if self.opts.no_smoke:
-            return UnitResult(self.names, Outcome.DEPLOYED, "restarted; smoke skipped (--no-smoke)", touched=True)
+            return UnitResult(self.names, Outcome.DEPLOYED, ("server config changed; " if (res or {}).get("config_change") else "")
+                              + "restarted; smoke skipped (--no-smoke)", touched=True)
         sm = res["smoke"]
-        return UnitResult(self.names, Outcome.DEPLOYED,
+        cc = res.get("config_change")
+        return UnitResult(self.names, Outcome.DEPLOYED, ("server config changed (" + ", ".join(sorted(cc)) + "); " if cc else "") +
                           f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
                           touched=True)
 
@@ -240,6 +249,12 @@ class UnitDeploy:
         msg = getattr(e, "failure", None) or msg  # the agent's rollback after a failed step failed in turn
         if getattr(e, "rolled_back", None) is not None:  # rolled back and verified in the same command
             return UnitResult(self.names, Outcome.FAILED_ROLLED_BACK, msg, touched=True)
+        if any(r.get("config_change") for r in self.results.values()):  # files untouched: no file rollback
+            return UnitResult(self.names, Outcome.ROLLBACK_FAILED,
+                              f"{msg}; the server config it replaced could not be restarted "
+                              f"({getattr(e, 'details', {}).get('rollback_error') or 'halted'}); files unchanged; next: fix "
+                              f"the inventory, then {self.run.app.cmd('restart', '--limit', ','.join(self.names))}",
+                              touched=True)
         if self.opts.on_fail == "halt":
             self.release_all(record={"outcome": "failed, left patched for inspection (--on-fail halt)",
                                      "reason": failure_reason(e, msg)})

@@ -90,18 +90,25 @@ def attention_of(app: App, d: dict) -> list[dict]:
         files = ", ".join(x["path"] for x in d["drift"])
         out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
                     "run": app.cmd("rollback", "--limit", host, "--force") + "   # saves the edits beside the backups, then restores"})
+    cc = d.get("config_change")
+    if cc:
+        fix = (app.cmd("apply", d["series"], "--limit", host) + "   # restarts with the inventory's config, smokes it; "
+               "a failure puts the running config back") if d.get("series") and state in ("verified", "restarted") else \
+            app.cmd("restart", "--limit", host) + "   # starts the server as the inventory says"
+        out.append({"why": "the running server is not the inventory's: " + config_change_words(cc), "run": fix})
     return out
 
 
 def run_status(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
-        r = s.call("status")
+        r = s.call("status", capture_layers=s.host.server.capture_layers)
         m = r.get("manifest") or {}
         return {"root": r["root"], "sglang_version": r["version"], "series": m.get("series"), "version": m.get("version"),
                 "state": m.get("status") if m else "clean", "when": m.get("when"), "who": m.get("who"),
                 "repo_commit": m.get("repo_commit"), "run_id": m.get("run_id"),
                 "patches": m.get("patches"), "drift": r["drift"], "lock": r["lock"], "server": r["server"],
-                "interrupted": r.get("interrupted"), "drafter": r.get("drafter"), "notes": r.get("notes") or []}
+                "interrupted": r.get("interrupted"), "drafter": r.get("drafter"), "config_change": r.get("config_change"),
+                "notes": r.get("notes") or []}
 
     def render(data):
         t = table("status", "host", "series", "state", "applied", "drift", "lock", "server", "drafter")
@@ -162,6 +169,19 @@ def server_cell(srv: dict) -> str:
     if srv.get("series"):
         parts.append(f"capture {srv['series']}")
     return ", ".join(parts)
+
+
+def config_change_words(cc: dict) -> str:
+    """What server.config_change found, in a line: the command line before and after, the env names."""
+    parts = []
+    if cc.get("argv"):
+        was, now = cc["argv"]
+        parts.append(f"runs `{shlex.join(was)}`, the inventory says `{shlex.join(now)}`")
+    if cc.get("env"):
+        parts.append("env differs in " + ", ".join(cc["env"]))
+    if cc.get("adopted"):
+        parts.append("(a server patchctl did not start)")
+    return "; ".join(parts)
 
 
 def drafter_cell(dr: dict | None) -> str:
@@ -270,7 +290,7 @@ def run_plan(app: App, opts: QueryOptions) -> int:
     reach = Reachability(series)
 
     def per_host(s: HostSession):
-        r = s.call("probe", series=sreq)
+        r = s.call("probe", series=sreq, capture_layers=s.host.server.capture_layers)
         d = plan_host(series, s.host, r)
         d["restart_config"] = restart_preview(s, series, r) if d["restart"] != "no" else None
         arch = d.get("model_arch")
@@ -390,8 +410,9 @@ def _plan_diff(app: App, series: Series, data: list[dict]) -> list:
     from rich.text import Text
 
     diffs = next((d["file_diffs"] for d in data if d["ok"] and d.get("file_diffs")), None) or {}
-    groups = [("applies on", [d["host"] for d in data if d["ok"] and not d["action"].startswith("nothing")]),
-              ("already applied on", [d["host"] for d in data if d["ok"] and d["action"].startswith("nothing")]),
+    applied = ("nothing", "restart:")  # a config change alone changes no file
+    groups = [("applies on", [d["host"] for d in data if d["ok"] and not d["action"].startswith(applied)]),
+              ("already applied on", [d["host"] for d in data if d["ok"] and d["action"].startswith(applied)]),
               ("not read from", [d["host"] for d in data if not d["ok"]])]
     out = [Text(""), Text(f"diff: what {series.name} {series.version} changes, against the unpatched files", style="bold")]
     for what, names in groups:
@@ -437,7 +458,10 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
     blockers += [f"cannot capture: {r}" for r in probe.get("capture_refusals") or []]
     same = m and m["series"] == series.name and m["version"] == series.version and \
         [p["sha256"] for p in m["patches"]] == [p.sha256 for p in series.patches]
-    if same:
+    cc = probe.get("config_change") if same and m.get("status") in ("verified", "restarted") else None
+    if cc:
+        action = f"restart: {series.name} {series.version} is applied, the server config changed"
+    elif same:
         action = "nothing (already applied)"
     elif m:
         action = f"replace {m['series']} {m['version']} with {series.name} {series.version}"
@@ -447,11 +471,13 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
         action += " — first undo an interrupted change"
     files = [{"path": f.path, "action": f.action} for p in series.patches for f in p.files]
     srv = probe.get("server") or {}
-    restart = "no" if same else (f"yes: {host.server.manager} on port {host.server.port} with {' '.join(series.smoke.server_args)}"
-                                 + (", then smoke" if series.smoke.hook or series.smoke.prompts else ""))
-    if not same and not srv.get("running"):
+    restart = "no" if same and not cc else (
+        f"yes: {host.server.manager} on port {host.server.port} with {' '.join(series.smoke.server_args)}"
+        + (", then smoke" if series.smoke.hook or series.smoke.prompts else "")
+        + (f" — {config_change_words(cc)}" if cc else ""))
+    if not (same and not cc) and not srv.get("running"):
         restart += " (server not running now)"
     return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
-            "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")),
+            "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")), "config_change": cc,
             "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),
             "diff": {p.file: p.text for p in series.patches}}

@@ -43,7 +43,7 @@ from .osutil import expand, now, proc_uptime, sha256_bytes, sha256_file, write_j
 from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, FileRecord, HistoryEntry, Holder,
                        Manifest, Meta, PatchRef, Profile, ProtocolError, SeriesRef, check_request)
 from .pull import pull
-from .server import build_server_config, http_request, manager_for, prepare_dump_dir, wait_ready
+from .server import build_server_config, config_change, http_request, manager_for, prepare_dump_dir, wait_ready
 from .smoke import model_arch_of, smoke
 from .state import TreeState, file_meta, new_file_meta
 from .tree import locate_tree, tree_version, version_matches
@@ -86,6 +86,7 @@ class Agent(object):
         self._tree = None
         self.took_lock = False
         self.step = req.get("op")  # the step in hand (a command may go on to more: _next_step)
+        self.config_before = None  # apply of the deployed series with a changed server config: the config it replaces
 
     # plumbing ----------------------------------------------------------
     def _keep_state_dir_private(self):
@@ -191,6 +192,8 @@ class Agent(object):
                 f["stage"] = e.details.get("stage") or {"ok": False, "error": str(e)}
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
+        if self.req.get("series"):
+            f["config_change"] = self._config_change(mgr, (self.req["series"].get("smoke") or None))
         f["free_bytes"] = shutil.disk_usage(_existing(self.state_dir)).free
         f["model_arch"] = model_arch_of(cfg["argv"])
         if self.req.get("series"):
@@ -212,6 +215,16 @@ class Agent(object):
                 out["health"] = "unreachable: %s" % e
         return out
 
+    def _config_change(self, mgr, profile):
+        """How the running server differs from what the inventory, this profile (the deployed series') and
+        the deployed drafter would start now (server.config_change), or None."""
+        layers = self.req.get("capture_layers") or (profile or {}).get("layers")
+        try:
+            wanted = self.server_cfg(profile, layers)
+        except AgentError:  # a configuration that cannot start at all: apply's checks say why
+            return None
+        return config_change(mgr.current_config(), wanted)
+
     @handles("status")
     def op_status(self):
         """Read-only: no lock, no recovery. A change an earlier run left half done (its journal) is
@@ -223,6 +236,11 @@ class Agent(object):
                                 "recovery": {"done": "finish", "committing": "undo"}.get(j.phase, "discard")}
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
+        m = self.tree.manifest()
+        if (m and m.status in ("verified", "restarted")) or (f.get("drafter") or {}).get("status") == "verified":
+            # a config patchctl deployed: the inventory is what must run (a clean host's server is the user's;
+            # files applied without a restart are expected to run the old config)
+            f["config_change"] = self._config_change(mgr, m.profile.to_wire() if m and m.profile else None)
         f["history_tail"] = [h.to_wire() for h in self.tree.history()[-3:]]
         return f
 
@@ -283,9 +301,10 @@ class Agent(object):
         `_restart` going on to `_smoke` or `_finalize`; FAILED rolled back here is `_rollback_failed_step`."""
         out = self._apply()
         then = self.req.get("then")
-        if not then or not out.get("changed"):
+        if not then or not (out.get("changed") or out.get("config_change")):
             return out
-        self._next_step("restart", "%d files changed (SGLang %s)" % (len(out["files"]), out["version"]))
+        self._next_step("restart", "%d files changed (SGLang %s)" % (len(out["files"]), out["version"]) if out.get("changed")
+                        else "server config changed: %s" % ", ".join(sorted(out["config_change"])))
         try:
             out.update(self._restart(then[1] if len(then) > 1 else None))
         except AgentError as e:
@@ -309,7 +328,12 @@ class Agent(object):
         t = self.tree
         m = t.manifest()
         try:
-            e.details["rolled_back"] = self._rollback_to(m.previous if m else None, m, restart=True, reason=reason)
+            if self.config_before is not None:  # a config change: the files stay, the config before comes back
+                e.details["rolled_back"] = self._restore_server(self.config_before, m.snapshot())
+                t.append_history(HistoryEntry(op="rollback", run_id=self.run_id, reason=reason, outcome="to the server "
+                                              "config before", server=e.details["rolled_back"].get("server")))
+            else:
+                e.details["rolled_back"] = self._rollback_to(m.previous if m else None, m, restart=True, reason=reason)
         except ControllerGone:
             raise
         except Exception as rb:  # noqa: BLE001 - reported; the controller's own rollback follows
@@ -335,6 +359,9 @@ class Agent(object):
         if self.req.get("restart"):
             self._check_dump_space(series.get("smoke") or {})
         if self._already_applied(m, series):
+            change = self._apply_config_change(m, series, server_before)
+            if change:
+                return change
             t.release(self.run_id)
             return {"changed": False, "note": "%s %s is already applied" % (series["name"], series["version"]),
                     "manifest": m.to_wire(), "version": version, "root": t.root, "already_verified": m.status == "verified"}
@@ -347,6 +374,25 @@ class Agent(object):
         return {"changed": True, "files": changed, "patches": staged["patches"], "replaced": m and m.snapshot().to_wire(),
                 "version": version, "root": t.root, "history_id": hid, "server_before": server_before,
                 "manifest": manifest.to_wire()}
+
+    def _apply_config_change(self, m, series, running):
+        """The series is deployed as asked, but the server runs another config than the inventory's (its command,
+        flags, env, capture layers): the deploy is that config, restarted and smoked; a failure restarts the
+        config it replaces. None when nothing changed (or no restart was asked for)."""
+        if not self.req.get("restart") or m.status not in ("verified", "restarted"):
+            return None
+        profile = series.get("smoke") or None
+        wanted = self.server_cfg(profile, self.req.get("capture_layers") or (profile or {}).get("layers"))
+        change = config_change(running, wanted)
+        if not change:
+            return None
+        self.config_before = running
+        self.tree.append_history(HistoryEntry(op="deploy", series=m.series, version=m.version, run_id=self.run_id,
+                                              who=self.req["holder"].get("who"), outcome="server config changed: restarting",
+                                              detail=change))
+        return {"changed": False, "config_change": change, "note": "%s %s is applied; the server config changed" % (
+                    series["name"], series["version"]), "manifest": m.to_wire(), "version": tree_version(self.tree.root),
+                "root": self.tree.root, "server_before": running}
 
     def _apply_checks(self, series):
         """Recover an interrupted change, then refuse (bad input, nothing changed) a tree of another SGLang
@@ -717,6 +763,11 @@ class Agent(object):
     def _finalize(self, smoke_result):
         t = self.tree
         m = t.manifest()
+        if m and self.config_before is not None:
+            t.append_history(HistoryEntry(op="deploy", series=m.series, version=m.version, run_id=self.run_id,
+                                          who=(self.req.get("holder") or {}).get("who"), smoke=smoke_result,
+                                          outcome="server config change verified" if smoke_result else
+                                          "server config changed (smoke skipped)"))
         if m and m.run_id == self.run_id and m.status != "verified":
             m.status = "verified" if smoke_result is not None else "restarted"
             m.verified_at = now()

@@ -441,6 +441,7 @@ class Facts(Result):
     hostname: str = None
     server: dict = None  # `Agent._server_status`: running, series, port, manager, pid, uptime_s, health
     drafter: dict = None  # the drafter this host's server speculates with (drafter.summary), None: none
+    config_change: dict = None  # the running server vs the inventory's config (server.config_change), None: same
     NESTED = {"manifest": Manifest, "lock": Holder}
 
 
@@ -501,6 +502,7 @@ class ApplyAnswer(ServerSteps):
     history_id: str = None
     server_before: dict = None
     manifest: Manifest = None
+    config_change: dict = None  # the series was applied already; the server config changed (server.config_change)
     NESTED = {"replaced": Snapshot, "manifest": Manifest}
 
 
@@ -684,8 +686,8 @@ _SMOKE = {"profile": Profile, "capture_layers": None, "hidden_size": None}
 
 # Every op the agent runs: the one table (the agent binds each to its handler with `Agent.handles`).
 OPS = {
-    "probe": Op({"series": SeriesRequest}, read_only=True, answer=ProbeAnswer),
-    "status": Op({}, read_only=True, answer=StatusAnswer),
+    "probe": Op({"series": SeriesRequest, "capture_layers": None}, read_only=True, answer=ProbeAnswer),
+    "status": Op({"capture_layers": None}, read_only=True, answer=StatusAnswer),
     "history": Op({}, read_only=True, answer=HistoryAnswer),
     "pull": Op({"run": None, "files": None, "max_bytes": None}, read_only=True, answer=PullAnswer),
     "capture_probe": Op({"capture_layers": None, "hidden_size": None}, read_only=True, answer=CaptureProbeAnswer),

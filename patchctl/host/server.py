@@ -84,6 +84,30 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
             "drafter": drafter and drafter["digest"]}
 
 
+def config_change(running, wanted):
+    """How the server running now differs from the one the inventory (with the deployed series' profile or
+    drafter) would start: {"argv": [before, after]?, "env": [names changed]?, "adopted": True?}, or None when
+    they agree or nothing runs. The env is compared only for a server patchctl started (a server found on the
+    port has the whole environment of whoever started it); such a server is never taken as "the same"."""
+    if not running or not running.get("running"):
+        return None
+    out = {}
+    if running.get("manager") == "systemd" and wanted.get("manager") == "systemd":
+        if list(running.get("extra_args") or []) != list(wanted.get("extra_args") or []):
+            out["argv"] = [running.get("extra_args") or [], wanted.get("extra_args") or []]
+    elif list(running.get("argv") or []) != list(wanted.get("argv") or []):
+        out["argv"] = [running.get("argv") or [], wanted.get("argv") or []]
+    if running.get("adopted_pid"):
+        if out:
+            out["adopted"] = True
+    else:
+        a, b = running.get("env") or {}, wanted.get("env") or {}
+        names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if names:
+            out["env"] = names
+    return out or None
+
+
 def _proc_net_address(hexaddr):
     """An address as /proc/net/tcp{,6} prints it (32-bit words in host byte order) -> text form."""
     raw = bytes.fromhex(hexaddr)
