@@ -19,7 +19,7 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.core.console import App
 from patchctl.core.errors import EXIT_BAD_INPUT, PatchctlError
-from patchctl.core.options import CaptureOptions, DeployOptions, QueryOptions
+from patchctl.core.options import CaptureOptions, DeployOptions, DrafterOptions, QueryOptions
 from patchctl.core.rollout import parse_batch, parse_max_fail_spec
 
 # command -> (module, function, options). Modules are imported on use so that `patchctl series` does not
@@ -47,6 +47,8 @@ COMMANDS = {
     "capture run": ("patchctl.commands.capture.runner", "run_capture", CaptureOptions),
     "capture status": ("patchctl.commands.capture.collect", "run_capture_status", None),
     "capture collect": ("patchctl.commands.capture.collect", "run_capture_collect", CaptureOptions),
+    "drafter check": ("patchctl.commands.drafter.check", "run_check", DrafterOptions),
+    "drafter bench": ("patchctl.commands.drafter.bench", "run_bench", DrafterOptions),
 }
 
 
@@ -514,6 +516,55 @@ def _capture_command(cmd: _Commands) -> None:
         add(ccmd)
 
 
+def _drafter_check(cmd: _Commands) -> None:
+    dp = cmd("check", "is a trained EAGLE-3 draft directory one SGLang 0.5.23 serves right for this target?",
+             "Check a trained EAGLE-3 draft directory (what `specforge export --to sglang` writes) before any server\n"
+             "loads it: architecture, config fields, every tensor's name, dtype and shape (truncated files named), the\n"
+             "vocab map; with --data the capture layers, sizes and tokenizer of the data it was trained on; with\n"
+             "--limit, read-only, each host's served model (hidden and vocab sizes, layer range, context length,\n"
+             "tokenizer). Exit 0: no problem; 2: every problem listed; 3: a host could not be read.")
+    dp.add_argument("dir", type=Path, metavar="DIR", help="the draft directory: config.json and *.safetensors")
+    dp.add_argument("--data", type=Path, default=None, metavar="COLLECTED_DIR",
+                    help="the `capture collect` directory the draft was trained on (its draft-config.json, index.json)")
+    dp.add_argument("--limit", default=None, metavar="PATTERN",
+                    help="also check against the models these hosts serve (host, group, server names and globs; "
+                         "'*' for every host); without it only the local checks run")
+    _hostkeys(dp)
+
+
+def _drafter_bench(cmd: _Commands) -> None:
+    bp = cmd("bench", "acceptance length and tokens/s of what each host serves, on a fixed prompt set; read-only",
+             "Measure, on each selected host's running server, the speculative acceptance length (sum of\n"
+             "completion_tokens / sum of spec_verify_ct, and the mean of per-request spec_accept_length as\n"
+             "`specforge benchmark` reports it) and output tokens/s, on the same prompts at temperature 0 with the same\n"
+             "max_new_tokens (flush_cache, warm-up, then the set). A server without speculation shows acceptance\n"
+             "'off'; one whose env sets SGLANG_SIMULATE_ACC_LEN is refused. Exit 0 measured; 1 requests failed;\n"
+             "2 bad prompt set or refused server, nothing sent; 3 a host could not be reached.")
+    bp.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                    help='JSONL, one prompt a line: {"input_ids": [...]}, {"text": "..."}, or a conversation '
+                         '{"messages": [{"role", "content"}, ...]} / {"conversations": [{"from", "value"}, ...]} '
+                         "(its turns before the last assistant turn, rendered with --tokenizer's chat template)")
+    bp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                    help="the served tokenizer's files, to render conversations (its digest must be each host's)")
+    bp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
+                    help="tokens each answer is allowed (default 2048, as specforge benchmark)")
+    bp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
+                    help="requests in flight per server, and warm-up requests (default 1, as specforge benchmark)")
+    bp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
+                    help="seconds one request may take (default 600)")
+    _limit(bp)
+    _hostkeys(bp)
+
+
+def _drafter_command(cmd: _Commands) -> None:
+    sp = cmd("drafter", "trained EAGLE-3 drafters: check a draft directory, measure acceptance",
+             "Trained EAGLE-3 drafters for the served models: check a draft directory against its target and its\n"
+             "training data, and measure the acceptance length each host's server achieves.")
+    dcmd = cmd.nested(sp, "drafter_command", "ACTION", "actions", "run `patchctl drafter ACTION --help` for its options")
+    for add in (_drafter_check, _drafter_bench):
+        add(dcmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_globals(common, top=False)
@@ -527,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd = _Commands(sub, common)
     for add in (_series_command, _check_command, _authoring_command, _trace_command, _inventory_command,
                 _plan_command, _apply_command, _service_command, _rollback_command, _status_command, _smoke_command,
-                _history_command, _unlock_command, _capture_command):
+                _history_command, _unlock_command, _capture_command, _drafter_command):
         add(cmd)
     return p
 
@@ -551,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         verbose=args.verbose,
         command_prefix=_command_prefix(args),
     )
-    key = args.command if args.command != "capture" else f"capture {args.capture_command}"
+    nested = {"capture": "capture_command", "drafter": "drafter_command"}.get(args.command)
+    key = f"{args.command} {getattr(args, nested)}" if nested else args.command
     module, func, opts_cls = COMMANDS[key]
     try:
         return int(getattr(importlib.import_module(module), func)(app, options(opts_cls, args) if opts_cls else args) or 0)

@@ -73,3 +73,16 @@ class CaptureOptions(RunOptions):
     on_host: str | None = None
     streams: int | None = None
     workers: int | None = None
+
+
+@dataclass(frozen=True)
+class DrafterOptions(RunOptions):
+    """drafter check and bench: read-only, a draft directory or a prompt set against the served models."""
+
+    dir: Path | None = None  # check: the draft directory
+    data: Path | None = None  # check --data: the collection the draft was trained on
+    prompts: Path | None = None  # bench --prompts
+    tokenizer: Path | None = None  # bench --tokenizer: renders conversations
+    max_new_tokens: int = 2048  # specforge benchmark's default
+    concurrency: int = 1  # specforge benchmark's default
+    request_timeout: int = 600
