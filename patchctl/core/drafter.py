@@ -53,9 +53,10 @@ class Problem:
     where: str
     expected_from: str
     why: str = ""
+    verb: str = "is"  # "<expected_from> <verb> <expected>"
 
     def message(self) -> str:
-        text = f"{self.where} {self.field} {_show(self.found)}, {self.expected_from} is {_show(self.expected)}"
+        text = f"{self.where} {self.field} {_show(self.found)}, {self.expected_from} {self.verb} {_show(self.expected)}"
         return text + (f": {self.why}" if self.why else "")
 
     def to_dict(self) -> dict:
@@ -284,8 +285,8 @@ class _Checks:
         self.target, self.data, self.served = target, data, served
         self.out: list[Problem] = list(facts.unreadable)
 
-    def add(self, field, found, expected, where="config.json", expected_from=LOADER, why=""):
-        self.out.append(Problem(field, found, expected, where, expected_from, why))
+    def add(self, field, found, expected, where="config.json", expected_from=LOADER, why="", verb="is"):
+        self.out.append(Problem(field, found, expected, where, expected_from, why, verb))
 
     def run(self) -> list[Problem]:
         arch = (self.c.get("architectures") or [None])[0] if isinstance(self.c.get("architectures"), list) else None
@@ -405,7 +406,7 @@ class _Checks:
         for n in missing:
             shown = n.replace("layers.0.", "midlayer.")
             self.add(f"tensor {shown}", None, _show((want.get(n) or (None, None))[0] or vocab[n][1]),
-                     where=", ".join(self.f.files), expected_from="config.json's shape for it", why="required by " + ("the draft vocab map: draft_vocab_size "
+                     where=", ".join(self.f.files), expected_from="config.json", verb="gives it the shape", why="required by " + ("the draft vocab map: draft_vocab_size "
                      f"{s['DV']} < vocab_size {s['V']}" if n in vocab else LOADER + "; a missing weight is served "
                      "as whatever the memory held"))
         self.vocab_map(s)
@@ -445,9 +446,10 @@ class _Checks:
                 layers = layerids.sglang_layers(rule, ids, n)
                 top = n if rule == "gpt_oss" else n - 1
                 if not all(0 <= x <= top for x in layers):
-                    self.add("eagle_config.eagle_aux_hidden_state_layer_ids", ids, f"ids whose layers fall in [0, {top}]",
-                             expected_from=f"{t['source']} num_hidden_layers {n}",
-                             why=f"{arch} captures layers {_show(layers)} for them ({layerids.WHERE[rule]})")
+                    self.add("eagle_config.eagle_aux_hidden_state_layer_ids", f"{_show(ids)} (layers {_show(layers)} on {arch})",
+                             f"layers 0 to {top}", expected_from=f"{t['source']} num_hidden_layers {n}", verb="allows",
+                             why=f"{arch} captures layers {_show(layers)} for these ids ({layerids.WHERE[rule]}); a layer "
+                                 "it does not have is never captured")
 
     def against_data(self, ids):
         d = self.data
