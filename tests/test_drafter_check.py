@@ -301,3 +301,45 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert p.returncode == 2 and "eagle_aux_hidden_state_layer_ids" in p.stdout
     p = _cli("drafter", "check", str(tmp_path / "nowhere"))
     assert p.returncode == 2 and "not a directory" in p.stderr
+
+
+SPECFORGE_EXPORT = r"""
+import json, sys, torch
+# torchvision's wheel cannot load its ops next to a CPU torch; declare the two schemas its import registers
+# (as tests/real_sglang_driver.py does): nothing here calls a torchvision operator
+for op in ("nms", "qnms"):
+    try:
+        getattr(torch.ops.torchvision, op)
+    except (AttributeError, RuntimeError):
+        torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+from specforge.export.to_sglang import export_to_sglang
+cfg, base = sys.argv[1], sys.argv[2]
+for out, mapped in ((base + "/mapped", True), (base + "/unmapped", False)):
+    m = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(cfg), torch_dtype=torch.bfloat16)
+    if mapped:  # what load_vocab_mapping leaves: the draft's tokens are the target's even ids
+        dv = m.d2t.shape[0]
+        m.t2d.zero_()
+        m.t2d[torch.arange(dv) * 2] = True
+        m.d2t.copy_(torch.arange(dv))
+    torch.save({"strategy": "eagle3", "draft_state_dict": m.state_dict()}, out + ".pt")
+    export_to_sglang(out + ".pt", cfg, out)
+"""
+
+
+@pytest.mark.slow  # imports torch and SpecForge
+def test_a_draft_exported_by_specforges_own_export_passes_and_its_unmapped_vocab_is_refused(tmp_path):
+    """SpecForge 0.2.0's `export_to_sglang` itself writes the directory (its names, dtypes, config): it passes;
+    exported without a vocab mapping (d2t still SpecForge's zeros), it is refused naming d2t."""
+    pytest.importorskip("specforge")
+    cfg = tmp_path / "draft-config.json"
+    c = draft_config()
+    cfg.write_text(json.dumps(c))
+    p = subprocess.run([sys.executable, "-c", SPECFORGE_EXPORT, str(cfg), str(tmp_path)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    facts = drafter.read_draft(tmp_path / "mapped")
+    assert facts.files == ["model.safetensors"] and facts.tensors["fc.weight"].dtype == "BF16"
+    assert drafter.check_draft(facts, target=TARGET) == []
+    ps = problems(tmp_path / "unmapped", target=TARGET)
+    assert [p.field for p in ps] == ["d2t"] and "no vocab mapping was loaded" in ps[0].message()

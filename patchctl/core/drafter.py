@@ -415,6 +415,11 @@ class _Checks:
         if self.f.d2t is None:
             return
         ids = self.f.d2t
+        if s["DV"] < s["V"] and ids == list(range(len(ids))):
+            self.add("d2t", "all zeros", "the offsets of the vocab map the draft was trained with", "d2t",
+                     "SpecForge's load_vocab_mapping", why="SpecForge's initial buffer: no vocab mapping was loaded, so "
+                     f"draft token d is served as target token d (the first {len(ids)} ids of the vocabulary)")
+            return
         out = [x for x in ids if not 0 <= x < s["V"]]
         if out:
             self.add("d2t", f"target ids {out[:5]}", f"ids in [0, {s['V']})", "d2t", "config.json vocab_size",
