@@ -182,3 +182,92 @@ def test_bench_refuses_a_server_that_simulates_acceptance_and_ids_outside_the_vo
     big = _write(tmp_path / "big.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [5, 600]}])
     p = f.patchctl("drafter", "bench", "--prompts", str(big), "--limit", "host0")
     assert p.returncode == 2 and f"{big}:2: token id 600 >= vocab_size 512 of the model host0 serves" in p.stderr
+
+
+SPEC_SERVER = r"""
+import json, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+metas = json.loads(sys.argv[1])
+seen = {"generate": [], "flush": 0, "after_flush": None}
+lock = threading.Lock()
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/server_info":
+            return self.send(200, {"internal_states": [{"avg_spec_accept_length": 2.5 if seen["flush"] else 1.5}]})
+        if self.path == "/seen":
+            return self.send(200, seen)
+        self.send(404, {})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
+        if self.path == "/flush_cache":
+            seen["flush"] += 1
+            return self.send(200, {})
+        with lock:
+            i = len(seen["generate"])
+            seen["generate"].append(body)
+        self.send(200, {"text": "", "meta_info": metas[i % len(metas)]})
+
+srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+@pytest.fixture
+def spec_server():
+    """A real HTTP server in its own process answering /generate with recorded EAGLE-3 meta_info (the stand-in's
+    own speculation is branch a-specsim's): warm-up first, then SPEC in order."""
+    import subprocess
+    import urllib.request
+
+    metas = [{"prompt_tokens": 3, "completion_tokens": 8}] + SPEC  # the warm-up's answer, then the measured ones
+    p = subprocess.Popen([sys.executable, "-c", SPEC_SERVER, json.dumps(metas)], stdout=subprocess.PIPE, text=True)
+    port = int(p.stdout.readline())
+
+    def seen():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/seen", timeout=10) as r:
+            return json.loads(r.read())
+    yield port, seen
+    p.kill()
+    p.wait()
+
+
+def test_measure_flushes_warms_up_then_aggregates_what_the_server_reports(spec_server):
+    from patchctl.host.accept import Measure
+
+    port, seen = spec_server
+    cfg = {"host": "127.0.0.1", "port": port, "running": True}
+    bodies = [{"input_ids": [1, 2, 3]}, {"text": "two"}, {"input_ids": [4]}]
+    r = Measure(cfg, {}, bodies, 64).run()
+    s = seen()
+    assert s["flush"] == 1 and len(s["generate"]) == 4  # flush, one warm-up (concurrency 1), then the three
+    assert s["generate"][0]["input_ids"] == [1, 2, 3] and s["generate"][2] == {
+        "text": "two", "sampling_params": {"temperature": 0.0, "top_p": 1.0, "top_k": 1, "max_new_tokens": 64}}
+    assert r["requests"] == 3 and r["warmup"] == 1 and r["flush"] == "ok"
+    assert r["accept_length"] == pytest.approx(80 / 28, abs=1e-4) and r["accept_length_mean"] == pytest.approx(2.6)
+    assert r["server_accept_before"] == [1.5] and r["server_accept_after"] == [2.5]
+
+
+def test_measure_refuses_a_simulated_acceptance_before_sending_anything(spec_server):
+    from patchctl.host.accept import Measure
+    from patchctl.host.events import AgentError
+
+    port, seen = spec_server
+    cfg = {"host": "127.0.0.1", "port": port, "running": True}
+    with pytest.raises(AgentError, match="SGLANG_SIMULATE_ACC_LEN=2"):
+        Measure(cfg, {"SGLANG_SIMULATE_ACC_LEN": "2"}, [{"input_ids": [1]}], 8).run()
+    assert seen() == {"generate": [], "flush": 0, "after_flush": None}
+    # -1 is SGLang's own "off" (speculative/spec_utils.py:276): measured
+    assert Measure(cfg, {"SGLANG_SIMULATE_ACC_LEN": "-1"}, [{"input_ids": [1]}], 8).run()["requests"] == 1
