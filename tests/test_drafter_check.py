@@ -343,3 +343,22 @@ def test_a_draft_exported_by_specforges_own_export_passes_and_its_unmapped_vocab
     assert drafter.check_draft(facts, target=TARGET) == []
     ps = problems(tmp_path / "unmapped", target=TARGET)
     assert [p.field for p in ps] == ["d2t"] and "no vocab mapping was loaded" in ps[0].message()
+
+
+def test_sharded_weights_with_their_index_and_an_index_that_lies(tmp_path):
+    t = draft_tensors()
+    names = sorted(t)
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(draft_config()))
+    half = {n: t[n] for n in names[:7]}, {n: t[n] for n in names[7:]}
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for f, part in zip(files, half):
+        write_safetensors(d / f, part)
+    wm = {n: files[0] if n in half[0] else files[1] for n in names}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    assert problems(d) == []
+    wm["norm.weight"] = files[1] if wm["norm.weight"] == files[0] else files[0]
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    ps = problems(d)
+    assert [p.field for p in ps] == ["weight_map norm.weight"] and ps[0].where == "model.safetensors.index.json"

@@ -88,11 +88,14 @@ class Measure(object):
             raise AgentError("failed", "no server is running on port %s" % self.cfg.get("port"))
         before = self.server_figures()
         flush = self.flush()
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        try:
             self.gather(pool, [self.prompts[i % len(self.prompts)] for i in range(self.warmup)], "warm-up")
             t0 = time.time()
             metas = self.gather(pool, self.prompts, "measure")
             seconds = time.time() - t0
+        finally:  # a failure or a gone controller does not wait for the requests still in flight
+            pool.shutdown(wait=False)
         out = aggregate(metas, seconds)
         out.update(max_new_tokens=self.max_new, concurrency=self.concurrency, warmup=self.warmup, flush=flush,
                    server_accept_before=before, server_accept_after=self.server_figures())
