@@ -144,6 +144,30 @@ def test_check_against_the_served_model_of_a_real_host(fleet2, tmp_path):
 
 
 @pytest.mark.slow
+def test_check_with_the_training_data_compares_its_tokenizer_with_the_served_one(fleet2, tmp_path):
+    """The collection's dataset was prepared with another tokenizer (its sidecar, as `capture prepare` writes it)
+    than the one host0 serves: named, with both digests and where each came from."""
+    import hashlib
+
+    from test_drafter_check import write_collection
+
+    f = fleet2
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
+    sha = hashlib.sha256(ds.read_bytes()).hexdigest()
+    (tmp_path / "ds.jsonl.meta.json").write_text(json.dumps({
+        "format": "patchctl-prepare/1", "template": "llama3", "dataset": {"sha256": sha},
+        "tokenizer": {"digest": "c" * 64, "files": {}, "source": "somewhere"}}))
+    coll = write_collection(tmp_path / "coll", dataset={"path": str(ds), "sha256": sha})
+    good = write_draft_dir(tmp_path / "good")
+    out = _json(f, "drafter", "check", str(good), "--data", str(coll), "--limit", "host0", expect=2)
+    assert out["problems"] == [] and out["data"]["tokenizer"] == "c" * 64
+    (prob,) = out["hosts"][0]["problems"]
+    assert prob["field"] == "tokenizer digest" and prob["where"] == "the server on host0"
+    assert "cccccccccccc, template llama3" in prob["message"] and "ds.jsonl.meta.json" in prob["message"]
+
+
+@pytest.mark.slow
 def test_bench_without_speculation_measures_tokens_per_s_and_says_acceptance_off(fleet2, tmp_path):
     f = fleet2
     ps = _write(tmp_path / "p.jsonl", [{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10, 11]}, {"text": "hello"}])
