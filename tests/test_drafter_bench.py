@@ -131,7 +131,7 @@ def test_check_against_the_served_model_of_a_real_host(fleet2, tmp_path):
     good = write_draft_dir(tmp_path / "good")
     out = _json(f, "drafter", "check", str(good), "--limit", "host0")
     assert out["hosts"][0]["ok"] and out["hosts"][0]["problems"] == []
-    assert out["hosts"][0]["served"]["config_path"] == f"{f.hosts[0].state}/../model/config.json"
+    assert out["hosts"][0]["served"]["config_path"] == str(f.hosts[0].dir / "model" / "config.json")
     assert out["hosts"][0]["served"]["hidden_size"] == 64 and out["hosts"][0]["served"]["num_hidden_layers"] == 8
     bad = write_draft_dir(tmp_path / "bad", draft_config(h=128, ids=[1, 3, 9]))
     out = _json(f, "drafter", "check", str(bad), "--limit", "host0", expect=2)
