@@ -19,7 +19,7 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.core.console import App
 from patchctl.core.errors import EXIT_BAD_INPUT, PatchctlError
-from patchctl.core.options import CaptureOptions, DeployOptions, QueryOptions
+from patchctl.core.options import CaptureOptions, DeployOptions, DrafterOptions, QueryOptions
 from patchctl.core.rollout import parse_batch, parse_max_fail_spec
 
 # command -> (module, function, options). Modules are imported on use so that `patchctl series` does not
@@ -47,6 +47,10 @@ COMMANDS = {
     "capture run": ("patchctl.commands.capture.runner", "run_capture", CaptureOptions),
     "capture status": ("patchctl.commands.capture.collect", "run_capture_status", None),
     "capture collect": ("patchctl.commands.capture.collect", "run_capture_collect", CaptureOptions),
+    "drafter check": ("patchctl.commands.drafter.check", "run_check", DrafterOptions),
+    "drafter bench": ("patchctl.commands.drafter.bench", "run_bench", DrafterOptions),
+    "drafter deploy": ("patchctl.commands.drafter.deploy", "run_drafter_deploy", DrafterOptions),
+    "drafter rollback": ("patchctl.commands.drafter.deploy", "run_drafter_rollback", DrafterOptions),
 }
 
 
@@ -514,6 +518,124 @@ def _capture_command(cmd: _Commands) -> None:
         add(ccmd)
 
 
+def _drafter_check(cmd: _Commands) -> None:
+    dp = cmd("check", "is a trained EAGLE-3 draft directory one SGLang 0.5.23 serves right for this target?",
+             "Check a trained EAGLE-3 draft directory (what `specforge export --to sglang` writes) before any server\n"
+             "loads it: architecture, config fields, every tensor's name, dtype and shape (truncated files named), the\n"
+             "vocab map; with --data the capture layers, sizes and tokenizer of the data it was trained on; with\n"
+             "--limit, read-only, each host's served model (hidden and vocab sizes, layer range, context length,\n"
+             "tokenizer). Exit 0: no problem; 2: every problem listed; 3: a host could not be read.")
+    dp.add_argument("dir", type=Path, metavar="DIR", help="the draft directory: config.json and *.safetensors")
+    dp.add_argument("--data", type=Path, default=None, metavar="COLLECTED_DIR",
+                    help="the `capture collect` directory the draft was trained on (its draft-config.json, index.json)")
+    dp.add_argument("--limit", default=None, metavar="PATTERN",
+                    help="also check against the models these hosts serve (host, group, server names and globs; "
+                         "'*' for every host); without it only the local checks run")
+    _hostkeys(dp)
+
+
+def _drafter_bench(cmd: _Commands) -> None:
+    bp = cmd("bench", "acceptance length and tokens/s of what each host serves, on a fixed prompt set; read-only",
+             "Measure, on each selected host's running server, the speculative acceptance length (sum of\n"
+             "completion_tokens / sum of spec_verify_ct, and the mean of per-request spec_accept_length as\n"
+             "`specforge benchmark` reports it) and output tokens/s, on the same prompts at temperature 0 with the same\n"
+             "max_new_tokens (flush_cache, warm-up, then the set). A server without speculation shows acceptance\n"
+             "'off'; one whose env sets SGLANG_SIMULATE_ACC_LEN is refused. Exit 0 measured; 1 requests failed;\n"
+             "2 bad prompt set or refused server, nothing sent; 3 a host could not be reached.")
+    bp.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                    help='JSONL, one prompt a line: {"input_ids": [...]}, {"text": "..."}, or a conversation '
+                         '{"messages": [{"role", "content"}, ...]} / {"conversations": [{"from", "value"}, ...]} '
+                         "(its turns before the last assistant turn, rendered with --tokenizer's chat template)")
+    bp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                    help="the served tokenizer's files, to render conversations (its digest must be each host's)")
+    bp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
+                    help="tokens each answer is allowed (default 2048, as specforge benchmark)")
+    bp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
+                    help="requests in flight per server, and warm-up requests (default 1, as specforge benchmark)")
+    bp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
+                    help="seconds one request may take (default 600)")
+    _limit(bp)
+    _hostkeys(bp)
+
+
+def _rollout_flags(sp, what: str) -> None:
+    """--canary, --batch, --max-fail as apply has them (core.rollout's rules)."""
+    sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help=f"{what} N units first, alone (default 0)")
+    sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
+                    help="batch sizes after the canary: N, P%% of the selected units (rounded up), or a list "
+                         "1,25%%,100%% whose last entry repeats (default: all at once)")
+    sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
+                    help="failed units tolerated before the run stops; P%% of the selected units, rounded down (default 0)")
+
+
+def _drafter_deploy(cmd: _Commands) -> None:
+    dp = cmd("deploy", "send a trained EAGLE-3 drafter, restart with it, keep it only where its measured acceptance passes",
+             "Deploy a trained EAGLE-3 draft directory: checked on its own, against --data and against every host's\n"
+             "served model (exit 2, nothing sent); sent to every selected host at once, content-addressed (what a\n"
+             "host has is not sent again); then per unit, through the rollout (--canary, --batch, --max-fail): the\n"
+             "prompt set measured on what serves now (baseline), the server restarted with the drafter and the\n"
+             "inventory's [server.speculative] settings, the same prompts measured again (canary), and the gate:\n"
+             "verified, or rolled back to the drafter (or none) and the exact server config before, proven ready.\n"
+             "Exit 0 deployed (or already serving it); 1 a unit rolled back; 2 refused, nothing sent; 3 attention.")
+    dp.add_argument("dir", type=Path, metavar="DIR", help="the draft directory (`specforge export --to sglang`'s output)")
+    dp.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                    help="the prompt set the acceptance is measured on (as `drafter bench --prompts`), both arms")
+    dp.add_argument("--data", type=Path, default=None, metavar="COLLECTED_DIR",
+                    help="the `capture collect` directory the draft was trained on (layer ids, sizes, tokenizer)")
+    dp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                    help="the served tokenizer's files, to render conversations in --prompts")
+    dp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
+                    help="tokens each answer is allowed, both arms (default 2048, as specforge benchmark)")
+    dp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
+                    help="requests in flight per server while measuring (default 1, as specforge benchmark)")
+    dp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
+                    help="seconds one request may take (default 600)")
+    dp.add_argument("--min-accept-length", type=float, default=1.5, metavar="X",
+                    help="the new arm's acceptance length must be at least X (default 1.5)")
+    dp.add_argument("--min-gain", type=float, default=0.0, metavar="X",
+                    help="... and at least the baseline's + X (default 0: never less than what serves)")
+    dp.add_argument("--max-tps-loss", type=_fraction, default=None, metavar="P%",
+                    help="... and output tokens/s at most P%% below the baseline's (default: not checked)")
+    dp.add_argument("--keep-free", type=size_spec, default=2**30, metavar="SIZE",
+                    help="free disk to leave on a host's state_dir after the draft arrives (default 1G)")
+    _limit(dp)
+    _hostkeys(dp)
+    _rollout_flags(dp, "deploy to")
+    _junit(dp, "one test case per host step")
+    dp.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="where run logs go")
+
+
+def _drafter_rollback(cmd: _Commands) -> None:
+    rp = cmd("rollback", "back to the drafter before (or none): its record and the exact server config, proven ready")
+    rp.add_argument("--to", choices=["previous", "none"], default="previous",
+                    help="previous (default): the drafter that served before the last deploy, or none; none: no drafter")
+    _limit(rp)
+    _hostkeys(rp)
+    _rollout_flags(rp, "roll back")
+    _junit(rp, "one test case per host step")
+    rp.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="where run logs go")
+
+
+def _fraction(text: str) -> float:
+    t = text.strip().rstrip("%")
+    try:
+        v = float(t) / 100
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage like 10%")
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage from 0% to below 100%")
+    return v
+
+
+def _drafter_command(cmd: _Commands) -> None:
+    sp = cmd("drafter", "trained EAGLE-3 drafters: check, measure acceptance, deploy with a canary, roll back",
+             "Trained EAGLE-3 drafters for the served models: check a draft directory against its target and its\n"
+             "training data, and measure the acceptance length each host's server achieves.")
+    dcmd = cmd.nested(sp, "drafter_command", "ACTION", "actions", "run `patchctl drafter ACTION --help` for its options")
+    for add in (_drafter_check, _drafter_bench, _drafter_deploy, _drafter_rollback):
+        add(dcmd)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_globals(common, top=False)
@@ -527,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd = _Commands(sub, common)
     for add in (_series_command, _check_command, _authoring_command, _trace_command, _inventory_command,
                 _plan_command, _apply_command, _service_command, _rollback_command, _status_command, _smoke_command,
-                _history_command, _unlock_command, _capture_command):
+                _history_command, _unlock_command, _capture_command, _drafter_command):
         add(cmd)
     return p
 
@@ -551,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         verbose=args.verbose,
         command_prefix=_command_prefix(args),
     )
-    key = args.command if args.command != "capture" else f"capture {args.capture_command}"
+    nested = {"capture": "capture_command", "drafter": "drafter_command"}.get(args.command)
+    key = f"{args.command} {getattr(args, nested)}" if nested else args.command
     module, func, opts_cls = COMMANDS[key]
     try:
         return int(getattr(importlib.import_module(module), func)(app, options(opts_cls, args) if opts_cls else args) or 0)

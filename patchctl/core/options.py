@@ -77,14 +77,17 @@ class CaptureOptions(RunOptions):
 
 @dataclass(frozen=True)
 class DrafterOptions(DeployOptions):
-    """drafter check / deploy / bench / rollback: a trained EAGLE-3 draft, the prompts its acceptance is
-    measured on, and the canary's gate (`commands/drafter/gate.py`)."""
+    """drafter check / bench (read-only) and deploy / rollback (the rollout of DeployOptions): a trained EAGLE-3
+    draft directory, the data it was trained on, the prompts its acceptance is measured on, the canary's gate
+    (`commands/drafter/gate.py`)."""
 
-    draft: Path | None = None  # the draft directory (`specforge export --to sglang`'s output)
-    data: Path | None = None  # the collected training directory (draft-config.json, index.jsonl) it was trained on
-    prompts: Path | None = None  # JSONL prompt set the acceptance is measured on
-    max_new_tokens: int = 64
-    concurrency: int = 4
+    dir: Path | None = None  # check, deploy: the draft directory (`specforge export --to sglang`'s output)
+    data: Path | None = None  # check --data: the collection the draft was trained on
+    prompts: Path | None = None  # bench, deploy --prompts
+    tokenizer: Path | None = None  # bench, deploy --tokenizer: renders conversations
+    max_new_tokens: int = 2048  # specforge benchmark's default
+    concurrency: int = 1  # specforge benchmark's default
+    request_timeout: int = 600
     min_accept_length: float = 1.5
     min_gain: float = 0.0
     max_tps_loss: float | None = None  # a fraction: 0.1 = at most 10 % fewer output tokens/s than the baseline

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 
-from . import applier, capture, convert, drafter_ops, regenerate, tokenizer
+from . import accept, applier, capture, convert, drafter_ops, regenerate, served, tokenizer
 from .capture_config import refusals
 from .drafter import read_record, refusal_with_capture, summary as drafter_summary
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
@@ -878,6 +878,28 @@ class Agent(object):
     @handles("drafter_rollback")
     def op_drafter_rollback(self):
         return drafter_ops.rollback(self)
+
+
+    @handles("drafter_probe")
+    def op_drafter_probe(self):
+        """What the running server serves, for judging a drafter against it (`served.facts`); reads only."""
+        mgr, _ = self.base_manager()
+        cfg = mgr.current_config()
+        pid = mgr.running_pid()[0] if cfg.get("running") else None
+        return dict(served.facts(cfg, pid), hostname=socket.gethostname())
+
+    @handles("accept_measure")
+    def op_accept_measure(self):
+        """A prompt set through the running server, acceptance and tokens/s measured (`accept.Measure`);
+        changes nothing on the host (the server's radix cache is flushed, as SpecForge's benchmark does)."""
+        mgr, _ = self.base_manager()
+        cfg = mgr.current_config()
+        pid = mgr.running_pid()[0] if cfg.get("running") else None
+        env = served.server_env(cfg, pid)
+        r = self.req
+        out = accept.Measure(cfg, env, r.get("prompts") or [], r.get("max_new_tokens"), r.get("concurrency"),
+                             r.get("warmup"), r.get("request_timeout")).run()
+        return dict(out, speculative=served.speculative_of(cfg.get("argv")), env=env, hostname=socket.gethostname())
 
 
 def _originals(m):

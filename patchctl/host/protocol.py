@@ -661,6 +661,60 @@ class SmokeAnswer(Result):
     smoke: dict = None  # smoke.smoke's report
 
 
+@dataclass
+class DrafterProbeAnswer(Result):
+    """`drafter_probe` (served.facts): the served model's config.json facts, the server's context length,
+    tokenizer digest, speculative flags and the env names that change a drafter's behaviour."""
+
+    running: bool = None
+    port: int = None
+    why: str = None
+    hostname: str = None
+    model_path: str = None
+    config_path: str = None
+    architectures: list = None
+    hidden_size: int = None
+    num_hidden_layers: int = None
+    vocab_size: int = None
+    max_position_embeddings: int = None
+    config_context_len: int = None
+    config_context_from: str = None
+    max_req_input_len: int = None
+    context_length: int = None
+    max_total_num_tokens: int = None
+    server_info_error: str = None
+    avg_spec_accept_length: list = None
+    server_speculative_algorithm: str = None
+    tokenizer: dict = None  # path, digest, why
+    env: dict = None  # SGLANG_SIMULATE_ACC_LEN, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN where set
+    speculative: dict = None  # algorithm, draft_path, num_steps, eagle_topk, num_draft_tokens (argv)
+
+
+@dataclass
+class AcceptAnswer(Result):
+    """`accept_measure` (accept.Measure): a prompt set's figures on the running server."""
+
+    requests: int = None
+    completion_tokens: int = None
+    prompt_tokens: int = None
+    seconds: float = None
+    tokens_per_s: float = None
+    spec_requests: int = None  # requests whose meta_info carries spec_verify_ct
+    verify_ct: int = None
+    accept_length: float = None  # sum(completion_tokens) / sum(spec_verify_ct); None: no speculation
+    accept_length_mean: float = None  # mean of per-request spec_accept_length (SpecForge's figure)
+    accept_rate: float = None
+    max_new_tokens: int = None
+    concurrency: int = None
+    warmup: int = None
+    flush: str = None
+    server_accept_before: list = None
+    server_accept_after: list = None
+    speculative: dict = None
+    env: dict = None
+    hostname: str = None
+
+
 # The locks an op needs; the agent's dispatcher takes them, in this order, before the op runs.
 REFUSE_HELD = "refuse_held"  # fail at once when another run holds the tree (no wait on the agent lock)
 AGENT = "agent"  # the one-agent-per-host flock (state_dir/agent.lock), waiting up to 30 s for it
@@ -717,6 +771,9 @@ OPS = {
     "drafter_deploy": Op({"drafter": None, "host_name": None}, _CHANGES, answer=DrafterDeployAnswer),
     "drafter_finalize": Op({"acceptance": None}, [AGENT], answer=DrafterFinalizeAnswer),
     "drafter_rollback": Op({"to": None, "reason": None, "host_name": None}, _CHANGES, answer=DrafterRollbackAnswer),
+    "drafter_probe": Op({}, read_only=True, answer=DrafterProbeAnswer),
+    "accept_measure": Op({"prompts": None, "max_new_tokens": None, "concurrency": None, "warmup": None,
+                          "request_timeout": None}, read_only=True, answer=AcceptAnswer),
 }
 
 

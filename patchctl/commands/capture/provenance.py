@@ -19,28 +19,9 @@ import json
 import os
 from pathlib import Path
 
-from patchctl.core.errors import BadInput
-from patchctl.core.fsutil import sha256_file, write_atomic
-
-FORMAT = "patchctl-prepare/1"
-
-
-def meta_path(dataset) -> Path:
-    p = Path(dataset)
-    return p.with_name(p.name + ".meta.json")
-
-
-def read(dataset, sha256: str | None = None) -> dict | None:
-    """The sidecar of `dataset` when there is one and it describes this file (by sha256), else None."""
-    try:
-        meta = json.loads(meta_path(dataset).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        return None
-    if (meta.get("dataset") or {}).get("sha256") != (sha256 or sha256_file(dataset)):
-        return None
-    return meta
+from patchctl.core.datasetmeta import FORMAT, meta_path, read  # noqa: F401 - the sidecar's reader lives in core:
+from patchctl.core.errors import BadInput  # `drafter check` reads a training dataset's tokenizer with it too
+from patchctl.core.fsutil import write_atomic
 
 
 def check_writable(out: Path) -> None:

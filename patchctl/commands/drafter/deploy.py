@@ -19,9 +19,12 @@ a multi-node server's drafter deploy is refused (see docs/design.md "Drafters").
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from patchctl.commands.drafter import bench, check
 from patchctl.commands.drafter.gate import Gate, accept_of, describe
-from patchctl.core import artifact
+from patchctl.core import artifact, drafter
+from patchctl.core import prompts as promptsets
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.options import DrafterOptions
@@ -43,10 +46,11 @@ class DrafterUnit:
         if self.run.stopping.is_set():
             return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
         if self.name in self.ctx["not_sent"]:
-            return UnitResult(self.names, *self.ctx["not_sent"][self.name])
+            outcome, msg = self.ctx["not_sent"][self.name]
+            return UnitResult(self.names, outcome, msg)
         s = self.session
         try:
-            base = bench.measure(s, self.ctx["prompts"], self.opts, step="baseline")
+            base = self._measure("baseline")
             res = s.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
         except AgentFailure as e:
             if e.details.get("rolled_back") is not None:
@@ -62,7 +66,7 @@ class DrafterUnit:
             return UnitResult(self.names, "unchanged", (res.get("note") or "unchanged")
                               + (f"; last measured {describe(last)}" if last else ""))
         try:
-            new = bench.measure(s, self.ctx["prompts"], self.opts, step="canary")
+            new = self._measure("canary")
         except PatchctlError as e:
             return self._roll_back(f"canary measurement failed: {e}", None, base)
         missed = self.ctx["gate"].verdict(base, new)
@@ -77,6 +81,21 @@ class DrafterUnit:
             return self._failed(e)
         gain = accept_of(new) - accept_of(base)
         return UnitResult(self.names, "deployed", f"{figures} (gain {gain:+.2f})", touched=True)
+
+    def _measure(self, step: str) -> dict:
+        """The prompt set on what this unit serves now, reported as its own step."""
+        rep = self.run.reporter
+        rec = rep.step_start(self.name, step) if rep else None
+        try:
+            m = bench.measure(self.session, self.ctx["prompts"], self.opts.max_new_tokens,
+                              concurrency=self.opts.concurrency, request_timeout=self.opts.request_timeout)
+        except PatchctlError as e:
+            if rec:
+                rep.step_end(rec, False, str(e))
+            raise
+        if rec:
+            rep.step_end(rec, True, describe(m))
+        return m
 
     def _roll_back(self, why: str, figures: str | None, base: dict) -> UnitResult:
         try:
@@ -98,22 +117,43 @@ class DrafterUnit:
         return UnitResult(self.names, outcome, msg, touched=outcome not in ("refused", "locked", "unreachable"))
 
 
-def _prepare(app: App, opts: DrafterOptions) -> dict:
-    """Everything decided before a host is contacted: the draft's own checks, the prompt set, the gate."""
-    draft = check.local_checks(app, opts)  # exit 2 with every problem named, before anything is sent
-    prompts = bench.load_prompts(opts.prompts, required=True)
-    art = artifact.Artifact.from_dir(opts.draft)
+def _prepare(opts: DrafterOptions) -> dict:
+    """Everything decided before a host is contacted: the draft's own checks (and against --data), the
+    prompt set, the artifact's manifest, the gate. Exit 2 naming every problem, nothing sent."""
+    facts = drafter.read_draft(opts.dir)
+    data = drafter.read_data(opts.data) if opts.data else None
+    local = drafter.check_draft(facts, data=data)
+    if local:
+        raise BadInput("the draft is refused:\n  " + "\n  ".join(p.message() for p in local) + "\nnothing sent",
+                       file=str(opts.dir))
+    ps = promptsets.load_prompts(opts.prompts, opts.tokenizer)
+    art = artifact.Artifact.from_dir(opts.dir)
     gate = Gate(opts.min_accept_length, opts.min_gain, opts.max_tps_loss)
     words = {"min_accept_length": gate.min_accept_length, "min_gain": gate.min_gain, "max_tps_loss": gate.max_tps_loss}
-    return {"artifact": art, "prompts": prompts, "prompts_digest": prompts.digest, "gate": gate, "gate_words": words,
-            "draft": draft, "not_sent": {},
-            "drafter": {"digest": art.digest, "source": str(opts.draft.resolve()),
-                        "data_run": draft.get("data_run") if isinstance(draft, dict) else None}}
+    return {"facts": facts, "data": data, "artifact": art, "prompts": ps, "prompts_digest": ps.digest, "gate": gate,
+            "gate_words": words, "not_sent": {},
+            "drafter": {"digest": art.digest, "source": str(Path(opts.dir).resolve()),
+                        "data_run": (data or {}).get("run")}}
+
+
+def _fleet_checks(run: Run, ctx: dict) -> None:
+    """Every selected host asked once, read-only: the draft against the model it serves, the prompt set
+    against its vocabulary and tokenizer, no faked acceptance. A problem anywhere refuses the run (exit 2);
+    a host that cannot be read is left out of the deploy (its unit says why)."""
+    rows = run.parallel(lambda h: check.judge_host(run, h, ctx["facts"], ctx["data"]), run.hosts)
+    bad = [f"{r['host']}: {p['message']}" for r in rows for p in r["problems"]]
+    for r in rows:
+        if not r["ok"]:
+            e = r.get("error_obj")
+            ctx["not_sent"][r["host"]] = ((host_error(e)[0] if e else "unknown"), f"not probed: {r['error']}")
+    bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in rows if r.get("probe")})
+    if bad:
+        raise BadInput("the draft does not fit what the hosts serve:\n  " + "\n  ".join(bad) + "\nnothing sent")
 
 
 def _send_all(run: Run, units, ctx: dict) -> None:
     """The draft to every selected host at once; a host that could not take it is not deployed to."""
-    hosts = [u[0] for u in units]
+    hosts = [u[0] for u in units if u[0].name not in ctx["not_sent"]]
 
     def one(h):
         try:
@@ -124,11 +164,11 @@ def _send_all(run: Run, units, ctx: dict) -> None:
     for name, res, err in run.parallel(one, hosts):
         if err is not None:
             outcome, msg = host_error(err)
-            ctx["not_sent"][name] = (outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}", False)
+            ctx["not_sent"][name] = (outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
 
 
 def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
-    ctx = _prepare(app, opts)
+    ctx = _prepare(opts)
     run = Run(app, opts, "drafter deploy", title="drafter deploy", recover_verb="drafter rollback")
     try:
         units = run.units()
@@ -136,7 +176,7 @@ def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
         if multi:
             raise BadInput("drafter deploy: multi-node servers are not supported yet: "
                            + ", ".join("+".join(h.name for h in u) for u in multi))
-        check.fleet_checks(run, ctx["draft"], opts)  # read-only, every host: exit 2 before anything is sent
+        _fleet_checks(run, ctx)  # read-only, every host: exit 2 before anything is sent
         sizes = plan_batches(len(units), opts.canary, opts.batch)
         max_fail = parse_max_fail(opts.max_fail, len(units))
         results: list[UnitResult] = []

@@ -1,0 +1,86 @@
+"""`patchctl drafter check DIR [--data COLLECTED_DIR] [--limit P]`: every way a trained EAGLE-3 draft directory
+does not fit, before any server loads it (core/drafter.py has the checks and why each matters).
+
+Local checks always: config.json, the safetensors headers (a truncated file named), names, dtypes and shapes
+against the config, the vocab map. With --data (a `capture collect` directory): its draft-config.json's layer
+ids, target_hidden_size and vocab_size, and the training data's tokenizer. With --limit: each selected host is
+asked once, read-only (agent op `drafter_probe`: the served model's config.json facts, the server's context
+length, tokenizer digest and env), and the draft is judged against what it serves.
+
+Exit 0: no problem; 2: problems, every one listed (field, found, expected, where each came from); 3: a host
+could not be read (its row says why).
+"""
+
+from __future__ import annotations
+
+from patchctl.core import drafter
+from patchctl.core.console import App, table
+from patchctl.core.options import DrafterOptions
+from patchctl.core.session import Run, host_error, worst
+from patchctl.host.protocol import EXIT_BAD_INPUT
+
+
+def run_check(app: App, opts: DrafterOptions) -> int:
+    facts = drafter.read_draft(opts.dir)
+    data = drafter.read_data(opts.data) if opts.data else None
+    local = drafter.check_draft(facts, data=data)
+    hosts, codes = [], [EXIT_BAD_INPUT if local else 0]
+    if data and data.get("tokenizer_why"):
+        app.info(f"the training data's tokenizer is not checked: {data['tokenizer_why']}")
+    if opts.limit is not None:
+        hosts = _against_hosts(app, opts, facts, data, local)
+        codes += [h["code"] for h in hosts]
+    out = {"draft": drafter.summary(facts), "data": data, "problems": [p.to_dict() for p in local],
+           "hosts": [{k: v for k, v in h.items() if k not in ("probe", "error_obj")} for h in hosts]}
+    app.result(out, _render(out))
+    return worst(codes)
+
+
+def _against_hosts(app: App, opts: DrafterOptions, facts, data, local) -> list[dict]:
+    """Each selected host's served model, one read-only probe each; the problems the draft has there and
+    not already locally."""
+    run = Run(app, opts, "drafter check")
+    seen = {p.message() for p in local}
+    try:
+        return run.parallel(lambda h: judge_host(run, h, facts, data, seen), run.hosts)
+    finally:
+        run.close()
+
+
+def judge_host(run: Run, h, facts, data, seen=frozenset()) -> dict:
+    """One host asked once (`drafter_probe`, read-only) and the draft judged against what it serves: its row,
+    with the probe's answer in "probe" (or the error it raised in "error_obj")."""
+    try:
+        r = run.session(h).call("drafter_probe")
+    except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
+        outcome, msg = host_error(e)
+        return {"host": h.name, "ok": False, "outcome": str(outcome), "error": msg,
+                "code": getattr(e, "exit_code", 3), "problems": [], "error_obj": e}
+    if not r.get("running") or r.get("why"):
+        return {"host": h.name, "ok": False, "outcome": "unknown", "error": r.get("why") or "no server running",
+                "code": 3, "problems": [], "served": r, "probe": r}
+    probs = drafter.check_draft(facts, target=drafter.target_from_probe(h.name, r), data=data,
+                                served=drafter.served_from_probe(h.name, r))
+    mine = [p.to_dict() for p in probs if p.message() not in seen]
+    return {"host": h.name, "ok": True, "problems": mine, "code": EXIT_BAD_INPUT if mine else 0, "probe": r,
+            "served": {k: r.get(k) for k in ("config_path", "architectures", "hidden_size", "num_hidden_layers",
+                                             "vocab_size", "context_length", "tokenizer", "speculative", "env")}}
+
+
+def _render(out: dict):
+    from rich.markup import escape  # messages hold [..] lists rich would take for markup
+
+    t = table("drafter check: " + out["draft"]["dir"], "where", "problem")
+    for p in out["problems"]:
+        t.add_row("draft", escape(p["message"]))
+    for h in out["hosts"]:
+        if not h["ok"]:
+            t.add_row(h["host"], escape(f"not read: {h['error']}"))
+        for p in h["problems"]:
+            t.add_row(h["host"], escape(p["message"]))
+        if h["ok"] and not h["problems"]:
+            s = h["served"]
+            t.add_row(h["host"], escape(f"fits what it serves ({s.get('config_path')})"))
+    if not out["problems"] and all(h["ok"] and not h["problems"] for h in out["hosts"]):
+        t.add_row("draft", f"no problem ({out['draft']['tensors']} tensors in {', '.join(out['draft']['files'])})")
+    return t
