@@ -167,6 +167,43 @@ def test_good_drafter_accepts_clearly_more_than_untrained(start, drafts, capsys)
     assert figures["good"] > 3.0
 
 
+def test_stop_ids_truncate_and_chat_unchanged(start, drafts, tmp_path):
+    """With a tokenizer the served token is the chat Chooser's (a function of the whole context) and eos stops
+    generation: speculation still gives exactly the tokens, the stops and the chat answers of plain decoding."""
+    from patchctl.simserver.tokenizer import write_tokenizer
+
+    tok_model = write_model(tmp_path / "tok", layers=N, hidden=H, vocab=V)
+    write_tokenizer(tok_model, "llama3")
+    spec = start("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafts["good"]), *SPEC,
+                 model_dir=tok_model)
+    plain = start(model_dir=tok_model)
+    spec.wait_ready()
+    plain.wait_ready()
+    texts = ["hello world", "the quick brown fox", "what is the capital of France?", "def add(a, b):"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 40, "temperature": 0}}
+    got, want = spec.post("/generate", body)[1], plain.post("/generate", body)[1]
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
+    assert [r["meta_info"]["finish_reason"] for r in got] == [r["meta_info"]["finish_reason"] for r in want]
+    assert any(r["meta_info"]["finish_reason"]["type"] == "stop" for r in got), "no answer ended at eos"
+    assert all(r["meta_info"]["spec_verify_ct"] > 0 for r in got if r["meta_info"]["completion_tokens"] > 1)
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 30}
+    a, b = spec.post("/v1/chat/completions", chat)[1], plain.post("/v1/chat/completions", chat)[1]
+    assert a["choices"] == b["choices"] and a["usage"] == b["usage"]
+
+
+def test_simulated_acceptance_as_sglang(start, drafts):
+    """SGLANG_SIMULATE_ACC_LEN=2 (match-expected, fixed tokens): every verify step accepts exactly 2 tokens,
+    all token 100, as SGLang's generate_simulated_accept_index makes them; the log says it is simulated."""
+    s = spec_server(start, drafts["untrained"], env={"SGLANG_SIMULATE_ACC_LEN": "2"})
+    s.wait_ready()
+    r = generate(s, PROMPTS[:1], 9)[0]
+    assert r["output_ids"][1:] == [100] * 8
+    meta = r["meta_info"]
+    assert (meta["spec_verify_ct"], meta["spec_num_correct_drafts"], meta["spec_correct_drafts_histogram"]) \
+        == (4, 4, [0, 4])
+    assert "SGLANG_SIMULATE_ACC_LEN=2: acceptance is SIMULATED" in s.text()
+
+
 def test_server_info_average_and_flush_cache(start, drafts):
     s = spec_server(start, drafts["half"])
     s.wait_ready()

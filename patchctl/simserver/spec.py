@@ -197,8 +197,9 @@ class Speculator:
             if self.sim[2] not in ("fixed", "real-draft-token"):
                 raise SpecRefused(f"ValueError: Invalid SGLANG_SIMULATE_ACC_TOKEN_MODE {self.sim[2]!r}; expected "
                                   f"'fixed' or 'real-draft-token'.")
-            logger.warning("SGLANG_SIMULATE_ACC_LEN=%s: acceptance is SIMULATED, not measured (as in SGLang)",
-                           self.sim[0])
+            logger.warning("SGLANG_SIMULATE_ACC_LEN=%s: acceptance is SIMULATED, not measured (as in SGLang; "
+                           "method %s, token mode %s)", os.environ.get("SGLANG_SIMULATE_ACC_LEN"), self.sim[1],
+                           self.sim[2])
 
     def _target(self, ids):
         """The target over `ids` (one sequence): (aux rows [T, K*H] float32 of bf16, greedy token at each position)."""
