@@ -50,7 +50,7 @@ def init_tensors(cfg: dict, seed: int = 0) -> dict:
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     Vd, V, Ht = cfg["draft_vocab_size"], cfg["vocab_size"], cfg.get("target_hidden_size") or H
-    k = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] or [0, 0, 0])
+    k = len((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
 
     def lin(o, i):
         return torch.randn(o, i, generator=g) * cfg["initializer_range"]

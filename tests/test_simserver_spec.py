@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-import pytest
-import torch
-from safetensors import safe_open
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # SpecForge compiles its RMSNorm: eager on CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 from draft_util import fit_good_draft, write_draft_dir
 from simserver_util import Server, make_mini_tree, write_model
@@ -68,7 +69,10 @@ def generate(s, prompts, n):
 
 def _specforge_draft(path, embed):
     """SpecForge 0.2.0's LlamaForCausalLMEagle3 with the directory's weights (float32), the target's embedding."""
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # its RMSNorm is torch.compile'd: eager on CPU
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True  # its RMSNorm is torch.compile'd: eager on CPU (no inductor build)
+    torch.set_num_threads(1)  # tiny forwards: one thread is faster on a shared machine
     try:
         torch.ops.torchvision.nms
     except (AttributeError, RuntimeError):  # PyPI torchvision's ops cannot load next to CPU torch
@@ -133,7 +137,7 @@ def test_outputs_unchanged_and_acceptance_counted_independently(start, drafts, m
     m = _specforge_draft(drafts["half"], target.embed)
     spec.wait_ready()
     plain.wait_ready()
-    got, want = generate(spec, PROMPTS, 24), generate(plain, PROMPTS, 24)
+    got, want = generate(spec, PROMPTS, 16), generate(plain, PROMPTS, 16)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in want]
     for r in want:
         assert not any(k.startswith("spec_") for k in r["meta_info"])
@@ -141,9 +145,9 @@ def test_outputs_unchanged_and_acceptance_counted_independently(start, drafts, m
     for prompt, r in zip(PROMPTS, got):
         meta = r["meta_info"]
         verify, correct, hist = independent_count(m, target, prompt, r["output_ids"])
-        assert meta["completion_tokens"] == 24
+        assert meta["completion_tokens"] == 16
         assert meta["spec_verify_ct"] == verify
-        assert meta["spec_accept_length"] == 24 / verify
+        assert meta["spec_accept_length"] == 16 / verify
         assert meta["spec_num_correct_drafts"] == correct
         assert meta["spec_num_proposed_drafts"] == verify * 3
         assert meta["spec_accept_rate"] == correct / (verify * 3)
@@ -164,7 +168,7 @@ def test_good_drafter_accepts_clearly_more_than_untrained(start, drafts, capsys)
         print(f"\nmeasured acceptance length (3 steps, max 4): untrained {figures['untrained']:.3f}, "
               f"good {figures['good']:.3f}")
     assert figures["untrained"] < 1.5
-    assert figures["good"] > 3.0
+    assert figures["good"] > 2.5
 
 
 def test_stop_ids_truncate_and_chat_unchanged(start, drafts, tmp_path):
@@ -243,6 +247,21 @@ def test_unknown_weight_names_dropped_and_logged(start, drafts, model, tmp_path)
     warned = [ln for ln in log.splitlines() if "does not know, dropped" in ln]
     assert len(warned) == 1
     assert "embed_tokens.weight" in warned[0] and "layers.0.self_attn.rotary_emb.inv_freq" in warned[0]
+
+
+def test_draft_config_without_layers_or_of_another_width(start, model, tmp_path):
+    """No eagle_config: SGLang's default capture layers, with a warning; a hidden_size other than the target's:
+    start-up fails (exit 1) naming the file and both values."""
+    quiet = write_draft_dir(tmp_path / "quiet", target_model_dir=model, layer_ids=LAYER_IDS, eagle_config=None)
+    narrow = write_draft_dir(tmp_path / "narrow", target_model_dir=model, layer_ids=LAYER_IDS, hidden_size=32)
+    a, b = spec_server(start, quiet), spec_server(start, narrow)
+    assert b.wait_exit(60) == 1
+    assert f"{narrow / 'config.json'}: hidden_size 32 differs from the target's hidden_size 64" in b.text()
+    a.wait_ready()
+    log = a.text()
+    assert "has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang silently captures" in log
+    assert "fed the target's layers [2, 4, 5] (SGLang's default" in log
+    assert generate(a, PROMPTS[:1], 6)[0]["meta_info"]["spec_verify_ct"] > 0
 
 
 REFUSED = [
