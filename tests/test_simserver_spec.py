@@ -251,12 +251,18 @@ def test_unknown_weight_names_dropped_and_logged(start, drafts, model, tmp_path)
 
 def test_draft_config_without_layers_or_of_another_width(start, model, tmp_path):
     """No eagle_config: SGLang's default capture layers, with a warning; a hidden_size other than the target's:
-    start-up fails (exit 1) naming the file and both values."""
+    start-up fails (exit 1) naming the file and both values; a draft context shorter than the target's: SGLang's
+    refusal, unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1."""
     quiet = write_draft_dir(tmp_path / "quiet", target_model_dir=model, layer_ids=LAYER_IDS, eagle_config=None)
     narrow = write_draft_dir(tmp_path / "narrow", target_model_dir=model, layer_ids=LAYER_IDS, hidden_size=32)
-    a, b = spec_server(start, quiet), spec_server(start, narrow)
+    short = write_draft_dir(tmp_path / "short", target_model_dir=model, layer_ids=LAYER_IDS,
+                            max_position_embeddings=1024)
+    a, b, c = spec_server(start, quiet), spec_server(start, narrow), spec_server(start, short)
     assert b.wait_exit(60) == 1
     assert f"{narrow / 'config.json'}: hidden_size 32 differs from the target's hidden_size 64" in b.text()
+    assert c.wait_exit(60) == 1
+    assert ("ValueError: Warning: Target model's context_length (2048) is greater than the derived context_length "
+            "(1024)") in c.text() and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in c.text()
     a.wait_ready()
     log = a.text()
     assert "has no eagle_config.eagle_aux_hidden_state_layer_ids: SGLang silently captures" in log

@@ -18,6 +18,9 @@ Loading, as `sglang/srt/models/llama_eagle3.py` does:
   - which target layers feed it: `eagle_config.eagle_aux_hidden_state_layer_ids`, mapped to the target's
     capture indices by SGLang's per-architecture rule (patchctl.commands.capture.draftconfig.sglang_layers,
     the conversion `capture collect` inverts); no eagle_config: SGLang's default layers, with a warning.
+  - the draft runs at the target's context length: longer than the draft config's (max_position_embeddings)
+    fails the start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (checked by engine.Engine, as SGLang's
+    draft ModelConfig does).
 Not supported (refused at start): rope scaling other than default, more than one draft layer, fc_norm /
 norm_before_fc, missing weights (SGLang would serve uninitialised memory).
 """

@@ -115,6 +115,7 @@ class Engine:
 
         params = load_weights(self.args.model_path, self.layers, self.hidden, self.vocab)
         draft = Draft(self.spec_cfg.draft_path, self.cfg, params["model.embed_tokens.weight"], params["lm_head.weight"])
+        self._check_draft_context(draft)
         bad = [L for L in draft.target_layers if L < 0 or L >= self.layers]
         if bad:
             raise ValueError(f"draft {draft.path}: target layers {draft.target_layers} ({draft.layers_how}) out of "
@@ -124,6 +125,22 @@ class Engine:
                     "from d2t" if draft.hot is not None else "none", self.spec_cfg.steps, self.spec_cfg.topk,
                     self.spec_cfg.draft_tokens)
         self.speculator = Speculator(self.spec_cfg, self.model, draft)
+
+    def _check_draft_context(self, draft):
+        """SGLang's draft ModelConfig gets the target's context length (configs/model_config.py
+        _derive_context_length): longer than the draft's own is refused unless
+        SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set."""
+        derived = derived_context_len(draft.cfg)
+        if self.context_len <= derived:
+            return
+        msg = (f"Warning: Target model's context_length ({self.context_len}) is greater than the derived "
+               f"context_length ({derived}). This may lead to incorrect model outputs or CUDA errors. Note that the "
+               f"derived context_length may differ from max_position_embeddings in the model's config.")
+        if os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in ("1", "true"):
+            raise ValueError(f"{msg} To allow overriding this maximum, set the env var "
+                             "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+        logger.warning(msg)
+        logger.warning("Overriding the draft model's max_position_embeddings to %d.", self.context_len)
 
     def idle(self) -> bool:
         return self.q.empty() and not self.running
