@@ -8,6 +8,8 @@ import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # SpecForge compiles its RMSNorm: eager on CPU
 
+from unittest.mock import ANY  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
@@ -238,6 +240,7 @@ def _post_raw(s, path):
 def test_unknown_weight_names_dropped_and_logged(start, drafts, model, tmp_path):
     d = write_draft_dir(tmp_path / "odd", target_model_dir=model, layer_ids=LAYER_IDS,
                         extra_tensors={"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(8),
+                                       "medusa_head.0.weight": torch.zeros(4, H),
                                        "embed_tokens.weight": torch.zeros(V, H)})
     s = spec_server(start, d)
     s.wait_ready()
@@ -246,7 +249,12 @@ def test_unknown_weight_names_dropped_and_logged(start, drafts, model, tmp_path)
     log = s.text()
     warned = [ln for ln in log.splitlines() if "does not know, dropped" in ln]
     assert len(warned) == 1
-    assert "embed_tokens.weight" in warned[0] and "layers.0.self_attn.rotary_emb.inv_freq" in warned[0]
+    assert "medusa_head.0.weight" in warned[0] and "layers.0.self_attn.rotary_emb.inv_freq" in warned[0]
+    # a shipped embedding is SGLang's to load and then replace with the target's: not unknown, not used
+    assert "embed_tokens" not in warned[0] and "embed_tokens.weight replaced by the target's embedding" in log
+    plain = spec_server(start, drafts["untrained"])
+    plain.wait_ready()
+    assert generate(plain, PROMPTS[:1], 8)[0]["meta_info"] == {**r[0]["meta_info"], "id": ANY, "e2e_latency": ANY}
 
 
 def test_draft_config_without_layers_or_of_another_width(start, model, tmp_path):

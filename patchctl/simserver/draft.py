@@ -12,7 +12,8 @@ Loading, as `sglang/srt/models/llama_eagle3.py` does:
     (the embedding is the target's); `target_hidden_size` (default hidden_size) x K aux layers is fc's input;
     `draft_vocab_size` missing: SGLang takes the lm head from the target (`load_lm_head_from_target`);
     `tie_word_embeddings` true: the lm head is the target's embedding.
-  - every `*.safetensors` in the directory, names: `midlayer.` -> `layers.0.` (SGLang's legacy map),
+  - every `*.safetensors` in the directory, names: `midlayer.` -> `layers.0.` (SGLang's legacy map), an
+    `embed_tokens.weight` loaded and then replaced by the target's (eagle_worker_v2's set_embed),
     `d2t` -> hot token ids (`d2t + arange`), `t2d` skipped, any other unknown name dropped (SGLang drops it
     silently; the stand-in also logs the names once, as a warning).
   - which target layers feed it: `eagle_config.eagle_aux_hidden_state_layer_ids`, mapped to the target's
@@ -134,7 +135,7 @@ class Draft:
         raw: dict = {}
         for f in files:
             raw.update(load_file(str(f)))
-        w, hot, dropped = {}, None, []
+        w, hot, dropped, replaced = {}, None, [], []
         for name, t in raw.items():
             for old, new in LEGACY.items():
                 if old in name:
@@ -143,12 +144,17 @@ class Draft:
                 hot = t.long() + self.torch.arange(t.shape[0])
             elif "t2d" in name:
                 continue
+            elif name in ("embed_tokens.weight", "model.embed_tokens.weight"):
+                replaced.append(name)
             elif name in EXPECTED:
                 w[name] = t.float()
             elif name.startswith("model.") and name[6:] in EXPECTED:
                 w[name[6:]] = t.float()
             else:
                 dropped.append(name)
+        if replaced:
+            logger.info("draft %s: %s replaced by the target's embedding (as SGLang's EAGLE-3 worker does)", d,
+                        ", ".join(replaced))
         if dropped:
             logger.warning("draft %s: weights SGLang's LlamaForCausalLMEagle3 does not know, dropped (SGLang drops "
                            "them silently): %s", d, ", ".join(sorted(dropped)))
