@@ -242,7 +242,7 @@ def test_unknown_weight_names_dropped_and_logged(start, drafts, model, tmp_path)
                         extra_tensors={"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(8),
                                        "medusa_head.0.weight": torch.zeros(4, H),
                                        "embed_tokens.weight": torch.zeros(V, H)})
-    s = spec_server(start, d)
+    s, plain = spec_server(start, d), spec_server(start, drafts["untrained"])
     s.wait_ready()
     r = generate(s, PROMPTS[:1], 8)
     assert r[0]["meta_info"]["spec_verify_ct"] > 0
@@ -252,7 +252,6 @@ def test_unknown_weight_names_dropped_and_logged(start, drafts, model, tmp_path)
     assert "medusa_head.0.weight" in warned[0] and "layers.0.self_attn.rotary_emb.inv_freq" in warned[0]
     # a shipped embedding is SGLang's to load and then replace with the target's: not unknown, not used
     assert "embed_tokens" not in warned[0] and "embed_tokens.weight replaced by the target's embedding" in log
-    plain = spec_server(start, drafts["untrained"])
     plain.wait_ready()
     assert generate(plain, PROMPTS[:1], 8)[0]["meta_info"] == {**r[0]["meta_info"], "id": ANY, "e2e_latency": ANY}
 
