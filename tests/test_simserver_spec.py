@@ -85,7 +85,8 @@ def _specforge_draft(path, embed):
 
     m = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(str(path / "config.json")),
                                    torch_dtype=torch.float32)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path / "model.safetensors")).items()}
+    state = {k: v.float() if v.is_floating_point() else v
+             for k, v in load_file(str(path / "model.safetensors")).items()}
     state["embed_tokens.weight"] = embed
     m.load_state_dict(state, strict=True)
     return m.eval()
@@ -289,7 +290,8 @@ REFUSED = [
      "stand-in supports --speculative-eagle-topk 1 only"),
     # all three unset: SGLang's Llama defaults (5, 4, 8), whose top-k 4 the chain-drafting stand-in refuses
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "D"],
-     "stand-in supports --speculative-eagle-topk 1 only (it drafts a chain, not a tree); got --speculative-eagle-topk 4"),
+     "stand-in supports --speculative-eagle-topk 1 only (it drafts a chain, not a tree); "
+     "got --speculative-eagle-topk 4"),
 ]
 
 
