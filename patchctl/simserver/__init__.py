@@ -9,7 +9,9 @@ whose layer outputs go through the tree's own `hidden_dump.on_forward_end` hook,
 found in and executed from `ModelRunner.forward` of the tree's
 `model_runner.py` (a hook placed anywhere else never fires, as under SGLang's
 CUDA graphs); the tree's `hidden_dump.note_batch` call in `ForwardBatch.init_new`
-(`forward_batch_info.py`) runs on every batch the same way.
+(`forward_batch_info.py`) runs on every batch the same way. With `--speculative-algorithm EAGLE3
+--speculative-draft-model-path DIR` it serves an EAGLE-3 draft as SGLang 0.5.23 does (chain drafting,
+top-k 1 only), its acceptance counted from real draft and target forwards and reported in SGLang's fields.
 
 Run it as `python -m patchctl.simserver` or `patchctl-simserver`; `--help` lists
 the flags and knobs. Its parts, each with what it owns:
@@ -23,8 +25,10 @@ the flags and knobs. Its parts, each with what it owns:
     ducks      duck-typed SGLang objects the hooks read (ForwardMode, the runtime-context stub)
     model      the tiny deterministic torch model, its config.json, the capture layer ids
     engine     the scheduler: batches requests into extend/decode forwards, runs the hooks
+    spec       speculative decoding: SGLang's flag validation, draft-and-verify, the spec_* figures
+    draft      an EAGLE-3 draft directory loaded as SGLang's LlamaForCausalLMEagle3 loads it; its forward
     api        SGLang's HTTP surface (/health, /health_generate, /get_model_info,
-               /get_server_info, POST /generate)
+               /get_server_info, POST /generate, POST /flush_cache)
     multinode  --nnodes/--node-rank/--dist-init-addr: the head waits for the others;
                a node that dies takes the others down
 """

@@ -11,6 +11,9 @@ Generation is greedy from the tiny model (temperature is ignored), up to max_new
 after the tokenizer's eos (finish_reason stop). With tokenizer files in the model directory
 (`chat.ChatTokenizer`) `text` is tokenized and answered with them and `POST /v1/chat/completions`
 renders the chat template, as SGLang's OpenAI endpoint does; only the prompt's prefill is dumped.
+With speculation (spec.py) `/generate`'s meta_info adds SGLang's spec_* fields per request, `/server_info`'s
+internal_states[0] `avg_spec_accept_length`, and `POST /flush_cache` resets it when no request runs (400
+otherwise, as SGLang answers a flush it did not perform).
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         n = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(n) if n else b""
+        if path == "/flush_cache":
+            return self._flush()
         if path not in ("/generate", "/v1/chat/completions"):
             return self._send(404, {"detail": "Not Found"})
         with app.state.count_lock:
@@ -138,6 +143,21 @@ class Handler(BaseHTTPRequestHandler):
 
     do_PUT = do_POST
 
+    def _flush(self):
+        """SGLang's /flush_cache: done only when idle; resets the lifetime acceptance figures."""
+        ok = self.app.engine.idle()
+        if ok and self.app.engine.speculator is not None:
+            self.app.engine.speculator.totals.reset()
+        text = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                "requests, the operation will not be performed.)\n") if ok else "Flush cache failed.\n"
+        logger.info("Cache flushed successfully!" if ok else "Cache not flushed: requests are running or waiting")
+        data = text.encode()
+        self.send_response(200 if ok else 400)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
 
 class App:
     def __init__(self, args, root, version, model_cfg, engine, unknown):
@@ -172,13 +192,20 @@ class App:
             status="ready" if self.state.ready else "starting",
             aux_hidden_state_layer_ids=self.engine.capture_ids,
             hook_lines=self.engine.hook.lines if self.engine.hook else [],
-            internal_states=[{"last_gen_throughput": 0.0, "forward_pass_id": self.engine.forward_pass_id}],
+            internal_states=[self._internal_state()],
             # the scheduler's init info, merged in as SGLang's build_server_info does
             max_total_num_tokens=self.engine.kv_tokens,
             max_req_input_len=self.engine.max_req_input_len,
             launch_command=" ".join([sys.executable, "-m", "patchctl.simserver"] + sys.argv[1:]),
         )
         return info
+
+    def _internal_state(self):
+        state = {"last_gen_throughput": 0.0, "forward_pass_id": self.engine.forward_pass_id}
+        spec = self.engine.speculator
+        if spec is not None and spec.totals.avg() is not None:
+            state["avg_spec_accept_length"] = spec.totals.avg()
+        return state
 
     @property
     def tokenizer(self):
@@ -274,6 +301,7 @@ class App:
                     "completion_tokens": len(w.output_ids),
                     "cached_tokens": 0,
                     "e2e_latency": round(time.time() - w.t0, 6),
+                    **(w.spec.meta(len(w.output_ids), self.engine.spec_cfg.draft_tokens) if w.spec else {}),
                 },
             })
         return results[0] if single else results

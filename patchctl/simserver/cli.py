@@ -16,6 +16,10 @@ The warm-up request (rid = random hex) goes through the hook like SGLang's does:
 that raises makes start-up fail ("warmup error"); whether it is dumped is the tree's
 hidden_dump's decision (the current one never dumps a rid SGLang made up).
 
+Speculative decoding (EAGLE3, `spec.py`, `draft.py`): the speculative flags are validated as SGLang 0.5.23
+validates them before anything else loads (a refused combination exits 1 with SGLang's reason), and the
+draft directory is loaded with the model ("Load weight").
+
 SIGTERM/SIGINT: /health turns 503, `hidden_dump.flush()` is called (if the
 module has one, at most ~1.5 s), exit 0.
 """
@@ -56,6 +60,20 @@ SGLang env such as SGLANG_HIDDEN_DUMP_DIR is read by the served tree's own code.
 Multi-node: --nnodes/--node-rank/--dist-init-addr; rank 0 waits for the others, ranks >= 1
 serve no HTTP; when a node dies the others exit 1.
 Unknown sglang flags are accepted and ignored (logged).
+
+speculative decoding (EAGLE3 only, as SGLang 0.5.23 serves a SpecForge-trained draft):
+  --speculative-algorithm EAGLE3 --speculative-draft-model-path DIR with --speculative-num-steps N
+  --speculative-eagle-topk 1 [--speculative-num-draft-tokens N+1]. The draft (config.json + *.safetensors,
+  LlamaForCausalLMEagle3, midlayer.* -> layers.0.*, d2t hot ids, the target's embedding) proposes N tokens
+  greedily as a chain; the target verifies them in one forward; outputs are exactly the target's greedy
+  tokens. /generate's meta_info carries spec_verify_ct, spec_accept_length, spec_accept_rate,
+  spec_num_correct_drafts, spec_num_proposed_drafts, spec_correct_drafts_histogram; /server_info's
+  internal_states[0].avg_spec_accept_length; POST /flush_cache resets it when idle.
+  Does NOT: draft trees (top-k > 1 is refused: "stand-in supports --speculative-eagle-topk 1 only", so the
+  Llama default (5, 4, 8) is refused too: set the three flags), other algorithms, sampling (temperature is
+  ignored everywhere), run the tree's hidden_dump hooks in speculative forwards, compute in bf16 (float32),
+  speculate in PATCHCTL_SIM_LIGHT mode. SGLANG_SIMULATE_ACC_LEN fakes the acceptance as SGLang does.
+  --enable-return-aux-hidden-states (capture) with a draft path is refused, as in SGLang.
 """
 
 
@@ -72,7 +90,15 @@ def build_parser():
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
     p.add_argument("--enable-return-aux-hidden-states", action="store_true")
-    p.add_argument("--speculative-algorithm", default=None)
+    p.add_argument("--speculative-algorithm", default=None,
+                   help="EAGLE3 with a draft path: speculative decoding; with --enable-return-aux-hidden-states: "
+                        "names the capture convention")
+    p.add_argument("--speculative-draft-model-path", default=None, help="EAGLE-3 draft directory (SpecForge export)")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="draft tokens proposed per verify step")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None,
+                   help="stand-in supports --speculative-eagle-topk 1 only (chain drafting)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="with top-k 1 always steps + 1 (as SGLang forces it)")
     p.add_argument("--return-aux-hidden-state-layer-ids", nargs="+", default=None,
                    help="layer ids to capture (input of each layer; used as given); also a JSON list")
     p.add_argument("--disable-radix-cache", action="store_true")
@@ -125,10 +151,11 @@ def main(argv=None):
 
     root, version = _tree(args)
     model_cfg, layers = _model_config(args)
+    spec_cfg = _spec(args, model_cfg, light)
     _compile(root)  # 1. compile what patches changed, as importing the tree would
     hd, hook, batch_hook = (None, None, None) if light else _hooks(root)  # 2./3. hidden_dump and its hooks
     _check_capture(args, layers)
-    engine = _engine(args, model_cfg, hook, hd, light, batch_hook)
+    engine = _engine(args, model_cfg, hook, hd, light, batch_hook, spec_cfg)
     app = App(args, root, version, model_cfg, engine, unknown)
     Handler.app = app
     follower = args.nnodes > 1 and args.node_rank >= 1
@@ -253,7 +280,24 @@ def _check_capture(args, layers: int) -> None:
                            nan_layer)
 
 
-def _engine(args, model_cfg: dict, hook, hd, light: bool, batch_hook) -> Engine:
+def _spec(args, model_cfg: dict, light: bool):
+    """The speculative configuration (spec.SpecConfig or None); a combination SGLang refuses fails the start."""
+    from patchctl.simserver.spec import SpecRefused, resolve  # noqa: PLC0415
+
+    try:
+        cfg = resolve(args, model_cfg)
+    except SpecRefused as e:
+        _fatal(f"{e}\nStand-in start-up failed: speculative decoding arguments refused")
+    if cfg is not None and light:
+        _fatal("PATCHCTL_SIM_LIGHT: the light stand-in has no model to speculate with; drop the knob or the draft")
+    if cfg is not None:  # the resolved values, as SGLang's server_args shows them
+        args.speculative_algorithm = "EAGLE3"
+        args.speculative_num_steps, args.speculative_eagle_topk = cfg.steps, cfg.topk
+        args.speculative_num_draft_tokens = cfg.draft_tokens
+    return cfg
+
+
+def _engine(args, model_cfg: dict, hook, hd, light: bool, batch_hook, spec_cfg=None) -> Engine:
     """The engine, after SGLang's context-length check."""
     derived = derived_context_len(model_cfg)
     if args.context_length is not None and args.context_length > derived:
@@ -263,7 +307,7 @@ def _engine(args, model_cfg: dict, hook, hd, light: bool, batch_hook) -> Engine:
             _fatal(f"ValueError: {msg} To allow overriding this maximum, set the env var "
                    "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
         logger.warning(msg)
-    engine = Engine(args, model_cfg, hook, hd, light, batch_hook)
+    engine = Engine(args, model_cfg, hook, hd, light, batch_hook, spec_cfg)
     if engine.kv_tokens < engine.context_len:
         logger.warning("KV pool holds %d tokens, fewer than --context-length %d. One full-length request cannot fit, "
                        "so long requests will be refused or truncated at serving time.", engine.kv_tokens,

@@ -60,21 +60,24 @@ class TinyModel:
         self.nan_layer = nan_layer
         self.nan_tokens = list(nan_tokens)
 
-    def forward(self, input_ids, last_index):
+    def forward(self, input_ids, last_index, capture_ids=None):
+        """(aux [T, K*H] bf16 or None, final post-norm [T, H] bf16 or None, logits at last_index, float32).
+        `capture_ids` overrides the server's capture layers (speculation feeds the draft its own layers)."""
         torch = self.torch
+        capture_ids = self.capture_ids if capture_ids is None else capture_ids
         with torch.no_grad():
             h = self.embed[input_ids]
             captured = {}
             for i, w in enumerate(self.weights):
-                if self.capture_ids and i in self.capture_ids:
+                if capture_ids and i in capture_ids:
                     captured[i] = h.clone()
                 h = h + torch.tanh(h @ w)
             normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
             logits = normed[last_index] @ self.embed.T
             aux = None
-            if self.capture_ids:
+            if capture_ids:
                 parts = []
-                for L in self.capture_ids:
+                for L in capture_ids:
                     c = captured[L]
                     if self.nan_layer is not None and L == self.nan_layer:
                         c = c.clone()
@@ -84,7 +87,7 @@ class TinyModel:
                         c[torch.isin(input_ids, torch.tensor(self.nan_tokens)), 0] = float("nan")
                     parts.append(c)
                 aux = torch.cat(parts, dim=-1).to(torch.bfloat16)
-            last = normed.to(torch.bfloat16) if self.capture_ids else None
+            last = normed.to(torch.bfloat16) if capture_ids else None
             return aux, last, logits.float()
 
 

@@ -1,0 +1,140 @@
+"""EAGLE-3 draft directories for tests: untrained ones exactly as `specforge export --to sglang` writes them,
+and a cheaply fitted good one for the stand-in's target.
+
+`write_draft_dir` writes what SpecForge 0.2.0's export writes (checked against a real export of
+`AutoDraftModel.from_config(..., torch_dtype=bfloat16)` + `save_pretrained` + `apply_legacy_rope_scaling`):
+config.json with the keys below, and `model.safetensors` (metadata {"format": "pt"}) holding bf16
+`fc.weight` [H, 3*Ht], `midlayer.{self_attn.{q,k,v}_proj [heads*hd | kv*hd, 2H], self_attn.o_proj [H, H],
+mlp.{gate,up}_proj [I, H], mlp.down_proj [H, I], {hidden_norm,input_layernorm,post_attention_layernorm} [H]}.weight`,
+`norm.weight` [H], `lm_head.weight` [V', H], int64 `d2t` [V'] and bool `t2d` [V] (no embedding). Initialised
+as SpecForge's post_init does: Linear weights N(0, initializer_range=0.02), norms 1, d2t 0, t2d 1.
+
+`fit_good_draft` trains such a directory's weights in plain torch, for a few seconds, to predict the
+stand-in's next token (which depends on the last token only), so it accepts almost every draft.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def export_config(target_cfg: dict, layer_ids, draft_vocab_size=None, **overrides) -> dict:
+    """config.json as SpecForge 0.2.0's export writes it (transformers 5 LlamaConfig.to_dict order)."""
+    H, V = int(target_cfg["hidden_size"]), int(target_cfg["vocab_size"])
+    heads = 4
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
+        "draft_vocab_size": int(draft_vocab_size or V), "dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
+        "eos_token_id": 2, "head_dim": H // heads, "hidden_act": "silu", "hidden_size": H,
+        "initializer_range": 0.02, "intermediate_size": 4 * H, "max_position_embeddings": 2048,
+        "mlp_bias": False, "model_type": "llama", "num_attention_heads": heads, "num_hidden_layers": 1,
+        "num_key_value_heads": heads // 2, "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "rope_theta": 10000.0,
+        "target_hidden_size": H, "tie_word_embeddings": False, "transformers_version": "5.19.0",
+        "use_cache": True, "vocab_size": V,
+    }
+    cfg.update(overrides)
+    if "num_attention_heads" in overrides and "head_dim" not in overrides:
+        cfg["head_dim"] = H // int(cfg["num_attention_heads"])
+    return cfg
+
+
+def init_tensors(cfg: dict, seed: int = 0) -> dict:
+    """{name: float32 tensor} as SpecForge initialises an untrained LlamaForCausalLMEagle3 (no embedding)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    Vd, V, Ht = cfg["draft_vocab_size"], cfg["vocab_size"], cfg.get("target_hidden_size") or H
+    k = len((cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+
+    def lin(o, i):
+        return torch.randn(o, i, generator=g) * cfg["initializer_range"]
+
+    t = {"fc.weight": lin(H, k * Ht),
+         "midlayer.self_attn.q_proj.weight": lin(nh * hd, 2 * H),
+         "midlayer.self_attn.k_proj.weight": lin(nkv * hd, 2 * H),
+         "midlayer.self_attn.v_proj.weight": lin(nkv * hd, 2 * H),
+         "midlayer.self_attn.o_proj.weight": lin(H, nh * hd),
+         "midlayer.mlp.gate_proj.weight": lin(I, H), "midlayer.mlp.up_proj.weight": lin(I, H),
+         "midlayer.mlp.down_proj.weight": lin(H, I),
+         "midlayer.hidden_norm.weight": torch.ones(H), "midlayer.input_layernorm.weight": torch.ones(H),
+         "midlayer.post_attention_layernorm.weight": torch.ones(H),
+         "norm.weight": torch.ones(H), "lm_head.weight": lin(Vd, H)}
+    t["d2t"] = torch.zeros(Vd, dtype=torch.int64)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:Vd] = True
+    t["t2d"] = t2d
+    return t
+
+
+def save_draft(path, cfg: dict, tensors: dict, extra_tensors: dict | None = None) -> Path:
+    """config.json + model.safetensors (float weights as bf16, d2t int64, t2d bool), as export writes them."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, t in {**tensors, **(extra_tensors or {})}.items():
+        out[name] = t.to(torch.bfloat16).contiguous() if t.is_floating_point() else t.contiguous()
+    save_file(dict(sorted(out.items())), str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return d
+
+
+def write_draft_dir(path, *, target_model_dir, layer_ids, seed=0, draft_vocab_size=None, extra_tensors=None,
+                    **overrides) -> Path:
+    """An untrained draft directory for the model in `target_model_dir`. `layer_ids`: the draft config's
+    eagle_aux_hidden_state_layer_ids (SGLang's convention for the target's architecture: a Llama target
+    captures the input of layer id + 1). `overrides` replace config keys; `extra_tensors` adds weights
+    (names SGLang does not know, for the dropped-name test)."""
+    target_cfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    cfg = export_config(target_cfg, layer_ids, draft_vocab_size, **overrides)
+    return save_draft(path, cfg, init_tensors(cfg, seed), extra_tensors)
+
+
+def fit_good_draft(path, *, target_model_dir, layer_ids, iters=70, seed=0) -> Path:
+    """A draft trained (plain torch, Adam, ~5 s of one core) to predict the stand-in's greedy next token from
+    real target aux states of random token sequences, for the first chain step and for a second step fed the
+    draft's own outputs (as serving feeds it); saved in the export format. ~95% of drafts right after 70 steps."""
+    import torch
+
+    from patchctl.simserver.draft import Draft
+    from patchctl.simserver.model import TinyModel
+
+    write_draft_dir(path, target_model_dir=target_model_dir, layer_ids=layer_ids, seed=seed)
+    tcfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    L, H, V = tcfg["num_hidden_layers"], tcfg["hidden_size"], tcfg["vocab_size"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster on a shared machine
+    try:
+        target = TinyModel(L, H, V, None, model_dir=target_model_dir)
+        draft = Draft(path, tcfg, target.embed, target.embed)
+        g = torch.Generator().manual_seed(seed + 1)
+        params = [t.requires_grad_() for t in draft.w.values()]
+        opt = torch.optim.Adam(params, lr=1e-2)
+        B, T = 64, 8
+        ce = torch.nn.functional.cross_entropy
+        for _ in range(iters):
+            ids = torch.randint(0, V, (B, T), generator=g)
+            aux, _, logits = target.forward(ids.reshape(-1), torch.arange(B * T), capture_ids=draft.target_layers)
+            aux, nxt = aux.float().view(B, T, -1), logits.argmax(-1).view(B, T)
+            opt.zero_grad()
+            # position j: the embedding of ids[j+1] and the target's states of j; label: the token after ids[j+1]
+            pre, lg = draft.forward(ids[:, 1:], draft.project(aux[:, :-1]))
+            pre2, lg2 = draft.forward(ids[:, 2:], pre[:, :-1])  # next chain step: the draft's own outputs
+            loss = ce(lg.flatten(0, 1), nxt[:, 1:].flatten()) + ce(lg2.flatten(0, 1), nxt[:, 2:].flatten())
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t.detach()
+               for n, t in draft.w.items()}
+    init = init_tensors(draft.cfg, seed)
+    tensors["d2t"], tensors["t2d"] = init["d2t"], init["t2d"]
+    return save_draft(path, draft.cfg, tensors)
