@@ -17,7 +17,7 @@ Loading, as `sglang/srt/models/llama_eagle3.py` does:
     `d2t` -> hot token ids (`d2t + arange`), `t2d` skipped, any other unknown name dropped (SGLang drops it
     silently; the stand-in also logs the names once, as a warning).
   - which target layers feed it: `eagle_config.eagle_aux_hidden_state_layer_ids`, mapped to the target's
-    capture indices by SGLang's per-architecture rule (patchctl.commands.capture.draftconfig.sglang_layers,
+    capture indices by SGLang's per-architecture rule (patchctl.core.layerids.sglang_layers,
     the conversion `capture collect` inverts); no eagle_config: SGLang's default layers, with a warning.
   - the draft runs at the target's context length: longer than the draft config's (max_position_embeddings)
     fails the start unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (checked by engine.Engine, as SGLang's
@@ -32,7 +32,7 @@ import json
 import logging
 from pathlib import Path
 
-from patchctl.commands.capture.draftconfig import RULES, sglang_layers
+from patchctl.core.layerids import RULES, sglang_layers
 
 logger = logging.getLogger("patchctl.simserver")
 
