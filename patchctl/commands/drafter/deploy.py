@@ -63,7 +63,7 @@ class DrafterUnit:
         if not res.get("changed"):
             acc = (res.get("drafter") or {}).get("acceptance") or {}
             last = acc.get("new")
-            return UnitResult(self.names, "unchanged", (res.get("note") or "unchanged")
+            return UnitResult(self.names, "unchanged", f"{self._sent()}; " + (res.get("note") or "unchanged")
                               + (f"; last measured {describe(last)}" if last else ""))
         try:
             new = self._measure("canary")
@@ -80,7 +80,11 @@ class DrafterUnit:
         except PatchctlError as e:
             return self._failed(e)
         gain = accept_of(new) - accept_of(base)
-        return UnitResult(self.names, "deployed", f"{figures} (gain {gain:+.2f})", touched=True)
+        return UnitResult(self.names, "deployed", f"{figures} (gain {gain:+.2f}); {self._sent()}", touched=True)
+
+    def _sent(self) -> str:
+        r = self.ctx["sent"].get(self.name) or {}
+        return f"{r.get('bytes_sent', 0)} bytes sent ({r.get('bytes_present', 0)} already there)"
 
     def _measure(self, step: str) -> dict:
         """The prompt set on what this unit serves now, reported as its own step."""
@@ -131,7 +135,7 @@ def _prepare(opts: DrafterOptions) -> dict:
     gate = Gate(opts.min_accept_length, opts.min_gain, opts.max_tps_loss)
     words = {"min_accept_length": gate.min_accept_length, "min_gain": gate.min_gain, "max_tps_loss": gate.max_tps_loss}
     return {"facts": facts, "data": data, "artifact": art, "prompts": ps, "prompts_digest": ps.digest, "gate": gate,
-            "gate_words": words, "not_sent": {},
+            "gate_words": words, "not_sent": {}, "sent": {},
             "drafter": {"digest": art.digest, "source": str(Path(opts.dir).resolve()),
                         "data_run": (data or {}).get("run")}}
 
@@ -152,19 +156,15 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
 
 
 def _send_all(run: Run, units, ctx: dict) -> None:
-    """The draft to every selected host at once; a host that could not take it is not deployed to."""
+    """The draft to every selected host at once (`core.artifact.send_all`: what a host has is not sent again);
+    a host that could not take it is not deployed to, and its unit says why."""
     hosts = [u[0] for u in units if u[0].name not in ctx["not_sent"]]
-
-    def one(h):
-        try:
-            return h.name, artifact.send(run.session(h), ctx["artifact"], keep_free=run.opts.keep_free), None
-        except PatchctlError as e:
-            return h.name, None, e
-
-    for name, res, err in run.parallel(one, hosts):
-        if err is not None:
-            outcome, msg = host_error(err)
+    for name, res in artifact.send_all(run, ctx["artifact"], hosts, keep_free=run.opts.keep_free).items():
+        if isinstance(res, Exception):
+            outcome, msg = host_error(res)
             ctx["not_sent"][name] = (outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
+        else:
+            ctx["sent"][name] = res
 
 
 def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
