@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 
-from . import applier, capture, convert, regenerate, tokenizer
+from . import applier, artifact, capture, convert, regenerate, tokenizer
 from .capture_config import refusals
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
 from .osutil import expand, now, proc_uptime, sha256_bytes, sha256_file, write_json
@@ -797,6 +797,17 @@ class Agent(object):
             out["smoke"] = smoke(self.state_dir, cfg, self.run_id + "-prev")
             out["server"] += ", smoke of %s passed" % state.series
         return out
+
+
+    @handles("artifact_probe")
+    def op_artifact_probe(self):
+        """What this host holds of a drafter artifact; read only (artifact.probe)."""
+        return artifact.probe(self.state_dir, self.req.get("digest"), self.req.get("files"))
+
+    @handles("artifact_receive")
+    def op_artifact_receive(self):
+        """The missing bytes of a drafter artifact from stdin, verified, then its directory (artifact.receive)."""
+        return artifact.receive(self.state_dir, self.req, self.stdin)
 
 
 def _originals(m):
