@@ -221,23 +221,23 @@ def test_a_cut_link_leaves_a_part_and_the_next_send_resumes_from_it(fleet):
         run.close()
 
 
-def _stop_after(limit):
-    """The stream as the controller sends it, ending after `limit` bytes of file data (a Ctrl-C's EOF)."""
-    real = A._frames
+def _stopping_at(limit):
+    """(stop event, on_progress that sets it once `limit` bytes went out): a Ctrl-C in the middle of a file."""
+    import threading
 
-    def frames(plan, objects, sent, on_progress):
-        for chunk in real(plan, objects, sent, on_progress):
-            if sent[0] > limit:
-                return
-            yield chunk
-    return frames
+    stop = threading.Event()
+
+    def on_progress(sent, total):
+        if sent >= limit:
+            stop.set()
+    return stop, on_progress
 
 
 def _clean(h):
     shutil.rmtree(h.dir / "state", ignore_errors=True)
 
 
-def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole(fleet, monkeypatch):
+def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole(fleet):
     base, hosts, inv, src = fleet
     art = A.Artifact.from_dir(src)
     h = hosts[3]
@@ -248,13 +248,17 @@ def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole
     run = _run(inv, h.name)
     try:
         s = run.session(run.hosts[0])
-        monkeypatch.setattr(A, "_frames", _stop_after(3 << 20))
-        with pytest.raises(A.TransferIncomplete, match="has .* of 16777216 bytes; .*send again to resume") as e:
-            A.send(s, art, keep_free=0)
+        stop, on_progress = _stopping_at(3 << 20)
+        with pytest.raises(A.TransferIncomplete, match=r"has \d+ of 16777216 bytes; .*\(the stream ended: "
+                           r"stopped\); \d+ bytes arrived; send again to resume") as e:
+            A.send(s, art, keep_free=0, stop=stop, on_progress=on_progress)
         arrived = part.stat().st_size
         assert e.value.details["incomplete"][0] == {"sha256": model.sha256, "have": arrived, "size": model.size}
         assert 0 < arrived < model.size and not (objects / model.sha256).exists()
-        monkeypatch.undo()
+        snap = host_snapshot(h.dir)  # a probe of a host holding objects and a .part changes nothing either
+        ans = A._call(s, "artifact_probe", digest=art.digest, files=art.wire_files())
+        assert ans["parts"] == {model.sha256: arrived} and len(ans["objects"]) == 1 and not ans["materialised"]
+        assert host_snapshot(h.dir) == snap
         # resumed: only the rest is sent
         kept = part.read_bytes()
         r = A.send(s, art, keep_free=0)
@@ -263,10 +267,9 @@ def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole
 
         # a .part whose bytes were changed on the host: refused at verification, removed, never linked
         _clean(h)
-        monkeypatch.setattr(A, "_frames", _stop_after(3 << 20))
+        stop, on_progress = _stopping_at(3 << 20)
         with pytest.raises(A.TransferIncomplete):
-            A.send(s, art, keep_free=0)
-        monkeypatch.undo()
+            A.send(s, art, keep_free=0, stop=stop, on_progress=on_progress)
         data = bytearray(part.read_bytes())
         assert bytes(data) == kept[:len(data)]
         data[100] ^= 0xFF
@@ -282,6 +285,83 @@ def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole
         _assert_deployed(h, art, src)
     finally:
         run.close()
+
+
+def test_ctrl_c_during_send_all_keeps_what_arrived_and_the_next_send_resumes(fleet):
+    import signal
+
+    base, hosts, inv, src = fleet
+    art = A.Artifact.from_dir(src)
+    two = hosts[2:4]
+    for h in two:
+        _clean(h)
+    model = next(f for f in art.files if f.path == "model.safetensors")
+    run = _run(inv, ",".join(h.name for h in two))
+    real_send = A.send
+    fired = []
+
+    def send(session, artifact, **kw):  # the operator's Ctrl-C once 2 MiB of the weights went out
+        def on_progress(sent, total):
+            kw["on_progress"](sent, total)
+            if sent >= (2 << 20) and not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+        return real_send(session, artifact, **dict(kw, on_progress=on_progress))
+
+    try:
+        A.send = send
+        with pytest.raises(KeyboardInterrupt):
+            A.send_all(run, art, keep_free=0)
+    finally:
+        A.send = real_send
+        run.close()
+    arrived = {}
+    for h in two:
+        part = _drafters(h) / "objects" / f"{model.sha256}.part"
+        wait_for(lambda: not part.exists() or _lock_free(part), what="the stopped agent's end")
+        arrived[h.name] = part.stat().st_size if part.exists() else 0
+        assert arrived[h.name] < model.size and not (_drafters(h) / f"{art.digest}.json").exists()
+    assert max(arrived.values()) > 0
+    run = _run(inv, ",".join(h.name for h in two))
+    try:
+        res = A.send_all(run, art, keep_free=0)
+    finally:
+        run.close()
+    for h in two:
+        small = sum(f.size for f in art.objects().values()) - model.size
+        assert res[h.name]["bytes_sent"] in (model.size - arrived[h.name], model.size - arrived[h.name] + small), res
+        _assert_deployed(h, art, src)
+
+
+def test_two_controllers_sending_the_same_artifact_at_once_do_not_corrupt_it(fleet):
+    import threading
+
+    base, hosts, inv, src = fleet
+    art = A.Artifact.from_dir(src)
+    h = hosts[3]
+    _clean(h)
+    out, runs = {}, [_run(inv, h.name) for _ in range(2)]
+
+    def go(i):
+        try:
+            out[i] = A.send(runs[i].session(runs[i].hosts[0]), art, keep_free=0)
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+
+    try:
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        for r in runs:
+            r.close()
+    assert all(isinstance(r, dict) and r["materialised"] for r in out.values()), out
+    distinct = sum(f.size for f in art.objects().values())
+    assert sum(r["bytes_sent"] for r in out.values()) >= distinct  # each object written once, by one of them
+    assert sum(r["files_verified"] for r in out.values()) == 3
+    _assert_deployed(h, art, src)
 
 
 def test_a_file_in_the_draft_directory_that_patchctl_did_not_write_is_left_alone(fleet):

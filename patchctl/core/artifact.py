@@ -16,10 +16,12 @@ On-host layout: host/artifact.py's docstring (the drafter contract, section 3).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -137,30 +139,45 @@ def _file_of(root: Path, real_root: str, full: Path, rel: str) -> ArtifactFile:
     return ArtifactFile(rel, st.st_size, file_sha256(source, st), source, st.st_mtime_ns)
 
 
-def _frames(plan: list[dict], objects: dict[str, ArtifactFile], sent: list[int],
-            on_progress: Callable[[int], None] | None) -> Iterator[bytes]:
-    """The stream after the script: per planned object its header line, then its bytes from `offset`.
-    `sent[0]` counts the bytes handed to the transport (the host says what it wrote)."""
-    import json
+class _Stream:
+    """The stream after the script: per planned object its header line, then its bytes from `offset`, read
+    1 MiB at a time as the transport takes them. `sent` counts the file bytes handed to the transport (the
+    host says what it wrote). It ends early, which the host sees as EOF and keeps what arrived, when `stop`
+    is set (a Ctrl-C) or a source file changed since it was hashed (`why`)."""
 
-    for p in plan:
-        f = objects[p["sha256"]]
-        yield (json.dumps(p, sort_keys=True) + "\n").encode()
-        with open(f.source, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
-                raise RuntimeError(f"{f.source} changed since it was hashed")  # the host sees the stream end
-            fh.seek(p["offset"])
-            left = p["size"] - p["offset"]
-            while left > 0:
-                block = fh.read(min(CHUNK, left))
-                if not block:
+    def __init__(self, plan: list[dict], objects: dict[str, ArtifactFile], on_progress=None,
+                 stop: threading.Event | None = None):
+        self.plan = plan
+        self.objects = objects
+        self.on_progress = on_progress
+        self.stop = stop
+        self.sent = 0
+        self.why: str | None = None
+
+    def __iter__(self) -> Iterator[bytes]:
+        for p in self.plan:
+            f = self.objects[p["sha256"]]
+            yield (json.dumps(p, sort_keys=True) + "\n").encode()
+            with open(f.source, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+                    self.why = f"{f.source} changed since it was hashed"
                     return
-                left -= len(block)
-                yield block
-                sent[0] += len(block)
-                if on_progress:
-                    on_progress(sent[0])
+                fh.seek(p["offset"])
+                left = p["size"] - p["offset"]
+                while left > 0:
+                    if self.stop is not None and self.stop.is_set():
+                        self.why = "stopped"
+                        return
+                    block = fh.read(min(CHUNK, left))
+                    if not block:
+                        self.why = f"{f.source} ended early"
+                        return
+                    left -= len(block)
+                    yield block
+                    self.sent += len(block)
+                    if self.on_progress:
+                        self.on_progress(self.sent)
 
 
 def _call(session, op: str, stream=None, **fields) -> dict:
@@ -175,7 +192,7 @@ def _call(session, op: str, stream=None, **fields) -> dict:
 
 
 def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
-         on_progress: Callable[[int, int], None] | None = None) -> dict:
+         on_progress: Callable[[int, int], None] | None = None, stop: threading.Event | None = None) -> dict:
     """Bring one host's copy of `artifact` up to date over its HostSession; returns
     {host, digest, path, bytes_sent, bytes_present, bytes_total, objects_sent, files_verified, materialised,
     commands, seconds}. `on_progress(sent, to_send)` is called as bytes go out (from the feeding thread).
@@ -205,16 +222,23 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
     if not plan and out["materialised"]:
         out["seconds"] = round(time.monotonic() - t0, 3)
         return out
-    sent = [0]
-    progress = (lambda n: on_progress(n, need)) if on_progress else None
-    res = _call(session, "artifact_receive", stream=_frames(plan, objects, sent, progress), digest=artifact.digest,
-                files=files, plan=plan, keep_free=keep_free)
+    for p in plan:
+        f = objects[p["sha256"]]
+        st = os.stat(f.source)
+        if st.st_size != f.size or st.st_mtime_ns != f.mtime_ns:
+            raise BadInput(f"{f.source}: changed since the drafter directory was hashed ({f.size} bytes then, "
+                           f"{st.st_size} now): hash it again (Artifact.from_dir)")
+    stream = _Stream(plan, objects, (lambda n: on_progress(n, need)) if on_progress else None, stop)
+    res = _call(session, "artifact_receive", stream=stream, digest=artifact.digest, files=files, plan=plan,
+                keep_free=keep_free)
     out.update(bytes_sent=res["received"], bytes_present=distinct - res["received"], objects_sent=len(res["verified"]),
                files_verified=len(res["verified"]), materialised=res["materialised"], commands=2, path=res["path"],
                linked=res["linked"], copied=res["copied"], seconds=round(time.monotonic() - t0, 3))
     if res["refused"] or res["incomplete"]:
         why = "; ".join([f"{r['sha256'][:12]} refused ({r['reason']}; its .part removed)" for r in res["refused"]]
                         + [f"{r['sha256'][:12]} has {r['have']} of {r['size']} bytes" for r in res["incomplete"]])
+        if stream.why:
+            why += f" (the stream ended: {stream.why})"
         e = TransferIncomplete(f"{name}: drafter {artifact.digest[:12]} not complete: {why}; "
                                f"{res['received']} bytes arrived; send again to resume")
         e.details = dict(res, bytes_sent=res["received"])
@@ -224,10 +248,13 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
 
 def send_all(run, artifact: Artifact, hosts=None, *, keep_free: int = DEFAULT_KEEP_FREE,
              progress_every: float = 5.0) -> dict[str, dict | Exception]:
-    """`send` to every host of the run (or `hosts`) at once (Run.parallel): {host name: its answer, or the
-    exception that stopped it}. A progress line per host through the run's reporter (or the app) at most
-    every `progress_every` seconds while its bytes go out, and one when it is done."""
+    """`send` to every host of the run (or `hosts`) at once, up to `run.forks` at a time: {host name: its
+    answer, or the exception that stopped it}. A progress line per host through the run's reporter (or the
+    app) at most every `progress_every` seconds while its bytes go out, and one when it is done. Ctrl-C
+    (KeyboardInterrupt) ends every stream at its next 1 MiB, waits for the hosts to say what they kept (their
+    .part files: the next send resumes), then raises it again."""
     hosts = list(hosts if hosts is not None else run.hosts)
+    stop = threading.Event()
 
     def say(host, msg):
         if run.reporter:
@@ -247,12 +274,22 @@ def send_all(run, artifact: Artifact, hosts=None, *, keep_free: int = DEFAULT_KE
                           f"({sent / max(now - t0, 1e-9) / 1e6:.0f} MB/s)")
 
         try:
-            res = send(run.session(host), artifact, keep_free=keep_free, on_progress=on_progress)
+            res = send(run.session(host), artifact, keep_free=keep_free, on_progress=on_progress, stop=stop)
         except Exception as e:  # noqa: BLE001 - one host's failure is its result; the others go on
             say(host, f"drafter {artifact.digest[:12]}: {e}")
-            return host.name, e
+            return e
         say(host, f"drafter {artifact.digest[:12]}: {res['bytes_sent']} bytes sent, {res['bytes_present']} already "
                   f"there, at {res['path']}")
-        return host.name, res
+        return res
 
-    return dict(run.parallel(one, hosts))
+    ex = ThreadPoolExecutor(max_workers=max(1, min(run.forks, len(hosts))))
+    futures = {h.name: ex.submit(one, h) for h in hosts}
+    try:
+        wait(futures.values())
+    except KeyboardInterrupt:
+        stop.set()
+        wait(futures.values())
+        raise
+    finally:
+        ex.shutdown(wait=True)
+    return {name: f.result() for name, f in futures.items()}
