@@ -216,6 +216,18 @@ def _open_part(part):
             return None
 
 
+F_SETPIPE_SZ = 1031  # Linux; fcntl names it only from Python 3.10
+
+
+def _widen_pipe(stdin):
+    """sshd hands the stream over a 64 KiB pipe: while this agent writes and hashes a MiB, sshd stops reading
+    its socket and the controller waits for window. A 1 MiB pipe (the unprivileged maximum) keeps it moving."""
+    try:
+        fcntl.fcntl(stdin.fileno(), F_SETPIPE_SZ, 1 << 20)
+    except (OSError, ValueError, AttributeError):
+        pass  # not a pipe, not Linux, or a lower pipe-max-size: only slower
+
+
 def _discard(stdin, n):
     left = n
     while left > 0:
@@ -257,6 +269,7 @@ class Receiver(object):
         for d in (self.root, self.objects):
             if not os.path.isdir(d):
                 os.makedirs(d, 0o700)
+        _widen_pipe(self.stdin)
         for p in self.plan:
             line = self.stdin.readline()
             if not line:  # the stream ended early (a cut link, a Ctrl-C): what arrived stays in the .part files
