@@ -146,6 +146,23 @@ def test_parallel_send_links_objects_and_a_second_send_sends_nothing(fleet):
         _assert_deployed(h, art, src)
 
 
+def test_a_draft_directory_lost_on_the_host_is_linked_again_from_its_objects_without_a_byte(fleet):
+    base, hosts, inv, src = fleet
+    art = A.Artifact.from_dir(src)
+    h = hosts[0]
+    run = _run(inv, h.name)
+    try:
+        s = run.session(run.hosts[0])
+        A.send(s, art, keep_free=0)
+        shutil.rmtree(_drafters(h) / art.digest)
+        (_drafters(h) / f"{art.digest}.json").unlink()
+        r = A.send(s, art, keep_free=0)
+        assert r["bytes_sent"] == 0 and r["commands"] == 2 and r["linked"] == 4 and r["materialised"], r
+        _assert_deployed(h, art, src)
+    finally:
+        run.close()
+
+
 def test_the_probe_writes_nothing_on_the_host(fleet):
     base, hosts, inv, src = fleet
     art = A.Artifact.from_dir(src)

@@ -21,6 +21,7 @@ lock nothing at all, not even `state_dir` itself:
     state_dir/server.json       the server patchctl started (`server`)
     state_dir/tmp/              scratch copies a series is staged on (`applier`)
     state_dir/trees/<id>/       one per SGLang tree (`state`)
+    state_dir/drafters/         drafter directories as content-addressed artifacts (`artifact`)
 """
 
 import errno
