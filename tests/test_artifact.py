@@ -163,6 +163,23 @@ def test_a_draft_directory_lost_on_the_host_is_linked_again_from_its_objects_wit
         run.close()
 
 
+def test_a_source_file_changed_since_it_was_hashed_is_refused_before_sending(fleet, tmp_path):
+    base, hosts, inv, src = fleet
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    art = A.Artifact.from_dir(d)
+    (d / "config.json").write_text('{"hidden_size": 64}')
+    h = hosts[1]
+    run = _run(inv, h.name)
+    try:
+        with pytest.raises(BadInput, match=r"config.json: changed since the drafter directory was hashed \(2 bytes then, 19 now\)"):
+            A.send(run.session(run.hosts[0]), art, keep_free=0)
+    finally:
+        run.close()
+    assert not (_drafters(h) / art.digest).exists() and not (_drafters(h) / "objects" / art.files[0].sha256).exists()
+
+
 def test_the_probe_writes_nothing_on_the_host(fleet):
     base, hosts, inv, src = fleet
     art = A.Artifact.from_dir(src)
