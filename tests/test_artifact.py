@@ -367,7 +367,7 @@ def test_ctrl_c_during_send_all_keeps_what_arrived_and_the_next_send_resumes(fle
         _assert_deployed(h, art, src)
 
 
-def test_two_controllers_sending_the_same_artifact_at_once_do_not_corrupt_it(fleet):
+def test_two_controllers_sending_the_same_artifact_at_once_do_not_corrupt_it(fleet, monkeypatch):
     import threading
 
     base, hosts, inv, src = fleet
@@ -375,6 +375,15 @@ def test_two_controllers_sending_the_same_artifact_at_once_do_not_corrupt_it(fle
     h = hosts[3]
     _clean(h)
     out, runs = {}, [_run(inv, h.name) for _ in range(2)]
+    real, both_probed = A._call, threading.Barrier(2, timeout=60)
+
+    def call(session, op, stream=None, **fields):  # both probe before either sends: both plan every object
+        res = real(session, op, stream=stream, **fields)
+        if op == "artifact_probe":
+            both_probed.wait()
+        return res
+
+    monkeypatch.setattr(A, "_call", call)
 
     def go(i):
         try:
@@ -393,7 +402,8 @@ def test_two_controllers_sending_the_same_artifact_at_once_do_not_corrupt_it(fle
             r.close()
     assert all(isinstance(r, dict) and r["materialised"] for r in out.values()), out
     distinct = sum(f.size for f in art.objects().values())
-    assert sum(r["bytes_sent"] for r in out.values()) >= distinct  # each object written once, by one of them
+    assert all(r["commands"] == 2 for r in out.values())  # both streamed every object
+    assert sum(r["bytes_sent"] for r in out.values()) == distinct  # each object written once, by one of them
     assert sum(r["files_verified"] for r in out.values()) == 3
     _assert_deployed(h, art, src)
 
