@@ -118,7 +118,7 @@ def test_manifest_and_refusals_of_from_dir(tmp_path, fleet):
         A.Artifact.from_dir(bad / "config.json")
 
 
-def test_parallel_send_links_objects_and_a_second_send_sends_nothing(fleet):
+def test_parallel_send_links_objects_and_a_second_send_sends_nothing(fleet, capsys):
     base, hosts, inv, src = fleet
     art = A.Artifact.from_dir(src)
     run = _run(inv, "host0,host1")
@@ -126,6 +126,10 @@ def test_parallel_send_links_objects_and_a_second_send_sends_nothing(fleet):
         res = A.send_all(run, art, keep_free=0)
     finally:
         run.close()
+    err = capsys.readouterr().err
+    for h in hosts[:2]:  # a line per host through the run's app (no reporter: no step table)
+        assert (f"{h.name}: drafter {art.digest[:12]}: {sum(f.size for f in art.objects().values())} bytes sent, "
+                f"0 already there, at {_drafters(h) / art.digest}") in err, err
     distinct = sum(f.size for f in art.objects().values())
     for h in hosts[:2]:
         r = res[h.name]
@@ -141,7 +145,7 @@ def test_parallel_send_links_objects_and_a_second_send_sends_nothing(fleet):
         run.close()
     for h, n in zip(hosts[:2], before):
         r = again[h.name]
-        assert r["bytes_sent"] == 0 and r["bytes_present"] == distinct and r["commands"] == 1, r
+        assert r["bytes_sent"] == 0 and r["bytes_present"] == distinct and r["commands"] == 1 and r["linked"] == 0, r
         assert h.count_commands() == n + 1  # the probe only
         _assert_deployed(h, art, src)
 

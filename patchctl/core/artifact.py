@@ -214,7 +214,7 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
     need = sum(p["size"] - p["offset"] for p in plan)
     out = {"host": name, "digest": artifact.digest, "path": probe["path"], "bytes_sent": 0,
            "bytes_present": distinct - need, "bytes_total": distinct, "objects_sent": 0, "files_verified": 0,
-           "materialised": bool(probe.get("materialised")), "commands": 1}
+           "materialised": bool(probe.get("materialised")), "linked": 0, "copied": 0, "commands": 1}
     if need and probe["free_bytes"] - need < keep_free:
         raise NotEnoughDisk(f"{name}: not enough free disk for drafter {artifact.digest[:12]} under "
                             f"{os.path.dirname(probe['path'])}: {need} bytes needed, {probe['free_bytes']} free, "
