@@ -427,6 +427,19 @@ def test_a_file_in_the_draft_directory_that_patchctl_did_not_write_is_left_alone
             A.send(s, art, keep_free=0)
         assert e.value.kind == "attention" and (d / "config.json").read_text() == "mine"
         assert not (_drafters(h) / f"{art.digest}.json").exists()
+        # an objects/<sha256> that is no verified object: the probe names it, nothing is sent or replaced
+        _clean(h)
+        obj = _drafters(h) / "objects" / art.files[0].sha256
+        obj.parent.mkdir(parents=True)
+        obj.write_text("not it")
+        with pytest.raises(A.NeedsAttention, match=f"{obj}: not a regular file of {art.files[0].size} bytes"):
+            A.send(s, art, keep_free=0)
+        assert obj.read_text() == "not it" and not (obj.parent / f"{obj.name}.part").exists()
+        plan = [{"sha256": art.files[0].sha256, "offset": 0, "size": art.files[0].size}]  # the host refuses it too
+        with pytest.raises(AgentFailure, match="patchctl did not write it") as e:
+            A._call(s, "artifact_receive", stream=iter([json.dumps(plan[0]).encode() + b"\n", (src / "config.json").read_bytes()]),
+                    digest=art.digest, files=art.wire_files(), plan=plan, keep_free=0)
+        assert e.value.kind == "attention" and obj.read_text() == "not it"
     finally:
         run.close()
     _clean(h)

@@ -296,7 +296,11 @@ class Receiver(object):
         sha, offset, size = p["sha256"], p["offset"], p["size"]
         final = os.path.join(self.objects, sha)
         n = size - offset
-        fd = None if _object_state(self.objects, sha, size)[0] == "complete" else _open_part(final + ".part")
+        state = _object_state(self.objects, sha, size)[0]
+        if state == "conflict":  # never renamed over: patchctl did not write it
+            raise AgentError("attention", "%s is not a regular file of %d bytes; patchctl did not write it and leaves "
+                             "it: remove it" % (final, size), path=final)
+        fd = None if state == "complete" else _open_part(final + ".part")
         if fd is not None and _object_state(self.objects, sha, size)[0] == "complete":
             os.unlink(final + ".part")  # a leftover beside the verified object (we hold its lock: nobody writes it)
             os.close(fd)
