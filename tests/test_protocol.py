@@ -194,7 +194,7 @@ def test_every_declared_op_has_one_handler_and_every_handler_is_declared():
 
     assert set(agent.HANDLERS) == set(P.OPS)
     assert {n[3:] for n in dir(agent.Agent) if n.startswith("op_")} == set(P.OPS)
-    assert {n for n, o in P.OPS.items() if o.streamed} == {"capture", "regenerate", "convert"}
+    assert {n for n, o in P.OPS.items() if o.streamed} == {"capture", "regenerate", "convert", "artifact_receive"}
 
 
 def test_the_dispatcher_takes_the_locks_the_table_names(tmp_path):

@@ -21,6 +21,7 @@ lock nothing at all, not even `state_dir` itself:
     state_dir/server.json       the server patchctl started (`server`)
     state_dir/tmp/              scratch copies a series is staged on (`applier`)
     state_dir/trees/<id>/       one per SGLang tree (`state`)
+    state_dir/drafters/         drafter directories as content-addressed artifacts (`artifact`)
 """
 
 import errno
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 
-from . import accept, applier, capture, convert, drafter_ops, regenerate, served, tokenizer
+from . import accept, applier, artifact, capture, convert, drafter_ops, regenerate, served, tokenizer
 from .capture_config import refusals
 from .drafter import read_record, refusal_with_capture, summary as drafter_summary
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
@@ -900,6 +901,17 @@ class Agent(object):
         out = accept.Measure(cfg, env, r.get("prompts") or [], r.get("max_new_tokens"), r.get("concurrency"),
                              r.get("warmup"), r.get("request_timeout")).run()
         return dict(out, speculative=served.speculative_of(cfg.get("argv")), env=env, hostname=socket.gethostname())
+
+
+    @handles("artifact_probe")
+    def op_artifact_probe(self):
+        """What this host holds of a drafter artifact; read only (artifact.probe)."""
+        return artifact.probe(self.state_dir, self.req.get("digest"), self.req.get("files"))
+
+    @handles("artifact_receive")
+    def op_artifact_receive(self):
+        """The missing bytes of a drafter artifact from stdin, verified, then its directory (artifact.receive)."""
+        return artifact.receive(self.state_dir, self.req, self.stdin)
 
 
 def _originals(m):

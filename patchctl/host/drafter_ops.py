@@ -10,7 +10,8 @@ The tree's lock is taken as `apply` takes it and kept from deploy to finalize or
 run changes this server while its acceptance is measured. Standard library only, Python 3.8 syntax.
 """
 
-from .drafter import (DEFAULTS, draft_dir, faking_env, read_record, summary, write_record)
+from . import artifact
+from .drafter import DEFAULTS, draft_dir, faking_env, read_record, summary, write_record
 from .events import AgentError, event
 from .osutil import now
 from .protocol import HistoryEntry
@@ -19,13 +20,6 @@ from .server import build_server_config, manager_for, wait_ready
 # what a record keeps of the drafter before it (enough to serve it again and to show it)
 _PREVIOUS_KEYS = ("digest", "source", "data_run", "status", "run_id", "deployed_at", "verified_at", "acceptance",
                   "speculative", "path")
-
-
-def _present(state_dir, digest):
-    """The draft directory is complete on this host: the store writes its manifest last (host/artifact.py)."""
-    import os
-
-    return os.path.isdir(draft_dir(state_dir, digest)) and os.path.isfile(draft_dir(state_dir, digest) + ".json")
 
 
 def _history(agent, op, outcome, rec, reason=None):
@@ -43,7 +37,7 @@ def deploy(agent):
                          "capture and a draft in one server; switch explicitly: patchctl rollback --to clean --limit %s, "
                          "then deploy the drafter" % (m.series, m.version, limit), capture=m.series)
     want = req["drafter"]
-    if not _present(state_dir, want["digest"]):
+    if not artifact.present(state_dir, want["digest"]):
         raise AgentError("bad_input", "the drafter %s is not (completely) in this host's store %s: send it first" % (
             want["digest"][:12], draft_dir(state_dir, want["digest"])))
     cur = read_record(state_dir)

@@ -713,6 +713,34 @@ class AcceptAnswer(Result):
     speculative: dict = None
     env: dict = None
     hostname: str = None
+class ArtifactProbeAnswer(Result):
+    """`artifact_probe` (read only): what a host holds of a content-addressed artifact (host/artifact.py)."""
+
+    digest: str = None
+    path: str = None  # the draft directory on the host: <state_dir>/drafters/<digest>
+    materialised: bool = None  # <digest>.json and every file of the directory are there
+    objects: list = None  # sha256 of the complete (verified) objects present
+    parts: dict = None  # sha256 -> bytes of its .part (a transfer to resume)
+    conflicts: list = None  # objects/<sha256> that is not a file of the right size: {sha256, path, reason}
+    free_bytes: int = None  # free bytes of the file system drafters/ is (or will be) on
+
+
+@dataclass
+class ArtifactReceiveAnswer(Result):
+    """`artifact_receive` (streamed): what arrived, what was verified or refused, the draft directory."""
+
+    digest: str = None
+    path: str = None
+    received: int = None  # bytes read from the stream and written
+    kept: int = None  # bytes of .part files resumed (not sent again)
+    verified: list = None  # sha256 of the objects verified and renamed into objects/
+    present: list = None  # sha256 of objects another sender completed meanwhile (their bytes discarded)
+    refused: list = None  # {sha256, reason}: bytes that did not hash to it (the .part removed)
+    incomplete: list = None  # {sha256, have, size}: the stream ended before them
+    linked: int = None
+    copied: int = None
+    materialised: bool = None
+    seconds: float = None
 
 
 # The locks an op needs; the agent's dispatcher takes them, in this order, before the op runs.
@@ -774,6 +802,11 @@ OPS = {
     "drafter_probe": Op({}, read_only=True, answer=DrafterProbeAnswer),
     "accept_measure": Op({"prompts": None, "max_new_tokens": None, "concurrency": None, "warmup": None,
                           "request_timeout": None}, read_only=True, answer=AcceptAnswer),
+    # a drafter directory as a content-addressed artifact (host/artifact.py); no agent lock: a transfer of
+    # many GB writes only drafters/ and must not hold off a deploy (per-object and directory flocks instead)
+    "artifact_probe": Op({"digest": None, "files": None}, read_only=True, answer=ArtifactProbeAnswer),
+    "artifact_receive": Op({"digest": None, "files": None, "plan": None, "keep_free": None}, streamed=True,
+                           answer=ArtifactReceiveAnswer),
 }
 
 
@@ -854,6 +887,7 @@ EVENTS = {
     "sample_returned": ("id", "reason"),
     "sample_converted": ("id", "file", "sha256", "bytes", "source_sha256", "tokens", "layers", "present", "seconds"),
     "host_stopped": ("reason", "server_down"),
+    "artifact_object": ("sha256", "size", "outcome", "received", "reason"),  # verified|refused|incomplete|present
 }
 
 
