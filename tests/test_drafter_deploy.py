@@ -101,7 +101,8 @@ def bad_dirs(f, tmp):
                                           architectures=["LlamaForCausalLMEagle"])
     out["hidden_size"] = write_draft_dir(tmp / "hidden", target_model_dir=model, layer_ids=IDS, hidden_size=128,
                                          target_hidden_size=128)
-    out["vocab_size"] = write_draft_dir(tmp / "vocab", target_model_dir=model, layer_ids=IDS, vocab_size=1024)
+    out["vocab_size"] = write_draft_dir(tmp / "vocab", target_model_dir=model, layer_ids=IDS, vocab_size=1024,
+                                        draft_vocab_size=1024)  # fits itself; not the served model
     out["eagle_aux_hidden_state_layer_ids"] = write_draft_dir(tmp / "ids", target_model_dir=model, layer_ids=[1, 3, 9])
     d = write_draft_dir(tmp / "map", target_model_dir=model, layer_ids=IDS, draft_vocab_size=256)
     from safetensors.torch import load_file, save_file
@@ -130,6 +131,8 @@ def test_bad_draft_directories_are_refused_before_anything_is_sent(fleet, tmp_pa
 def test_capture_and_drafter_never_share_a_server(fleet):
     f = fleet
     h1 = f.hosts[1]
+    p, _ = deploy(f, f.good, "--limit", h1.name)  # serving it already when the module runs in order
+    assert p.returncode == 0, p.stdout + p.stderr
     p = f.patchctl("apply", "hidden-dump", "--limit", h1.name)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "never captures and drafts in one server" in p.stdout + p.stderr

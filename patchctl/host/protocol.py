@@ -713,6 +713,9 @@ class AcceptAnswer(Result):
     speculative: dict = None
     env: dict = None
     hostname: str = None
+
+
+@dataclass
 class ArtifactProbeAnswer(Result):
     """`artifact_probe` (read only): what a host holds of a content-addressed artifact (host/artifact.py)."""
 

@@ -4,9 +4,10 @@ the acceptance it really achieves there.
 Before anything is sent: the draft directory is checked on its own and against the data it was trained on
 (`check`), the prompt set is read, every selected host is probed read-only and the draft is checked against
 the model it serves (hidden size, vocab, layers, tokenizer); any problem refuses the run (exit 2).
-Then the draft goes to every selected host at once, content-addressed (`core.artifact`: what a host has is
-not sent again). Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C), each:
+Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C; a batch's units at once), each:
 
+  send:     the draft to the host, content-addressed (`core.artifact`: what it has is not sent again; a host
+            the run never reaches receives nothing)
   baseline: the prompt set on what serves now (`bench.measure`)
   restart:  the drafter recorded on the host, the server restarted with the speculative flags, ready
   canary:   the same prompts on the new server
@@ -50,6 +51,11 @@ class DrafterUnit:
             return UnitResult(self.names, outcome, msg)
         s = self.session
         try:
+            self._send()
+        except PatchctlError as e:
+            outcome, msg = host_error(e)
+            return UnitResult(self.names, outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
+        try:
             base = self._measure("baseline")
             res = s.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
         except AgentFailure as e:
@@ -85,6 +91,21 @@ class DrafterUnit:
     def _sent(self) -> str:
         r = self.ctx["sent"].get(self.name) or {}
         return f"{r.get('bytes_sent', 0)} bytes sent ({r.get('bytes_present', 0)} already there)"
+
+    def _send(self) -> None:
+        """The draft to this host (`core.artifact.send`: what it has is not sent again), as the unit's first
+        step: a host the run never reaches (a canary refused the drafter) receives nothing."""
+        rep = self.run.reporter
+        rec = rep.step_start(self.name, "send") if rep else None
+        try:
+            r = artifact.send(self.session, self.ctx["artifact"], keep_free=self.opts.keep_free)
+        except PatchctlError as e:
+            if rec:
+                rep.step_end(rec, False, str(e))
+            raise
+        self.ctx["sent"][self.name] = r
+        if rec:
+            rep.step_end(rec, True, f"{r['bytes_sent']} bytes sent, {r['bytes_present']} already there")
 
     def _measure(self, step: str) -> dict:
         """The prompt set on what this unit serves now, reported as its own step."""
@@ -155,18 +176,6 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
         raise BadInput("the draft does not fit what the hosts serve:\n  " + "\n  ".join(bad) + "\nnothing sent")
 
 
-def _send_all(run: Run, units, ctx: dict) -> None:
-    """The draft to every selected host at once (`core.artifact.send_all`: what a host has is not sent again);
-    a host that could not take it is not deployed to, and its unit says why."""
-    hosts = [u[0] for u in units if u[0].name not in ctx["not_sent"]]
-    for name, res in artifact.send_all(run, ctx["artifact"], hosts, keep_free=run.opts.keep_free).items():
-        if isinstance(res, Exception):
-            outcome, msg = host_error(res)
-            ctx["not_sent"][name] = (outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
-        else:
-            ctx["sent"][name] = res
-
-
 def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
     ctx = _prepare(opts)
     run = Run(app, opts, "drafter deploy", title="drafter deploy", recover_verb="drafter rollback")
@@ -182,7 +191,6 @@ def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
         results: list[UnitResult] = []
         rep = run.reporter
         with rep, Interrupts(run) as intr:
-            _send_all(run, units, ctx)
             stopped = rollout(run, opts, units, sizes, max_fail, lambda u: DrafterUnit(run, u, opts, ctx), results, [])
             stopped = announce_stopped(app, run, rep, stopped, intr.interrupted)
             return finish(app, run, rep, results, opts.junit, {"stopped": stopped, "interrupted": intr.interrupted,
