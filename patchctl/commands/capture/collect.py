@@ -84,6 +84,7 @@ def status_data(name: str, info: dict, st: RunState) -> dict:
             "failed": t.failed, "pending": t.pending, "in_flight": t.in_flight,
             "tokens_done": t.total("tokens"), "bytes_done": t.total("bytes"),
             "complete": t.complete, "invocations": st.invocations, "hosts": t.hosts, "failures": t.failures,
+            "tokenizer_check": info.get("tokenizer_check"),  # None: a run of a version that did not record it
             "duplicates": [{"id": r.get("id"), "host": r.get("host"), "path": r.get("path"),
                             "first_host": st.done[r["id"]].get("host"), "first_path": st.done[r["id"]].get("path")}
                            for r in st.duplicates]}
@@ -102,6 +103,8 @@ def render_status(d: dict):
                      (f"{d['done']} of {d['samples']}", str(d["failed"]), str(d["in_flight"]), str(d["tokens_done"]),
                       _mb(d["bytes_done"]), f"{d['pending']} pending"))
     out = [head, t] + [Text(line) for line in failure_lines(d["failures"], "samples", SHOWN)]
+    if d.get("tokenizer_check") and not d["tokenizer_check"].get("checked"):
+        out.append(Text(f"tokenizer not checked: {d['tokenizer_check'].get('why')}"))
     if d["duplicates"]:
         out.append(Text(f"duplicates ({len(d['duplicates'])}): a sample verified twice; the first file counts:"))
         out += [Text(f"  {x['id']}: {x['host']}:{x['path']} (first: {x['first_host']}:{x['first_path']})")
