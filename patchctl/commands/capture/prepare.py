@@ -33,6 +33,7 @@ from pathlib import Path
 
 from patchctl.commands.capture import provenance
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short, again
+from patchctl.commands.capture.messages import content_problem, role_of
 from patchctl.core.errors import BadInput
 from patchctl.core.options import RunOptions
 from patchctl.core.fsutil import sha256_file
@@ -108,7 +109,7 @@ class Preparer:
             sid = str(sid)
         if not isinstance(sid, str) or not sid:
             return ("bad", ln, f"id {_short(sid)}: expected a non-empty string")
-        why = self._check_messages(conv)
+        why = self._check_messages(conv, keys[0])
         if why:
             return ("bad", ln, why)
         tools = obj.get("tools") or []
@@ -140,23 +141,21 @@ class Preparer:
         fallback = any("fallback rendering" in n for n in notes)
         return ("ok", ln, sid, ids, mask, fallback)
 
-    def _check_messages(self, conv) -> str | None:
+    def _check_messages(self, conv, list_key: str) -> str | None:
         roles = HARMONY_ROLES if self.harmony else GENERAL_ROLES
         for i, m in enumerate(conv, 1):
             if not isinstance(m, dict):
                 return f"message {i} is a JSON {type(m).__name__}; expected an object {{role, content}} or {{from, value}}"
             if self.harmony:  # SpecForge's harmony parser reads role and content only
-                role, content = m.get("role"), m.get("content")
-                shape = "role/content (the gpt-oss template reads no from/value)"
-            else:
-                role = m.get("role", m.get("from"))
-                content = m["content"] if "content" in m else m.get("value")
-                shape = "role/content or from/value"
-            if not isinstance(role, str) or role not in roles:
-                return (f"message {i}: role {_short(role)}" if role is not None else f"message {i}: no role") + \
-                    f"; expected one of {', '.join(roles)} ({shape})"
-            if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-                return f"message {i} ({role}): content {_short(content)}; expected a string ({shape})"
+                role, why = role_of(m, i, roles, list_key, keys=("role",))
+                why = why or content_problem(m, i, role, list_key, keys=("content",))
+                if why:
+                    return why + " (the gpt-oss template reads role/content, no from/value)"
+                continue
+            role, why = role_of(m, i, roles, list_key)
+            why = why or content_problem(m, i, role, list_key)
+            if why:
+                return why
         return None
 
     def batch(self, items):
