@@ -181,6 +181,21 @@ def test_three_hosts_resume_after_the_controller_is_killed(run3):
     assert {rel: (shared / rel).stat().st_ino for rel in kept} == kept
 
 
+def test_an_unknown_limit_is_refused_before_anything_is_made(run3):
+    """`collect --to DIR --limit gpu-a`: exit 2 naming the host, and no DIR (nor the --on-host one, nor the
+    default index under the run's state) left behind."""
+    cases = [("--to", "plain"), ("--format", "specforge", "--to", "sf"),
+             ("--format", "specforge", "--on-host", "oh", "--to", "oh-index"), ("--format", "specforge", "--on-host", "oh2")]
+    for case in cases:
+        args = [str(run3.base / "refused" / a) if i and case[i - 1] in ("--to", "--on-host") else a
+                for i, a in enumerate(case)]
+        p = subprocess.run([sys.executable, "-m", "patchctl", "--inventory", str(run3.inventory), "capture", "collect",
+                            "sh", *args, "--limit", "gpu-a"], capture_output=True, text=True, env=run3.env(), timeout=120)
+        assert p.returncode == 2 and "--limit: no host, group or server named 'gpu-a'" in p.stderr, (case, p.stderr)
+        assert not (run3.base / "refused").exists(), case
+        assert not (run3.xdg / "patchctl" / "captures" / "sh" / "on-host").exists(), case
+
+
 @pytest.mark.slow  # 8 agents, each with a worker that imports torch
 def test_eight_hosts_at_once(tmp_path):
     run8 = SharedRun(tmp_path, 8, 3)

@@ -547,9 +547,9 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     if opts.to is None:
         raise BadInput("--to DIR is required (only --on-host has a default)")
     out = Path(opts.to).expanduser().absolute()
+    run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
     prev = _prepare_to(out, name, fmt, st)
     dataset = _run_dataset(info) if fmt == "specforge" else None
-    run = Run(app, opts, "capture collect")
     items = plan_items(st, out, fmt, prev, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     write_summary(out, name, info, fmt, items, "collecting", created)
@@ -752,9 +752,9 @@ def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunSt
         raise BadInput("--on-host: expected a directory path on the hosts")
     out = Path(opts.to).expanduser().absolute() if opts.to is not None else run_dir(name) / "on-host"
     fmt = "specforge-on-host"
+    run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
     _prepare_to(out, name, fmt, st)
     dataset = _run_dataset(info)
-    run = Run(app, opts, "capture collect")
     items = plan_items(st, out, fmt, {}, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
     for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
         if it.status in ("conflict", "present"):
