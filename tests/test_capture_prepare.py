@@ -215,6 +215,24 @@ def test_a_message_without_speaker_or_text_reads_the_same_in_prepare_and_regener
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "r.jsonl").exists()
 
 
+def test_another_models_template_names_the_markers_the_tokenizer_lacks(tokenizers, tmp_path, capsys):
+    """--template qwen on a Llama 3 tokenizer: SpecForge finds no assistant turn (its loss mask starts at the
+    template's assistant header, which this tokenizer's chat template never writes); said as such, not only
+    "no conversation has a trainable token"."""
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS)
+    err = prepare(src, "--template", "qwen", "--tokenizer", tokenizers["llama3"], "--out", tmp_path / "o.jsonl",
+                  "--workers", "1", expect=2, capsys=capsys).err
+    assert "no conversation has a trainable token (template qwen)" in err, err
+    assert ("the tokenizer's chat template does not write the template's assistant_header '<|im_start|>assistant\\n' "
+            "(<|im_start|> not in its vocabulary) nor its end_of_turn_token '<|im_end|>\\n' (<|im_end|> not in its "
+            "vocabulary): --template qwen is not this tokenizer's model's") in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+    # its own template: no such words, a dataset
+    prepare(src, "--template", "llama3", "--tokenizer", tokenizers["llama3"], "--out", tmp_path / "o.jsonl",
+            "--workers", "1", capsys=capsys)
+    assert (tmp_path / "o.jsonl").exists()
+
+
 def test_unknown_template_lists_the_known_ones(tokenizers, tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS[:1])
     err = prepare(src, "--template", "llama-3", "--tokenizer", tokenizers["llama3"], "--out", tmp_path / "o.jsonl",

@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -207,7 +208,10 @@ def run_prepare(app, args) -> int:
             _prepare_all(app, f, w, made, workers, t0)
         made.problems.raise_if_any(f"nothing was written to {out}")
         if not made.written:
-            raise BadInput(f"{src}: no conversation has a trainable token (template {args.template}); nothing written")
+            why = lacking_markers(tokenizer, _WORKER.template)
+            raise BadInput(f"{src}: no conversation has a trainable token (template {args.template})"
+                           + (f": {why}: --template {args.template} is not this tokenizer's model's; choose that one"
+                              if why else "") + "; nothing written")
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -215,6 +219,29 @@ def run_prepare(app, args) -> int:
     provenance.publish(tmp, out, _meta(args, tok_files, src, made, sha256_file(tmp)))
     _report(app, args, src, out, made, tok_files, elapsed, workers)
     return 0
+
+
+def lacking_markers(tokenizer, template) -> str | None:
+    """When no conversation got a trainable token because the template is another model's: which of its
+    markers this tokenizer's chat template does not write (SpecForge's loss mask runs from the assistant
+    header to the end-of-turn marker, found in the rendered text), and which of their special tokens the
+    tokenizer's vocabulary lacks. None when both are written (or the tokenizer has no chat template: SpecForge
+    then renders with the template's own markers), or for the gpt-oss template's parser."""
+    if template.parser_type != "general" or not getattr(tokenizer, "chat_template", None):
+        return None
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this says nothing about the markers
+        return None
+    vocab = tokenizer.get_vocab()
+    missing = []
+    for field in ("assistant_header", "end_of_turn_token"):
+        marker = getattr(template, field, None)
+        if marker and marker not in text:
+            unknown = [t for t in dict.fromkeys(re.findall(r"<[^<>\s]+>", marker)) if t not in vocab]
+            missing.append(f"{field} {marker!r}" + (f" ({', '.join(unknown)} not in its vocabulary)" if unknown else ""))
+    return ("the tokenizer's chat template does not write the template's " + " nor its ".join(missing)) if missing else None
 
 
 def _check_args(args) -> None:
