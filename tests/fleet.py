@@ -215,6 +215,20 @@ class Fleet:
     def patchctl(self, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=self.env(env))
 
+    def run_dirs(self) -> set[Path]:
+        """The run log directories patchctl has made for this fleet (`runs/<run id>/`)."""
+        root = self.base / "xdg-state" / "patchctl" / "runs"
+        return set(root.iterdir()) if root.is_dir() else set()
+
+    def patchctl_logged(self, *args: str, **kw) -> tuple[subprocess.CompletedProcess, Path]:
+        """patchctl run, and the log directory this very command made: the one new under runs/, never
+        whichever sorts last (a command before it, or one it ran, may have started in the same second)."""
+        before = self.run_dirs()
+        p = self.patchctl(*args, **kw)
+        made = self.run_dirs() - before
+        assert len(made) == 1, f"{args}: expected one new run log directory, got {sorted(made)}"
+        return p, made.pop()
+
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         e = self.env(env)
         p = subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)

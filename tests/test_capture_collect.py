@@ -386,8 +386,11 @@ def test_on_host_every_host_converts_its_own_dumps_into_a_shared_directory(fleet
         _assert_ckpt_is_the_dump(ckpt, Path(rec["path"]), s)
     # every sample file is a SpecForge sample (nothing else ends in .ckpt); each host kept its own record
     assert sorted(str(x.relative_to(shared)) for x in shared.rglob("*.ckpt")) == sorted(e["file"] for e in idx.values())
-    assert sorted(os.listdir(shared / ".patchctl")) == ["collection.json", "host0.jsonl", "host0.lock", "host1.jsonl",
-                                                      "host1.lock"]
+    assert sorted(os.listdir(shared / ".patchctl")) == ["collection.json", "hosts"]
+    for h in f.hosts:
+        place = shared / ".patchctl" / "hosts" / h.name
+        assert sorted(os.listdir(place)) == ["lock", "owner.json", "records.jsonl"]
+        assert json.loads((place / "owner.json").read_text())["state_dir"] == os.path.realpath(h.state)
     assert not list(shared.rglob("*.patchctl-partial"))
     summary = json.loads((dest / "index.json").read_text())
     assert (summary["format"], summary["on_host"], summary["samples"], summary["state"]) == (
@@ -431,7 +434,7 @@ def test_on_host_resumes_after_the_controller_is_killed(fleet, tmp_path):
     assert set(idx) == {s["id"] for s in ss}
     for sid, ino in kept.items():  # converted before the kill: recognised, not written again
         assert (shared / idx[sid]["file"]).stat().st_ino == ino and idx[sid]["sha256"] == before[sid]["sha256"]
-    records = [json.loads(l) for h in ("host0", "host1") for l in (shared / ".patchctl" / f"{h}.jsonl").read_text().splitlines()]
+    records = [json.loads(l) for h in ("host0", "host1") for l in (shared / ".patchctl" / "hosts" / h / "records.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in records) == sorted(idx)  # each sample converted exactly once, across both invocations
     for s in ss:
         _assert_ckpt_is_the_dump(shared / idx[s["id"]]["file"], Path(run["done"][s["id"]]["path"]), s)

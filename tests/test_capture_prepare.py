@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -178,14 +179,58 @@ def test_bad_conversations_all_named_at_once_nothing_written(tokenizers, tmp_pat
     err = prepare(src, "--template", "llama3", "--tokenizer", tokenizers["llama3"], "--out", out, "--workers", "2",
                   expect=2, capsys=capsys).err
     for line, what in [(2, "not valid JSON"), (3, "conversations []: expected a non-empty list of messages"),
-                       (4, 'no "conversations"'), (5, "message 1: role 'robot'; expected one of system, user"),
+                       (4, 'no "conversations"'), (5, "message 1: \"role\" is 'robot'; expected one of system, user"),
                        (6, "SpecForge would cut this conversation short: Dropping leading 'assistant'"),
                        (7, "the chat template or tokenizer refused it: Conversation roles must alternate"),
-                       (8, "message 1 (user): content 5; expected a string"), (9, "id 'one-turn' again (first on line 1)"),
+                       (8, "message 1 (user): \"content\" is 5; expected a string"), (9, "id 'one-turn' again (first on line 1)"),
                        (10, "SpecForge would cut this conversation short: An 'assistant' message must follow")]:
         assert f"{src}:{line}: {what}" in err, (line, err.replace(str(src), "F"))
     assert f"{src}:1:" not in err and "9 problems" in err and "nothing was written" in err
     assert not out.exists() and not list(tmp_path.glob(".ds.jsonl*"))
+
+
+def test_a_message_without_speaker_or_text_reads_the_same_in_prepare_and_regenerate(tokenizers, tmp_path, capsys):
+    """One wording per problem, naming the key the line's format uses (ShareGPT from/value, OpenAI
+    role/content): before, a missing role read "no role" in prepare and "role null" in regenerate, even for a
+    ShareGPT line, which has no role at all."""
+    answer = {"role": "assistant", "content": "yo"}
+    src = write_jsonl(tmp_path / "c.jsonl", [
+        {"id": "a", "messages": [{"content": "hi"}, answer]},                              # 1
+        {"id": "b", "conversations": [{"value": "hi"}, {"from": "gpt", "value": "yo"}]},     # 2
+        {"id": "c", "messages": [{"role": None, "content": "hi"}, answer]},                # 3
+        {"id": "d", "conversations": [{"from": "human"}, {"from": "gpt", "value": "yo"}]},  # 4
+        {"id": "e", "messages": [{"role": "user", "content": None}, answer]},              # 5
+    ])
+    roles = "expected one of system, user, human, assistant, gpt, tool"
+    want = [(1, f'message 1: no "role"; {roles}'), (2, f'message 1: no "from"; {roles}'),
+            (3, f'message 1: "role" is null; {roles}'), (4, 'message 1 (human): no "value"; expected a string'),
+            (5, 'message 1 (user): "content" is null; expected a string')]
+    err_prepare = prepare(src, "--template", "llama3", "--tokenizer", tokenizers["llama3"], "--out", tmp_path / "o.jsonl",
+                          expect=2, capsys=capsys).err
+    assert cli.main(["capture", "regenerate", str(src), "--out", str(tmp_path / "r.jsonl")]) == 2
+    err_regenerate = capsys.readouterr().err
+    for err in (err_prepare, err_regenerate):
+        rows = sorted(l.split(f"{src}:", 1)[1] for l in err.splitlines() if re.search(re.escape(f"{src}:") + r"\d", l))
+        assert rows == [f"{line}: {what}" for line, what in want], err
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "r.jsonl").exists()
+
+
+def test_another_models_template_names_the_markers_the_tokenizer_lacks(tokenizers, tmp_path, capsys):
+    """--template qwen on a Llama 3 tokenizer: SpecForge finds no assistant turn (its loss mask starts at the
+    template's assistant header, which this tokenizer's chat template never writes); said as such, not only
+    "no conversation has a trainable token"."""
+    src = write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS)
+    err = prepare(src, "--template", "qwen", "--tokenizer", tokenizers["llama3"], "--out", tmp_path / "o.jsonl",
+                  "--workers", "1", expect=2, capsys=capsys).err
+    assert "no conversation has a trainable token (template qwen)" in err, err
+    assert ("the tokenizer's chat template does not write the template's assistant_header '<|im_start|>assistant\\n' "
+            "(<|im_start|> not in its vocabulary) nor its end_of_turn_token '<|im_end|>\\n' (<|im_end|> not in its "
+            "vocabulary): --template qwen is not this tokenizer's model's") in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+    # its own template: no such words, a dataset
+    prepare(src, "--template", "llama3", "--tokenizer", tokenizers["llama3"], "--out", tmp_path / "o.jsonl",
+            "--workers", "1", capsys=capsys)
+    assert (tmp_path / "o.jsonl").exists()
 
 
 def test_unknown_template_lists_the_known_ones(tokenizers, tmp_path, capsys):

@@ -287,8 +287,8 @@ def test_bad_lines_all_named_nothing_sent(fleet, tmp_path):
     p = f.patchctl("capture", "regenerate", str(src), "--name", "bad", "--out", str(out))
     assert p.returncode == 2, p.stdout + p.stderr
     for line, what in [(2, "not valid JSON"), (3, "messages: no assistant turn to regenerate"),
-                       (4, "conversations: message 1: an assistant turn after nothing"),
-                       (5, "messages: message 1: role 'robot'"), (6, "id 'ok' again (first on line 1)"),
+                       (4, "message 1: an assistant turn after nothing"),
+                       (5, "message 1: \"role\" is 'robot'; expected one of"), (6, "id 'ok' again (first on line 1)"),
                        (7, 'no "conversations" (ShareGPT) or "messages" (OpenAI) list')]:
         assert f"{src}:{line}: {what}" in p.stderr, (line, p.stderr)
     assert "6 problems" in p.stderr and "nothing was sent" in p.stderr

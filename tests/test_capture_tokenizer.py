@@ -81,11 +81,26 @@ def test_prepare_from_a_host_then_capture_run_refuses_another_tokenizer(fleet2, 
         p = f.patchctl("capture", "run", str(ds), "--name", "other", "--keep-free", "0", "--allow-tokenizer-mismatch")
         assert p.returncode == 0, p.stdout + p.stderr
         assert "--allow-tokenizer-mismatch: capturing anyway" in p.stderr
-        # a dataset made by hand (no sidecar) is captured as before
+        # a dataset made by hand (no sidecar) is captured as before, and it says that no check was made: a
+        # warning, a line of the summary, a field of the run's JSON end event, run.json and `capture status`
         plain = tmp_path / "plain.jsonl"
         plain.write_bytes(ds.read_bytes())
         p = f.patchctl("capture", "run", str(plain), "--name", "plain", "--keep-free", "0")
         assert p.returncode == 0, p.stdout + p.stderr
+        why = "plain.jsonl has no plain.jsonl.meta.json (it was not made by `capture prepare`)"
+        assert f"warning: {why}: no tokenizer check was made" in p.stderr, p.stderr
+        assert f"tokenizer not checked: {why}" in p.stderr, p.stderr
+        p = f.patchctl("--json", "capture", "run", str(plain), "--name", "plain", "--keep-free", "0")
+        end = [json.loads(l) for l in p.stdout.splitlines() if l.strip()][-1]
+        assert end["event"] == "run_end" and end["tokenizer_check"] == {"checked": False, "why": why}, end
+        run_json = f.base / "xdg-state" / "patchctl" / "captures" / "plain" / "run.json"
+        assert json.loads(run_json.read_text())["tokenizer_check"] == {"checked": False, "why": why}
+        p = f.patchctl("--json", "capture", "status", "plain")
+        assert json.loads(p.stdout)["tokenizer_check"] == {"checked": False, "why": why}, p.stdout
+        # the prepared one was checked, and run.json says with what
+        same = json.loads((run_json.parent.parent / "same" / "run.json").read_text())["tokenizer_check"]
+        assert same == {"checked": True, "tokenizer": served["digest"], "source": meta["tokenizer"]["source"],
+                        "mismatch": []}, same
     finally:
         write_tokenizer(f.hosts[1].dir / "model", "llama3")
 

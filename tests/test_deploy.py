@@ -62,13 +62,13 @@ def test_success_path(fleet1):
     mine.write_bytes(b"user data")
     before_pid = f.server_pid(h)
     conns, cmds = h.ssh.count_connections(), h.ssh.count_commands()
-    p = f.patchctl("apply", "hidden-dump")
+    p, log = f.patchctl_logged("apply", "hidden-dump")
     assert p.returncode == 0, p.stderr
     assert "smoke passed" in p.stderr
     # one connection, one command (the preflight's probe, then after the go apply with its restart and
     # smoke), from the sshd log; the report still has each step, in order, with its own result
     assert (h.ssh.count_connections() - conns, h.ssh.count_commands() - cmds) == (1, 1)
-    steps = [(e["event"], e["step"]) + ((e["ok"],) if "ok" in e else ()) for e in map(json.loads, open(_log(f, "events.jsonl")))
+    steps = [(e["event"], e["step"]) + ((e["ok"],) if "ok" in e else ()) for e in map(json.loads, open(log / "events.jsonl"))
              if e["event"] in ("step_start", "step_end")]
     assert steps == [("step_start", "apply"), ("step_end", "apply", True), ("step_start", "restart"),
                      ("step_end", "restart", True), ("step_start", "smoke"), ("step_end", "smoke", True)], steps
@@ -121,16 +121,16 @@ def _assert_rolled_back(f, h, p, digest, old_pid=None):
 def test_dead_hook_rolls_back(local1):
     f, h = local1, local1.hosts[0]
     digest = f.digest(h)
-    p = f.patchctl("apply", "hidden-dump-dead-hook", "--skip-trace")  # past the trace: the smoke must catch it
+    p, log = f.patchctl_logged("apply", "hidden-dump-dead-hook", "--skip-trace")  # past the trace: the smoke must catch it
     _assert_rolled_back(f, h, p, digest)
     # the failed smoke is rolled back by the agent in the same command as the apply (its `step` event to
     # "rollback" carries the failure; a rollback of the controller's own would be a command with no such
     # event); the report keeps each step
-    agent = [e["agent"] for e in map(json.loads, open(_log(f, "host0.jsonl"))) if "agent" in e]
+    agent = [e["agent"] for e in map(json.loads, open(log / "host0.jsonl")) if "agent" in e]
     assert [e["step"] for e in agent if e.get("event") == "step"] == ["restart", "smoke", "rollback"], agent
     assert next(e for e in agent if e.get("event") == "step" and e["step"] == "rollback")["failed"]
     assert "no dump file" in p.stdout + p.stderr
-    steps = [(e["step"], e["ok"]) for e in map(json.loads, open(_log(f, "events.jsonl"))) if e["event"] == "step_end"]
+    steps = [(e["step"], e["ok"]) for e in map(json.loads, open(log / "events.jsonl")) if e["event"] == "step_end"]
     assert steps == [("apply", True), ("restart", True), ("smoke", False), ("rollback", True)], steps
     # the history says why it was rolled back: the failed step and its message
     _, hist = f.json("history")
@@ -153,18 +153,13 @@ def test_import_error_rolls_back(local1, sglang_tree, tmp_path):
     broken = make_patch("sglang/srt/hidden_dump.py", src, broken_src)
     write_series(f.patches, "broken-import", {**hidden_dump_patches(), "0003-break.patch": broken})
     digest = f.digest(h)
-    p = f.patchctl("apply", "broken-import")
+    p, log = f.patchctl_logged("apply", "broken-import")  # its own log, whatever ran in the same second
     _assert_rolled_back(f, h, p, digest)
     assert "exited during start-up" in p.stdout + p.stderr
-    assert "patchctl_no_such_module" in json.dumps([json.loads(l) for l in open(_log(f, "host0.jsonl"))])
+    assert "patchctl_no_such_module" in json.dumps([json.loads(l) for l in open(log / "host0.jsonl")])
     _, hist = f.json("history")
     rb = [e for e in hist[0]["history"] if e["op"] == "rollback" and (e.get("from") or {}).get("series") == "broken-import"]
     assert len(rb) == 1 and rb[0]["reason"].startswith("restart failed: ") and "exited during start-up" in rb[0]["reason"], rb
-
-
-def _log(f, name):
-    runs = sorted((f.base / "xdg-state" / "patchctl" / "runs").iterdir())
-    return runs[-1] / name
 
 
 @pytest.mark.parametrize("case,env,extra,expect", [

@@ -114,8 +114,11 @@ def lock_file(h) -> Path | None:
     return found[0] if found else None
 
 
-def last_run(f: Fleet) -> Path:
-    return sorted((f.base / "xdg-state" / "patchctl" / "runs").iterdir())[-1]
+def last_run(f: Fleet, earlier: set[Path]) -> Path:
+    """The run directory of the one command started since `earlier` was taken (not whichever sorts last)."""
+    made = run_dirs(f) - earlier
+    assert len(made) == 1, sorted(made)
+    return made.pop()
 
 
 def run_events(run_dir: Path) -> list[dict]:
@@ -123,8 +126,7 @@ def run_events(run_dir: Path) -> list[dict]:
 
 
 def run_dirs(f: Fleet) -> set[Path]:
-    root = f.base / "xdg-state" / "patchctl" / "runs"
-    return set(root.iterdir()) if root.is_dir() else set()
+    return f.run_dirs()
 
 
 def controller_saw(f: Fleet, earlier: set[Path], host: str, step: str) -> bool:
@@ -202,7 +204,7 @@ def test_first_ctrl_c_finishes_in_flight_units_and_starts_no_new_one(fleet):
     assert snapshot(f)[h1.name] == before[h1.name] and manifest(h1) is None
     # the normal summary, and a run_end event
     assert "summary" in out and "not reached" in out and "deployed" in out
-    ev = run_events(last_run(f))
+    ev = run_events(last_run(f, earlier))
     results = {e["host"]: e["outcome"] for e in ev if e["event"] == "host_result"}
     assert results == {"host0": "deployed", "host1": "not reached"}
     assert ev[-1]["event"] == "run_end" and ev[-1]["exit_code"] == 130 and ev[-1]["interrupted"] is True
@@ -233,7 +235,7 @@ def test_second_ctrl_c_aborts_and_prints_how_to_recover_each_host(fleet):
     assert "manifest pending" in m.group(1) and "server" in m.group(1)
     recover = m.group(2).strip()
     assert re.search(r"host1: not reached — untouched", out), out[-3000:]
-    ev = run_events(last_run(f))
+    ev = run_events(last_run(f, earlier))
     assert ev[-1]["event"] == "run_end" and ev[-1]["exit_code"] == 3 and ev[-1]["aborted"] is True
     assert {e["host"]: e["outcome"] for e in ev if e["event"] == "host_result"} == {"host0": "unknown", "host1": "not reached"}
     # status agrees that host0 needs attention and names the same command

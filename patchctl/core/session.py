@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import secrets
 import socket
 import sys
 import threading
@@ -25,6 +24,7 @@ from patchctl.core.inventory import CONTROLLER_PYTHON, Host, Inventory, load_inv
 from patchctl.core.options import RunOptions
 from patchctl.core.redact import Masker
 from patchctl.core.remote import AgentFailure, AgentLost
+from patchctl.core.runid import new_run_id
 from patchctl.core.report import Reporter
 from patchctl.core.transport import open_transport
 from patchctl.host.protocol import Envelope, ErrorKind, Holder, Outcome, SeriesRequest, make_request
@@ -42,10 +42,6 @@ def worst(codes) -> int:
         if c in codes:
             return c
     return max(codes)
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
 def holder_info(run_id: str, command: str) -> dict:

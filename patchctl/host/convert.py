@@ -9,9 +9,12 @@ cross the controller. The op reads samples on stdin, one JSON line each (`{"id",
     reads the dump (only inside <state_dir>/dumps/captures/<RUN>/, as `pull`), checks its sha256 against
     the journal's, its layer metadata against the run's expectation, and K == 3;
     torch.save()s the sample to `<file>.<host>.patchctl-partial` (host-unique: a shared DIR), fsyncs it,
-    hashes it; appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/<host>.jsonl (fsynced: the
-    host's own record, which makes a resumed op skip the file); links it into place (never replacing a
-    file); answers `sample_converted` (or `sample_failed` with the reason).
+    hashes it; appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/hosts/<host>/records.jsonl
+    (fsynced: the host's own record, which makes a resumed op skip the file); links it into place (never
+    replacing a file); answers `sample_converted` (or `sample_failed` with the reason).
+
+DIR may be shared by any number of hosts, started in any order: host/collection.py keeps each host's
+records in its own place and refuses what no host wrote.
 
 File names are the collection's: files/<first 2 hex of sha256(id)>/<safe id>.ckpt, unique per sample id
 and so across hosts. torch is imported only where the conversion runs (the host's Python is SGLang's);
@@ -29,15 +32,13 @@ import threading
 import time
 
 from .capture import safe_name
-from .events import AgentError, event, heartbeat
+from .collection import PARTIAL, SharedDir, write_synced
+from .events import AgentError, event
 from .osutil import expand
 from .pull import _open_inside, captures_root
 from .smoke import check_layers, parse_safetensors
 
-PARTIAL = ".patchctl-partial"
-MARK = ".patchctl"  # DIR/.patchctl/: collection.json (which run) and each host's record of its files
 LAYER_KEYS = ("layers_to_capture", "layer_outputs", "eagle_aux_hidden_state_layer_ids")
-LOCK_WAIT_S = 120.0
 SPECFORGE_K = 3  # SpecForge's LlamaForCausalLMEagle3 asserts hidden_states.size(-1) == target_hidden_size * 3
 
 
@@ -119,17 +120,6 @@ def ckpt_bytes(data, loss_mask, k=None):
     return buf.getvalue(), int(T), meta
 
 
-def _write_synced(path, data):
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def convert_file(dump_path, out_tmp, loss_mask, k=None):
     """The controller's path: the ckpt of one (already verified) dump file written to `out_tmp`,
     fsynced; (T, the dump's metadata)."""
@@ -137,7 +127,7 @@ def convert_file(dump_path, out_tmp, loss_mask, k=None):
         data = bytearray(os.fstat(f.fileno()).st_size)
         f.readinto(data)
     out, T, meta = ckpt_bytes(data, loss_mask, k)
-    _write_synced(out_tmp, out)
+    write_synced(out_tmp, out)
     return T, meta
 
 
@@ -176,7 +166,7 @@ def _convert_one(root, item, partial, expect, k):
     if problems:
         return {"ok": False, "status": "layers mismatch", "reason": "; ".join(problems)}
     del data
-    _write_synced(partial, out)
+    write_synced(partial, out)
     return {"ok": True, "sha256": hashlib.sha256(out).hexdigest(), "bytes": len(out), "tokens": T,
             "layers": layer_meta(meta), "seconds": round(time.time() - t0, 3)}
 
@@ -205,8 +195,7 @@ class Converter(object):
         self.k = req.get("layers")
         self.stdin = stdin
         self.workers = max(1, int(req.get("workers") or max(1, (os.cpu_count() or 2) - 1)))
-        self.mark = os.path.join(self.out, MARK)
-        self.record_path = os.path.join(self.mark, self.host + ".jsonl")
+        self.dir = SharedDir(self.out, self.run, self.host, state_dir)
         self.counts = {"converted": 0, "present": 0, "failed": 0, "bytes": 0, "tokens": 0}
         self.lock = threading.Lock()
         self.pause = float(req.get("pause_s") or 0)
@@ -217,73 +206,11 @@ class Converter(object):
         if importlib.util.find_spec("torch") is None:  # imported by the workers only
             raise AgentError("bad_input", "--on-host needs torch in the host's Python (%s): it writes torch.save files"
                              % sys.executable)
-        if os.path.exists(self.out) and not os.path.isdir(self.out):
-            raise AgentError("bad_input", "--on-host %s: not a directory" % self.out)
-        collection = os.path.join(self.mark, "collection.json")
-        want = {"tool": "patchctl", "run": self.run, "format": "specforge"}
-        if os.path.isdir(self.out) and os.listdir(self.out):
-            try:
-                with open(collection) as f:
-                    have = json.load(f)
-            except (OSError, ValueError):
-                have = None
-            if have != want:
-                raise AgentError("bad_input", "--on-host %s holds %s: choose an empty or new directory" % (
-                    self.out, "the collection of run %r" % have.get("run") if isinstance(have, dict) else
-                    "files patchctl did not write (%s)" % ", ".join(sorted(os.listdir(self.out))[:5])))
-            stray = self._stray(set(target_rel(i, "specforge") for i in ids))
-            if stray:
-                raise AgentError("bad_input", "--on-host %s holds %d file(s) that are not run %s's samples (SpecForge "
-                                 "would train on every *.ckpt below it): %s" % (
-                                     self.out, len(stray), self.run, ", ".join(stray[:10])), stray=stray[:100])
-        try:
-            if not os.path.isdir(self.mark):
-                os.makedirs(self.mark, 0o755)
-            if not os.path.exists(collection):
-                tmp = "%s.%s%s" % (collection, self.host, PARTIAL)
-                _write_synced(tmp, (json.dumps(want, sort_keys=True) + "\n").encode())
-                os.replace(tmp, collection)
-        except OSError as e:
-            raise AgentError("bad_input", "--on-host %s: cannot write there: %s" % (self.out, e.strerror or e))
-
-    def _stray(self, allowed):
-        out = []
-        for dirpath, dirnames, filenames in os.walk(self.out):
-            rel_dir = os.path.relpath(dirpath, self.out)
-            if rel_dir == MARK or rel_dir.startswith(MARK + os.sep):
-                dirnames[:] = []
-                continue
-            for f in filenames:
-                rel = os.path.normpath(os.path.join(rel_dir, f))
-                if rel not in allowed and not f.endswith(PARTIAL):
-                    out.append(rel)
-        return sorted(out)
-
-    def _records(self):
-        """This host's record of the files it finished: rel -> last record."""
-        recs = {}
-        try:
-            with open(self.record_path, "rb") as f:
-                for line in f.read().split(b"\n"):
-                    try:
-                        r = json.loads(line)
-                    except ValueError:
-                        continue  # a torn last line
-                    if isinstance(r, dict) and "rel" in r:
-                        recs[r["rel"]] = r
-        except OSError:
-            pass
-        return recs
+        self.dir.open(set(target_rel(i, "specforge") for i in ids))
 
     def _append(self, rec):
-        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
         with self.lock:
-            fd = os.open(self.record_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self.dir.append(rec)
 
     # the loop -------------------------------------------------------------------------------
     def _items(self):
@@ -291,28 +218,10 @@ class Converter(object):
             if line.strip():
                 yield json.loads(line.decode("utf-8"))
 
-    def _lock_host(self, wait=LOCK_WAIT_S):
-        """One converter per host and DIR: an earlier one whose controller died finishes its in-flight samples
-        first (it reads EOF), so this one then finds them recorded instead of racing it for the same files."""
-        import fcntl
-
-        self._lockf = open(os.path.join(self.mark, self.host + ".lock"), "a+")
-        deadline = time.time() + wait
-        while True:
-            try:
-                fcntl.flock(self._lockf.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except OSError:
-                if time.time() > deadline:
-                    raise AgentError("locked", "another conversion into %s for host %s is still running" % (
-                        self.out, self.host))
-            heartbeat(step="waiting for an earlier conversion into %s to end" % self.out)
-            time.sleep(0.2)
-
     def run_all(self, ids):
         self.open_dir(ids)
-        self._lock_host()
-        records = self._records()
+        self.dir.lock()
+        records = self.dir.records()
         t0 = time.time()
         pool = _pool(self.workers)
         pending = {}  # future -> (item, rel, partial)

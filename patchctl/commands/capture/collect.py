@@ -84,6 +84,7 @@ def status_data(name: str, info: dict, st: RunState) -> dict:
             "failed": t.failed, "pending": t.pending, "in_flight": t.in_flight,
             "tokens_done": t.total("tokens"), "bytes_done": t.total("bytes"),
             "complete": t.complete, "invocations": st.invocations, "hosts": t.hosts, "failures": t.failures,
+            "tokenizer_check": info.get("tokenizer_check"),  # None: a run of a version that did not record it
             "duplicates": [{"id": r.get("id"), "host": r.get("host"), "path": r.get("path"),
                             "first_host": st.done[r["id"]].get("host"), "first_path": st.done[r["id"]].get("path")}
                            for r in st.duplicates]}
@@ -102,6 +103,8 @@ def render_status(d: dict):
                      (f"{d['done']} of {d['samples']}", str(d["failed"]), str(d["in_flight"]), str(d["tokens_done"]),
                       _mb(d["bytes_done"]), f"{d['pending']} pending"))
     out = [head, t] + [Text(line) for line in failure_lines(d["failures"], "samples", SHOWN)]
+    if d.get("tokenizer_check") and not d["tokenizer_check"].get("checked"):
+        out.append(Text(f"tokenizer not checked: {d['tokenizer_check'].get('why')}"))
     if d["duplicates"]:
         out.append(Text(f"duplicates ({len(d['duplicates'])}): a sample verified twice; the first file counts:"))
         out += [Text(f"  {x['id']}: {x['host']}:{x['path']} (first: {x['first_host']}:{x['first_path']})")
@@ -544,9 +547,9 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     if opts.to is None:
         raise BadInput("--to DIR is required (only --on-host has a default)")
     out = Path(opts.to).expanduser().absolute()
+    run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
     prev = _prepare_to(out, name, fmt, st)
     dataset = _run_dataset(info) if fmt == "specforge" else None
-    run = Run(app, opts, "capture collect")
     items = plan_items(st, out, fmt, prev, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     write_summary(out, name, info, fmt, items, "collecting", created)
@@ -749,9 +752,9 @@ def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunSt
         raise BadInput("--on-host: expected a directory path on the hosts")
     out = Path(opts.to).expanduser().absolute() if opts.to is not None else run_dir(name) / "on-host"
     fmt = "specforge-on-host"
+    run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
     _prepare_to(out, name, fmt, st)
     dataset = _run_dataset(info)
-    run = Run(app, opts, "capture collect")
     items = plan_items(st, out, fmt, {}, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
     for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
         if it.status in ("conflict", "present"):

@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from patchctl.commands.capture import provenance
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short, again
+from patchctl.commands.capture.messages import content_problem, role_of
 from patchctl.core.errors import BadInput
 from patchctl.core.options import RunOptions
 from patchctl.core.fsutil import sha256_file
@@ -108,7 +110,7 @@ class Preparer:
             sid = str(sid)
         if not isinstance(sid, str) or not sid:
             return ("bad", ln, f"id {_short(sid)}: expected a non-empty string")
-        why = self._check_messages(conv)
+        why = self._check_messages(conv, keys[0])
         if why:
             return ("bad", ln, why)
         tools = obj.get("tools") or []
@@ -140,23 +142,21 @@ class Preparer:
         fallback = any("fallback rendering" in n for n in notes)
         return ("ok", ln, sid, ids, mask, fallback)
 
-    def _check_messages(self, conv) -> str | None:
+    def _check_messages(self, conv, list_key: str) -> str | None:
         roles = HARMONY_ROLES if self.harmony else GENERAL_ROLES
         for i, m in enumerate(conv, 1):
             if not isinstance(m, dict):
                 return f"message {i} is a JSON {type(m).__name__}; expected an object {{role, content}} or {{from, value}}"
             if self.harmony:  # SpecForge's harmony parser reads role and content only
-                role, content = m.get("role"), m.get("content")
-                shape = "role/content (the gpt-oss template reads no from/value)"
-            else:
-                role = m.get("role", m.get("from"))
-                content = m["content"] if "content" in m else m.get("value")
-                shape = "role/content or from/value"
-            if not isinstance(role, str) or role not in roles:
-                return (f"message {i}: role {_short(role)}" if role is not None else f"message {i}: no role") + \
-                    f"; expected one of {', '.join(roles)} ({shape})"
-            if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-                return f"message {i} ({role}): content {_short(content)}; expected a string ({shape})"
+                role, why = role_of(m, i, roles, list_key, keys=("role",))
+                why = why or content_problem(m, i, role, list_key, keys=("content",))
+                if why:
+                    return why + " (the gpt-oss template reads role/content, no from/value)"
+                continue
+            role, why = role_of(m, i, roles, list_key)
+            why = why or content_problem(m, i, role, list_key)
+            if why:
+                return why
         return None
 
     def batch(self, items):
@@ -208,7 +208,10 @@ def run_prepare(app, args) -> int:
             _prepare_all(app, f, w, made, workers, t0)
         made.problems.raise_if_any(f"nothing was written to {out}")
         if not made.written:
-            raise BadInput(f"{src}: no conversation has a trainable token (template {args.template}); nothing written")
+            why = lacking_markers(tokenizer, _WORKER.template)
+            raise BadInput(f"{src}: no conversation has a trainable token (template {args.template})"
+                           + (f": {why}: --template {args.template} is not this tokenizer's model's; choose that one"
+                              if why else "") + "; nothing written")
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -216,6 +219,29 @@ def run_prepare(app, args) -> int:
     provenance.publish(tmp, out, _meta(args, tok_files, src, made, sha256_file(tmp)))
     _report(app, args, src, out, made, tok_files, elapsed, workers)
     return 0
+
+
+def lacking_markers(tokenizer, template) -> str | None:
+    """When no conversation got a trainable token because the template is another model's: which of its
+    markers this tokenizer's chat template does not write (SpecForge's loss mask runs from the assistant
+    header to the end-of-turn marker, found in the rendered text), and which of their special tokens the
+    tokenizer's vocabulary lacks. None when both are written (or the tokenizer has no chat template: SpecForge
+    then renders with the template's own markers), or for the gpt-oss template's parser."""
+    if template.parser_type != "general" or not getattr(tokenizer, "chat_template", None):
+        return None
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this says nothing about the markers
+        return None
+    vocab = tokenizer.get_vocab()
+    missing = []
+    for field in ("assistant_header", "end_of_turn_token"):
+        marker = getattr(template, field, None)
+        if marker and marker not in text:
+            unknown = [t for t in dict.fromkeys(re.findall(r"<[^<>\s]+>", marker)) if t not in vocab]
+            missing.append(f"{field} {marker!r}" + (f" ({', '.join(unknown)} not in its vocabulary)" if unknown else ""))
+    return ("the tokenizer's chat template does not write the template's " + " nor its ".join(missing)) if missing else None
 
 
 def _check_args(args) -> None:

@@ -37,6 +37,7 @@ def _eta(seconds: float | None) -> str:
 
 class Progress:
     noun = "samples"  # what the job's items are called in its messages (capture run: samples)
+    tokenizer_check: dict | None = None  # capture run: provenance.check_tokenizer's verdict, in the summary
 
     def __init__(self, app: App, directory: Path, run_id: str, *, total: int, already: int, hosts: list[str],
                  log_dir: Path | None = None):
@@ -146,7 +147,8 @@ class Progress:
               "log_dir": str(self.log_dir),
               "hosts": {l.host.name: {"done": l.done, "failed": l.failed, "tokens": l.tokens, "bytes": l.bytes,
                                       "stopped": l.stopped} for l in lanes},
-              "skipped_hosts": skipped, "servers_down": list(servers_down), "restart": restart}
+              "skipped_hosts": skipped, "servers_down": list(servers_down), "restart": restart,
+              "tokenizer_check": self.tokenizer_check}
         self.emit(ev)
         if self.app.json:
             return
@@ -159,6 +161,8 @@ class Progress:
         lines = [f"{done}/{total} samples done and verified; {len(failed)} failed; {pending} pending"
                  + (f"; {duplicates} duplicate results ignored" if duplicates else "")
                  + f" ({s['tokens_per_s']:.0f} tok/s this invocation, {human_size(s['bytes'])} written in {s['elapsed_s']:.0f}s)"]
+        if self.tokenizer_check and not self.tokenizer_check.get("checked"):
+            lines.append(f"tokenizer not checked: {self.tokenizer_check['why']}")
         self.print_lines(lines, name, failed, stopping, servers_down, restart,
                          again=f"send the {pending + len(failed)} samples" if pending or failed else None)
 

@@ -42,16 +42,20 @@ def publish(tmp: Path, out: Path, meta: dict) -> None:
     os.replace(tmp, out)
 
 
-def check_tokenizer(dataset_path, dataset_sha256: str, servers: dict[str, dict], allow_mismatch: bool, info) -> dict | None:
+def check_tokenizer(dataset_path, dataset_sha256: str, servers: dict[str, dict], allow_mismatch: bool, info) -> dict:
     """`capture run`: refuse (BadInput, exit 2) a prepared dataset whose tokenizer is not the one each taking-part
     server serves, unless `allow_mismatch` (then say so). servers: {host: probe's "tokenizer" entry}.
-    Returns the provenance used (None for a dataset without a sidecar)."""
+    Returns what was checked, for run.json and the run's summary: {"checked": True, "tokenizer": digest,
+    "source", "mismatch": [...]} or, for a dataset without a sidecar that describes it, {"checked": False,
+    "why"} (said as a warning: its ids are captured unchecked)."""
     meta = read(dataset_path, dataset_sha256)
     if meta is None:
-        if meta_path(dataset_path).exists():
-            info(f"{meta_path(dataset_path).name} does not describe {Path(dataset_path).name} (the dataset changed since "
-                 "`capture prepare`): its tokenizer is not checked")
-        return None
+        side, name = meta_path(dataset_path).name, Path(dataset_path).name
+        why = (f"{side} does not describe {name} (the dataset changed since `capture prepare`)"
+               if meta_path(dataset_path).exists() else f"{name} has no {side} (it was not made by `capture prepare`)")
+        info(f"warning: {why}: no tokenizer check was made (nothing says its ids are this model's tokens); "
+             "`capture prepare --from HOST` writes a dataset that is checked")
+        return {"checked": False, "why": why}
     want = meta["tokenizer"]["digest"]
     bad = []
     for host, tok in sorted(servers.items()):
@@ -60,12 +64,13 @@ def check_tokenizer(dataset_path, dataset_sha256: str, servers: dict[str, dict],
             got = (f"tokenizer {tok['digest'][:12]} in {tok.get('path')}" if tok.get("digest")
                    else (tok.get("why") or "no tokenizer files found"))
             bad.append(f"{host} serves {got}")
+    checked = {"checked": True, "tokenizer": want, "source": meta["tokenizer"].get("source"), "mismatch": bad}
     if not bad:
-        return meta
+        return checked
     msg = (f"{dataset_path} was prepared with tokenizer {want[:12]} ({meta['tokenizer'].get('source')}), but "
            + "; ".join(bad))
     if allow_mismatch:
         info(f"warning: {msg} (--allow-tokenizer-mismatch: capturing anyway)")
-        return meta
+        return checked
     raise BadInput(msg + ": the ids would mean other tokens there; prepare the dataset with that server's tokenizer "
                    "(`capture prepare --from HOST`) or pass --allow-tokenizer-mismatch: nothing sent")

@@ -27,6 +27,7 @@ from pathlib import Path
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, _short, again
 from patchctl.commands.capture.journal import (Journal, RunState, captures_root, check_run_name, failure_lines,
                                                status_table, tally, write_run_info)
+from patchctl.commands.capture.messages import content_problem, role_of
 from patchctl.commands.capture.progress import Progress, _eta
 from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
 from patchctl.core.console import table
@@ -80,22 +81,20 @@ def messages_of(conv: list) -> list[dict]:
     return out
 
 
-def _check(conv) -> str | None:
-    """Why a conversation cannot be regenerated, or None."""
+def _check(conv, list_key: str) -> str | None:
+    """Why a conversation cannot be regenerated, or None (`list_key`: "conversations" or "messages")."""
     if not isinstance(conv, list) or not conv:
-        return f"expected a non-empty list of messages, got {_short(conv)}"
+        return f"{list_key} {_short(conv)}: expected a non-empty list of messages"
     seen_user = False
     prev = None
     assistants = 0
     for i, m in enumerate(conv, 1):
         if not isinstance(m, dict):
             return f"message {i} is a JSON {type(m).__name__}; expected an object {{role, content}} or {{from, value}}"
-        role = m.get("role", m.get("from"))
-        if not isinstance(role, str) or role not in ROLES:
-            return f"message {i}: role {_short(role)}; expected one of {', '.join(ROLES)}"
-        content = m["content"] if "content" in m else m.get("value")
-        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
-            return f"message {i} ({role}): content {_short(content)}; expected a string"
+        role, why = role_of(m, i, ROLES, list_key)
+        why = why or content_problem(m, i, role, list_key)
+        if why:
+            return why
         r = ROLES[role]
         if r == "assistant":
             if not seen_user or prev not in ("user", "tool"):
@@ -105,7 +104,7 @@ def _check(conv) -> str | None:
         seen_user |= r == "user"
         prev = r
     if not assistants:
-        return "no assistant turn to regenerate"
+        return f"{list_key}: no assistant turn to regenerate"
     return None
 
 
@@ -135,9 +134,9 @@ def _conversation(ln: int, obj: dict) -> tuple[str | None, str | None, str | Non
     if len(keys) != 1:
         return None, None, ("both \"conversations\" and \"messages\"; expected one" if keys else
                             "no \"conversations\" (ShareGPT) or \"messages\" (OpenAI) list")
-    why = _check(obj[keys[0]])
+    why = _check(obj[keys[0]], keys[0])
     if why:
-        return keys[0], None, f"{keys[0]}: {why}"
+        return keys[0], None, why
     sid = obj.get("id", f"line-{ln}")
     if isinstance(sid, int) and not isinstance(sid, bool):
         sid = str(sid)

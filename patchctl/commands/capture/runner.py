@@ -357,8 +357,8 @@ def run_capture(app: App, opts: CaptureOptions) -> int:
         prefix = prefixes.pop()
         app.info(datasets.check_against_model(ds, {l.host.name: l.info for l in lanes},
                                               length_check=not opts.no_length_check))
-        provenance.check_tokenizer(ds.path, ds.sha256, {l.host.name: l.info.get("tokenizer") for l in lanes},
-                                   opts.allow_tokenizer_mismatch, app.info)
+        tokenizer_check = provenance.check_tokenizer(ds.path, ds.sha256, {l.host.name: l.info.get("tokenizer") for l in lanes},
+                                                     opts.allow_tokenizer_mismatch, app.info)
         directory = run_dir(name, create=True)
         info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}
@@ -367,15 +367,18 @@ def run_capture(app: App, opts: CaptureOptions) -> int:
                 "model_path", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
                 "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect")},
                 run_dir=f"{l.info['dump_dir']}/captures/{name}")
+        info["tokenizer_check"] = tokenizer_check  # this invocation's (a resume may be checked otherwise)
         write_run_info(directory, info)
-        return _capture(app, opts, run, name, prefix, ds, directory, lanes, skipped, down)
+        return _capture(app, opts, run, name, prefix, ds, directory, lanes, skipped, down,
+                        tokenizer_check=tokenizer_check)
     finally:
         run.close()
 
 
 def _capture(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
-             skipped: dict[str, str], down: list[str], job: type = None) -> int:
-    """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass)."""
+             skipped: dict[str, str], down: list[str], job: type = None, tokenizer_check: dict | None = None) -> int:
+    """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass);
+    `tokenizer_check`: what check_tokenizer made of the dataset, for the summary."""
     journal = Journal(directory)
     done = journal.state().done
     todo = [s for s in ds.samples if s.id not in done]
@@ -383,6 +386,7 @@ def _capture(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, d
     job = job or CaptureRun
     progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
                                 hosts=[l.host.name for l in lanes], log_dir=opts.log_dir)
+    progress.tokenizer_check = tokenizer_check
     cr = job(app, opts, run, name, prefix, ds, journal, progress)
     journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
                     "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped,
