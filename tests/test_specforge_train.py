@@ -102,20 +102,21 @@ def test_a_target_only_on_the_hosts_is_said_so(tmp_path):
 
 
 def test_specforge_trains_and_exports_from_the_emitted_files_unedited(tmp_path):
-    out, facts = collection(tmp_path, 12)
+    out, facts = collection(tmp_path, 8)
     emit(out, facts, 95)
     before = {p: p.read_bytes() for p in (out / drafttrain.RUN_CONFIG, out / drafttrain.DRAFT_MODEL)}
     lines = []
     env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
-    res = drafttrain.train_and_export(out, ["training.max_steps=10", "training.learning_rate=0.01",
+    res = drafttrain.train_and_export(out, ["training.max_steps=16", "training.learning_rate=0.01",
                                             "training.log_interval=1"], cpu=True, env=env, log=lines.append,
                                       timeout=540)
     assert {p: p.read_bytes() for p in before} == before  # trained with the files as collect wrote them
     print(f"losses {[round(x, 3) for _, x in res.losses]}; train {res.train_seconds}s, export {res.export_seconds}s")
     steps = [s for s, _ in res.losses]
-    assert steps == list(range(1, 11)), lines[-20:]
-    first, last = [l for _, l in res.losses[:3]], [l for _, l in res.losses[-3:]]
-    assert sum(last) / 3 < sum(first) / 3 - 0.2, res.losses
+    assert steps == list(range(1, 17)), lines[-20:]
+    # two epochs over the same 8 samples: the second's mean loss is below the first's
+    first, second = [x for _, x in res.losses[:8]], [x for _, x in res.losses[8:]]
+    assert sum(second) / 8 < sum(first) / 8 - 0.3, res.losses
     # the SGLang draft directory (CONTRACT-drafter §1; SpecForge's export decides the details)
     d = res.draft_dir
     assert d == out.with_name("conv-eagle3-draft")
