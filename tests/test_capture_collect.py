@@ -372,7 +372,20 @@ def test_on_host_every_host_converts_its_own_dumps_into_a_shared_directory(fleet
     ev, p = collect(f, "oh", dest, "--format", "specforge", "--on-host", str(shared))
     # one agent command per host did it all; the controller got the index, the draft config and a summary
     assert [h.ssh.count_commands() - c for h, c in zip(f.hosts, commands)] == [1, 1]
-    assert sorted(os.listdir(dest)) == ["draft-config.json", "index.json", "index.jsonl"]
+    assert sorted(os.listdir(dest)) == ["draft-config.json", "draft-model-config.json", "index.json", "index.jsonl",
+                                        "specforge-run.yaml"]
+    # the complete draft config from the facts the capture probe read on the host (config.json, tokenizer), and
+    # SpecForge's run config training on the shared directory (tests/test_specforge_train.py trains with them)
+    model = json.loads((dest / "draft-model-config.json").read_text())
+    assert (model["hidden_size"], model["target_hidden_size"], model["vocab_size"], model["draft_vocab_size"]) == (
+        64, 64, 512, 512)
+    assert model["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert model["intermediate_size"] == 256 and model["num_attention_heads"] == 1  # the target's config.json
+    assert model["_patchctl"]["problems"] == []
+    run_yaml = (dest / "specforge-run.yaml").read_text()
+    assert f"hidden_states_path: {json.dumps(str(shared))}" in run_yaml
+    assert f"draft_model_config: {json.dumps(str(dest / 'draft-model-config.json'))}" in run_yaml
+    assert "specforge train --config " + str(dest / "specforge-run.yaml") in p.stdout + p.stderr
     idx = {e["id"]: e for e in index_of(dest)}
     assert set(idx) == {s["id"] for s in ss}
     for s in ss:

@@ -38,7 +38,10 @@ EXAMPLE_DATASET = REPO / "examples" / "dataset.jsonl"  # the pre-tokenized route
 EXAMPLE_CONVERSATIONS = REPO / "examples" / "conversations.jsonl"  # where the demo's extraction starts
 REGENERATE_MAX_NEW_TOKENS = 32  # the stand-in's answers are noise: short ones keep the demo quick
 # what `capture prepare` imports, installed by the README's set-up command ([prepare] + SpecForge --no-deps)
-SETUP_COMMAND = ("pip install -e '.[sim,prepare]' && pip install --no-deps specforge==0.2.0")
+SETUP_COMMAND = ("pip install -e '.[sim,prepare,train]' && pip install --no-deps specforge==0.2.0")
+# step 3e: a short training on the demo's samples, enough to see SpecForge's loss fall (measured on 2 cores);
+# a real drafter trains with specforge-run.yaml's own epochs and learning rate
+DEMO_TRAIN = ["training.max_steps=16", "training.learning_rate=0.01", "training.log_interval=1"]
 
 
 def say(msg: str) -> None:
@@ -111,7 +114,8 @@ def patchctl(*args: str) -> int:
 
 def missing_packages() -> list[str]:
     """What the demo's steps import that this Python lacks (the stand-in's [sim], `capture prepare`'s [prepare])."""
-    return [m for m in ("torch", "safetensors", "tokenizers", "transformers", "datasets", "specforge")
+    return [m for m in ("torch", "safetensors", "tokenizers", "transformers", "datasets", "specforge", "accelerate",
+                        "triton")
             if importlib.util.find_spec(m) is None]
 
 
@@ -145,7 +149,32 @@ def extraction_run(d: DemoHost, name: str, out: Path) -> int:
         return rc
     say(f"3d. capture collect: SpecForge's offline training format (*.ckpt with the loss mask from 3b), "
         f"index.jsonl and draft-config.json, into {out}")
-    return patchctl("capture", "collect", name, "--to", str(out), "--format", "specforge", "--limit", "local")
+    rc = patchctl("capture", "collect", name, "--to", str(out), "--format", "specforge", "--limit", "local")
+    if rc != 0:
+        return rc
+    return train(out)
+
+
+def train(out: Path) -> int:
+    """Step 3e: SpecForge trains and exports with the files collect wrote, unedited (short, for the demo)."""
+    from patchctl.core import drafttrain
+
+    say(f"3e. specforge train + export: the drafter from {out}/{drafttrain.RUN_CONFIG} and "
+        f"{drafttrain.DRAFT_MODEL} as collect wrote them ({' '.join(DEMO_TRAIN)}: a short run for the demo)")
+    why = drafttrain.cannot_train()
+    if why:  # e.g. a torchvision built for CUDA torch beside a CPU torch, which transformers imports
+        print(f"skipped: SpecForge's training cannot start in this Python ({why}); the command, once it can: "
+              f"{drafttrain.command_line(out, cpu=True)}")
+        return 0
+    try:
+        res = drafttrain.train_and_export(out, DEMO_TRAIN)
+    except drafttrain.TrainFailed as e:
+        print(f"training failed: {e}")
+        return 1
+    losses = [loss for _, loss in res.losses]
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps ({res.train_seconds:.0f}s); "
+          f"SGLang draft directory: {res.draft_dir} (eagle_config checked against the capture)")
+    return 0
 
 
 def main() -> int:
@@ -187,8 +216,11 @@ def main() -> int:
     print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
     print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
     if rc_capture == 0:
-        print(f"    training data: {training} (SpecForge offline format, from step 3: train with SpecForge's "
-              f"--train-hidden-states-path {training}; merge its draft-config.json into your draft config)")
+        from patchctl.core import drafttrain
+
+        print(f"    training data: {training} (SpecForge offline format, from step 3), its drafter: "
+              f"{drafttrain.run_paths(training)['draft']}")
+        print(f"    train again:   {drafttrain.command_line(training, cpu=True)}")
     else:
         print(f"    training data: step 3 failed (exit {rc_capture}); see its output above")
     return 0 if rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 else 1

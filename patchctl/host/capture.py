@@ -27,7 +27,7 @@ from .osutil import expand
 from .server import http_once, http_request
 from .smoke import FORMAT_VERSION, check_dump, expected_layers, model_facts
 from .streamed import Streamed
-from .tokenizer import served as served_tokenizer
+from .tokenizer import served as served_tokenizer, special_ids
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
 POOL_FROM_BYTES = 4 << 20  # dumps this large are checked in worker processes (a 2000-token dump at H = 7168
@@ -154,6 +154,8 @@ def probe(manifest, cfg, req):
     out.update(server_limits(cfg))
     tok = served_tokenizer(cfg)  # `capture run` refuses a dataset prepared with another tokenizer
     out["tokenizer"] = {"path": tok.get("tokenizer_path"), "digest": tok["digest"], "why": tok.get("why")}
+    out["model_config"] = facts.get("model_config")
+    out["special_tokens"] = special_ids(tok.get("path")) if tok.get("digest") else None
     return out
 
 

@@ -579,6 +579,8 @@ class CaptureProbeAnswer(Result):
     server_info_error: str = None
     tokenizer: dict = None  # path, digest, why
     hostname: str = None
+    model_config: dict = None  # config.json's fields a draft config copies (smoke.DRAFT_FIELDS)
+    special_tokens: dict = None  # the served tokenizer's bos/eos/pad ids (tokenizer.special_ids)
 
 
 @dataclass

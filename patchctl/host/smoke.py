@@ -177,6 +177,13 @@ def _check_mapped(buf, sent_ids, expect, hidden, backend):
     return problems
 
 
+# config.json fields an EAGLE-3 draft config copies from its target (what SpecForge's own target-derived
+# draft config copies: training/model_loading.py _TARGET_ARCHITECTURE_FIELDS), for `capture collect`
+DRAFT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act",
+                "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+                "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")
+
+
 def model_facts(cfg):
     """num_hidden_layers / hidden_size / vocab from the served model's config.json (path from /get_model_info)."""
     try:
@@ -196,7 +203,8 @@ def model_facts(cfg):
         facts.update(num_hidden_layers=c.get("num_hidden_layers"), hidden_size=c.get("hidden_size"),
                      vocab_size=c.get("vocab_size"), architectures=c.get("architectures"),
                      max_position_embeddings=c.get("max_position_embeddings"),
-                     config_context_len=ctx, config_context_from=ctx_from)
+                     config_context_len=ctx, config_context_from=ctx_from,
+                     model_config=dict((k, c[k]) for k in DRAFT_FIELDS if k in c))
     return facts
 
 

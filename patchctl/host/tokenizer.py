@@ -81,3 +81,35 @@ def served(cfg, with_data=False):
     if out["digest"] is None:
         out["why"] = "no tokenizer files in %s (the served model's tokenizer path)" % (tok_path or "''")
     return out
+
+
+def special_ids(path):
+    """{"bos_token_id", "eos_token_id", "pad_token_id"} of the tokenizer files in `path`: each special token
+    tokenizer_config.json names (a string or {"content": ...}), looked up in tokenizer.json's added tokens,
+    then its vocabulary; a token not named or not found is left out. A draft model's config carries these
+    ids (SpecForge's draft embeds with padding_idx = pad_token_id), so they must be the served tokenizer's."""
+    import json
+
+    path = expand(path or "")
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            conf = json.load(f)
+        with open(os.path.join(path, "tokenizer.json")) as f:
+            tok = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    ids = dict((t.get("content"), t.get("id")) for t in tok.get("added_tokens") or [] if isinstance(t, dict))
+    vocab = (tok.get("model") or {}).get("vocab")
+    out = {}
+    for key in ("bos", "eos", "pad"):
+        name = conf.get(key + "_token")
+        if isinstance(name, dict):
+            name = name.get("content")
+        if not isinstance(name, str):
+            continue
+        i = ids.get(name)
+        if i is None and isinstance(vocab, dict):
+            i = vocab.get(name)
+        if isinstance(i, int):
+            out[key + "_token_id"] = i
+    return out

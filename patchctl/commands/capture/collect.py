@@ -42,6 +42,7 @@ from patchctl.commands.capture import draftconfig
 from patchctl.commands.capture.dataset import open_run_dataset
 from patchctl.commands.capture.journal import (Journal, RunState, check_run_name, failure_lines, read_run_info,
                                                run_dir, status_table, tally)
+from patchctl.core import drafttrain
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file, write_atomic
@@ -191,7 +192,7 @@ def check_to(out: Path, fmt: str, prev: dict[str, dict], st: RunState) -> None:
     Anything else is refused (named), because SpecForge lists every *.ckpt below it and trains on it."""
     if not out.is_dir():
         return
-    allowed = {SUMMARY, INDEX, DRAFT}
+    allowed = {SUMMARY, INDEX, DRAFT, drafttrain.RUN_CONFIG, drafttrain.DRAFT_MODEL}
     if fmt in ("safetensors", "specforge"):  # with --in-place / --on-host no sample file is here
         allowed |= {e["file"] for e in prev.values() if isinstance(e.get("file"), str)}
         allowed |= {target_rel(sid, fmt) for sid in st.done}
@@ -510,7 +511,7 @@ def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item],
 
 
 def write_draft_config(out: Path, name: str, info: dict, items: list[Item]) -> list[str]:
-    """draft-config.json beside the index (capture/draftconfig.py); its problems (also inside it)."""
+    """draft-config.json beside the index (capture/draftconfig.py); (its problems, also inside it; its contents)."""
     sets: dict[str, list[dict]] = {}
     for it in items:
         if it.status in OK_STATES and it.layers:
@@ -519,7 +520,7 @@ def write_draft_config(out: Path, name: str, info: dict, items: list[Item]) -> l
                 seen.append(it.layers)
     cfg, problems = draftconfig.draft_config(name, info.get("hosts") or {}, sets)
     _write_atomic(out / DRAFT, (json.dumps(cfg, indent=2) + "\n").encode())
-    return problems
+    return problems, cfg
 
 
 def _prepare_to(out: Path, name: str, fmt: str, st: RunState) -> dict[str, dict]:
@@ -638,7 +639,14 @@ def _finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[I
     """The index rewritten in journal order, draft-config.json, index.json: (summary, failures)."""
     entries = [entry(it) for it in items if it.status in OK_STATES]
     _write_atomic(out / INDEX, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
-    problems = write_draft_config(out, name, info, items)
+    problems, fields = write_draft_config(out, name, info, items)
+    if fmt.startswith("specforge"):  # the complete draft config and SpecForge's run config, beside the data
+        from patchctl.commands.capture import trainfiles
+
+        extra["training"] = trainfiles.write(out, fields, info.get("hosts") or {}, sorted({it.host for it in items}),
+                                             extra.get("on_host") or str(out),
+                                             max((int(it.rec.get("tokens") or 0) for it in items if it.status in OK_STATES), default=0),
+                                             _write_atomic)
     summary = write_summary(out, name, info, fmt, items, "done", created, draft_config=DRAFT,
                             draft_config_problems=problems, **extra)
     failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}
@@ -835,3 +843,12 @@ def _print_summary(app: App, out: Path, summary: dict, items: list[Item], failur
     for p in summary.get("draft_config_problems") or []:
         app.info(f"draft-config.json: {p}")
     app.info(f"draft config fields for SpecForge and SGLang: {out / DRAFT}")
+    t = summary.get("training")
+    if t:
+        for p in t["problems"]:
+            app.info(f"{drafttrain.DRAFT_MODEL}: {p}")
+        app.info(f"complete draft config: {t['draft_model_config']}; SpecForge run config: {t['run_config']}")
+        if not t["target_here"]:
+            app.info(f"the target model ({t['target_model_path']}, model.target_model_path) is on host "
+                     f"{t['target_host']}, not on this machine: train there, or point it at a copy")
+        app.info(f"train and export the drafter (SpecForge 0.2.0; pip install -e '.[train]'): {t['command']}")

@@ -16,8 +16,16 @@ so the ids written here are the ones that map back, through that function, to ex
 `layers_to_capture` the dumps hold (the capture indices: layer i's input, i.e. layer i-1's output).
 SpecForge reads the same key (`algorithms/model_providers.py: resolve_eagle_capture_layers`) and
 `target_hidden_size` (`modeling/draft/llama3_eagle.py`); `vocab_size` is the target's (the draft embeds
-the target's tokens). The file holds only what the capture fixes; the draft's own architecture
-(hidden size, heads, draft vocab) stays the trainer's choice, to be merged in.
+the target's tokens). draft-config.json holds only what the capture fixes.
+
+`draft_model_config` makes the COMPLETE draft config SpecForge 0.2.0 trains and exports from as it is
+(draft-model-config.json): in SpecForge the draft's hidden size must equal the target's (the target's
+embedding is copied into the draft: `load_embedding`) and draft_vocab_size must not exceed vocab_size, so
+those come from the target; the rest of the architecture-fixed fields from the target's config.json and
+the served tokenizer (run.json, read by the capture probe on the host); the real choices (draft vocab,
+heads, intermediate size) are defaulted as SpecForge's own target-derived config defaults them, and named
+in `_patchctl.choices`. SpecForge reads the file with transformers' `LlamaConfig.from_dict`, which keeps
+unknown keys as attributes, so `_patchctl` is tolerated (and export writes it into the draft's config.json).
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, di
     cfg = {
         "_comment": ("EAGLE-3 draft-config fields fixed by capture run %r (patchctl capture collect): merge them into "
                      "the draft model's config.json for SpecForge and SGLang. '_patchctl' says where each value came "
-                     "from; the draft's own architecture (hidden size, heads, draft vocab) is yours to choose." % run),
+                     "from. The draft's hidden_size must equal the target's (SpecForge copies the target's embedding "
+                     "into the draft) and draft_vocab_size must not exceed vocab_size: draft-model-config.json beside "
+                     "this file is the complete draft config, ready to train." % run),
         "architectures": ["LlamaForCausalLMEagle3"],
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
         "target_hidden_size": first.get("hidden_size"),
@@ -104,3 +114,81 @@ def json_key(v) -> str:
     import json
 
     return json.dumps(v, sort_keys=True)
+
+
+DRAFT_VOCAB = 32000  # SpecForge's default draft vocabulary (algorithms/eagle3/providers.py)
+# LlamaConfig's defaults, used where the target's config.json names none
+LLAMA_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+
+
+def draft_model_config(fields: dict, facts: dict) -> tuple[dict, list[str]]:
+    """(draft-model-config.json, problems): `fields` is draft_config()'s result, `facts` one host's run.json
+    facts (model_config and special_tokens from the capture probe; absent for runs captured before them)."""
+    p = dict(fields.get("_patchctl") or {})
+    problems = list(p.get("problems") or [])
+    mc = facts.get("model_config") or {}
+    special = facts.get("special_tokens") or {}
+    hidden, vocab = facts.get("hidden_size"), facts.get("vocab_size")
+    prov: dict = {"hidden_size": "the target's hidden_size (SpecForge copies the target's embedding into the draft: "
+                                 "they must be equal)",
+                  "target_hidden_size": "the target's hidden_size (the fc input is 3 x this)",
+                  "vocab_size": "the target's vocab_size (config.json)"}
+    if not hidden or not vocab:
+        problems.append("the target's hidden_size / vocab_size are unknown (run.json): the draft config is incomplete")
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+           "target_hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": 1}
+    draft_vocab = min(DRAFT_VOCAB, vocab) if vocab else DRAFT_VOCAB
+    heads = mc.get("num_attention_heads") or (max(1, hidden // 128) if hidden else None)
+    choices = {
+        "draft_vocab_size": (draft_vocab, f"min({DRAFT_VOCAB}, vocab_size): SpecForge's default draft vocabulary, the "
+                             "whole vocabulary when it is smaller (a smaller one gets t2d/d2t maps made from the data's "
+                             "token counts at training time)"),
+        "num_attention_heads": (heads, "the target's" if mc.get("num_attention_heads") else
+                                "hidden_size / 128 (the target's config.json names none)"),
+        "num_key_value_heads": (mc.get("num_key_value_heads") or heads, "the target's" if mc.get("num_key_value_heads")
+                                else "= num_attention_heads"),
+        "intermediate_size": (mc.get("intermediate_size") or (4 * hidden if hidden else None),
+                              "the target's" if mc.get("intermediate_size") else "4 x hidden_size (the target names none)"),
+    }
+    for k, (v, why) in choices.items():
+        cfg[k] = v
+    if mc.get("head_dim"):
+        cfg["head_dim"] = mc["head_dim"]
+        prov["head_dim"] = "the target's"
+    mpe, mpe_from = facts.get("max_position_embeddings"), "the target's max_position_embeddings"
+    if not mpe:
+        mpe, mpe_from = facts.get("config_context_len") or facts.get("context_length") or 2048, (
+            "the served context length (the target's config.json names no max_position_embeddings)")
+    cfg["max_position_embeddings"] = mpe
+    prov["max_position_embeddings"] = mpe_from
+    for k, default in LLAMA_DEFAULTS.items():
+        cfg[k] = mc.get(k, default)
+        prov[k] = "the target's config.json" if k in mc else f"LlamaConfig's default {default!r} (the target names none)"
+    for k in ("rope_scaling", "attention_bias"):
+        if mc.get(k) is not None:
+            cfg[k] = mc[k]
+            prov[k] = "the target's config.json"
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if special.get(k) is not None:
+            cfg[k], prov[k] = special[k], "the served tokenizer (tokenizer_config.json's token, its id in tokenizer.json)"
+        elif mc.get(k) is not None:
+            cfg[k], prov[k] = mc[k], "the target's config.json"
+    if cfg.get("pad_token_id") is None:
+        cfg["pad_token_id"], prov["pad_token_id"] = 0, "0: SpecForge's own default when the target names no pad token"
+    bad = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if vocab and any(not isinstance(i, int) or not 0 <= i < vocab for i in _ids(cfg.get(k)))]
+    problems += [f"{k} {cfg[k]} is outside the vocabulary of {vocab}" for k in bad]
+    cfg.update(tie_word_embeddings=False, torch_dtype="bfloat16",
+               eagle_config=fields.get("eagle_config"))
+    p["provenance"] = dict(p.get("provenance") or {}, **prov)
+    p["choices"] = {k: {"value": v, "default": why} for k, (v, why) in choices.items()}
+    p["problems"] = problems
+    p["comment"] = ("The complete EAGLE-3 draft config for SpecForge 0.2.0 (specforge train / specforge export "
+                    "--draft-config) and SGLang, made by patchctl capture collect. The values in 'choices' are yours to "
+                    "change; the others are fixed by the target and the capture.")
+    cfg["_patchctl"] = p
+    return cfg, problems
+
+
+def _ids(v) -> list:
+    return [] if v is None else list(v) if isinstance(v, list) else [v]

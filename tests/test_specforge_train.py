@@ -1,0 +1,146 @@
+"""From a collected SpecForge directory to a trained EAGLE-3 drafter with SpecForge 0.2.0's real code on CPU:
+the files `capture collect --format specforge` writes beside the data (draft-model-config.json and
+specforge-run.yaml, made by the collect code from the facts the capture probe records), used unedited by
+`specforge train` and `specforge export --to sglang` (core/drafttrain.py), the loss falling and the exported
+directory what SGLang's LlamaForCausalLMEagle3 loads (CONTRACT-drafter §1).
+
+The collection is the stand-in model's own (its model directory with weights and tokenizer, as the demo host
+serves it): each sample's tensors exactly as collect writes them — input_ids int64 [T], loss_mask int64 [T],
+hidden_state bf16 [1,T,H] (final, post-norm), aux_hidden_state bf16 [1,T,3H] (the captured layers' inputs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("specforge")
+pytest.importorskip("accelerate")
+
+from patchctl.commands.capture import draftconfig, trainfiles  # noqa: E402
+from patchctl.core import drafttrain  # noqa: E402
+from patchctl.core.fsutil import write_atomic  # noqa: E402
+from patchctl.host.smoke import DRAFT_FIELDS  # noqa: E402
+from patchctl.host.tokenizer import special_ids  # noqa: E402
+from patchctl.simserver.model import TinyModel, write_model_config  # noqa: E402
+from patchctl.simserver.tokenizer import write_tokenizer  # noqa: E402
+
+LAYERS, HIDDEN, VOCAB = 8, 64, 512
+CAPTURE = [2, 4, 5]  # the stand-in's default capture ids (inputs of these layers), used as given (DeepseekV2-style)
+SHIM = Path(__file__).parent / "specforge_shim"
+runpy.run_path(str(SHIM / "sitecustomize.py"))  # this process loads SpecForge's config code too
+
+
+def collection(tmp: Path, n: int, lengths=(48, 96)) -> tuple[Path, dict]:
+    """A model directory and a collected training directory with the run.json host facts the probe records."""
+    model = write_model_config(tmp / "model", LAYERS, HIDDEN, VOCAB)
+    write_tokenizer(model, "llama3")
+    tm = TinyModel(LAYERS, HIDDEN, VOCAB, CAPTURE, model_dir=model)
+    out = tmp / "conv-eagle3"
+    g = torch.Generator().manual_seed(7)
+    for i in range(n):
+        T = lengths[0] + (i * 29) % (lengths[1] - lengths[0])
+        ids = torch.randint(0, 400, (T,), generator=g)
+        aux, last, _ = tm.forward(ids, T - 1)
+        mask = torch.ones(T, dtype=torch.long)
+        mask[: T // 4] = 0  # the prompt part, as SpecForge's template masks it
+        f = out / "files" / f"{i:02x}" / f"s{i}.ckpt"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"input_ids": ids.long(), "loss_mask": mask, "hidden_state": last.unsqueeze(0),
+                    "aux_hidden_state": aux.unsqueeze(0)}, f)
+    conf = json.loads((model / "config.json").read_text())
+    facts = {"model_path": str(model), "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_hidden_layers": LAYERS,
+             "architectures": conf["architectures"], "max_position_embeddings": None, "context_length": 4096,
+             "model_config": {k: conf[k] for k in DRAFT_FIELDS if k in conf}, "special_tokens": special_ids(model)}
+    return out, facts
+
+
+def emit(out: Path, facts: dict, longest: int) -> dict:
+    """What collect's _finish_collection writes: draft-config.json's fields, then the two training files."""
+    layer_sets = {"local": [{"layers_to_capture": CAPTURE, "eagle_aux_hidden_state_layer_ids": None}]}
+    fields, problems = draftconfig.draft_config("conv", {"local": facts}, layer_sets)
+    assert problems == []
+    return trainfiles.write(out, fields, {"local": facts}, ["local"], str(out), longest,
+                            lambda p, b: write_atomic(p, b))
+
+
+def test_the_emitted_files_are_complete_and_in_specforges_schema(tmp_path):
+    out, facts = collection(tmp_path, 2)
+    t = emit(out, facts, 95)
+    cfg = json.loads((out / drafttrain.DRAFT_MODEL).read_text())
+    # architecture-fixed fields from the target and its tokenizer; the ids map back to the captured layers
+    assert cfg["hidden_size"] == cfg["target_hidden_size"] == HIDDEN and cfg["vocab_size"] == VOCAB
+    assert cfg["draft_vocab_size"] == VOCAB  # min(32000, 512): the whole vocabulary
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # Llama: SGLang adds 1
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (special_ids(facts["model_path"])["bos_token_id"],
+                                                         special_ids(facts["model_path"])["eos_token_id"])
+    assert cfg["max_position_embeddings"] == 4096 and cfg["num_hidden_layers"] == 1
+    assert set(cfg["_patchctl"]["choices"]) == {"draft_vocab_size", "num_attention_heads", "num_key_value_heads",
+                                                "intermediate_size"}
+    assert t["target_here"] and "TRITON_INTERPRET=1" in t["command"] or not t["command"].startswith("TRITON")
+    # SpecForge's own strict loaders accept both files as they are
+    from specforge.config import load_config
+    from specforge.training.model_loading import load_draft_config_source
+
+    run = load_config(str(out / drafttrain.RUN_CONFIG), ["training.max_steps=3"])
+    assert run.data.hidden_states_path == str(out) and run.model.target_model_path == facts["model_path"]
+    assert run.model.draft_model_config == str(out / drafttrain.DRAFT_MODEL) and run.training.max_steps == 3
+    loaded = load_draft_config_source(run.model.draft_model_config)
+    assert loaded.draft_vocab_size == VOCAB and loaded.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+def test_a_target_only_on_the_hosts_is_said_so(tmp_path):
+    out, facts = collection(tmp_path, 1)
+    t = emit(out, dict(facts, model_path="/models/not-here"), 60)
+    text = (out / drafttrain.RUN_CONFIG).read_text()
+    assert not t["target_here"] and "served --model-path on host local (/models/not-here)" in text
+    assert 'target_model_path: "/models/not-here"' in text
+
+
+def test_specforge_trains_and_exports_from_the_emitted_files_unedited(tmp_path):
+    out, facts = collection(tmp_path, 8)
+    emit(out, facts, 95)
+    before = {p: p.read_bytes() for p in (out / drafttrain.RUN_CONFIG, out / drafttrain.DRAFT_MODEL)}
+    lines = []
+    env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
+    res = drafttrain.train_and_export(out, ["training.max_steps=16", "training.learning_rate=0.01",
+                                            "training.log_interval=1"], cpu=True, env=env, log=lines.append,
+                                      timeout=540)
+    assert {p: p.read_bytes() for p in before} == before  # trained with the files as collect wrote them
+    print(f"losses {[round(x, 3) for _, x in res.losses]}; train {res.train_seconds}s, export {res.export_seconds}s")
+    steps = [s for s, _ in res.losses]
+    assert steps == list(range(1, 17)), lines[-20:]
+    # two epochs over the same 8 samples: the second's mean loss is below the first's
+    first, second = [x for _, x in res.losses[:8]], [x for _, x in res.losses[8:]]
+    assert sum(second) / 8 < sum(first) / 8 - 0.3, res.losses
+    # the SGLang draft directory (CONTRACT-drafter §1; SpecForge's export decides the details)
+    d = res.draft_dir
+    assert d == out.with_name("conv-eagle3-draft")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["hidden_size"] == HIDDEN
+    assert cfg["vocab_size"] == cfg["draft_vocab_size"] == VOCAB and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    from safetensors import safe_open
+
+    shapes, dtypes = {}, {}
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                t = s.get_tensor(k)
+                shapes[k], dtypes[k] = list(t.shape), t.dtype
+    H = HIDDEN
+    assert shapes["fc.weight"] == [H, 3 * H] and shapes["norm.weight"] == [H]
+    assert shapes["lm_head.weight"] == [VOCAB, H] and shapes["d2t"] == [VOCAB] and shapes["t2d"] == [VOCAB]
+    assert dtypes["d2t"] == torch.int64 and dtypes["t2d"] == torch.bool and dtypes["fc.weight"] == torch.bfloat16
+    assert shapes["midlayer.self_attn.q_proj.weight"][1] == 2 * H  # attention input 2H: [embedding, hidden]
+    assert not any("embed" in k for k in shapes)  # the target's embedding is used
+    assert all(k.split(".")[0] in ("fc", "norm", "lm_head", "d2t", "t2d", "midlayer") for k in shapes), sorted(shapes)
+    # a draft whose exported ids differ from the capture's is refused
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(drafttrain.TrainFailed, match=r"eagle_aux_hidden_state_layer_ids \[2, 4, 5\], the capture's are \[1, 3, 4\]"):
+        drafttrain.check_export(d, json.loads((out / drafttrain.DRAFT_MODEL).read_text()))
