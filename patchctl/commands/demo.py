@@ -15,6 +15,7 @@ agree, whatever XDG_CACHE_HOME says.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +43,11 @@ SETUP_COMMAND = ("pip install -e '.[sim,prepare,train]' && pip install --no-deps
 # step 3e: a short training on the demo's samples, enough to see SpecForge's loss fall (measured on 2 cores);
 # a real drafter trains with specforge-run.yaml's own epochs and learning rate
 DEMO_TRAIN = ["training.max_steps=16", "training.learning_rate=0.01", "training.log_interval=1"]
+# steps 7-9: the canary's prompt set (the first tokens of the dataset's samples), its answers' length, and the
+# gate the demo's tiny training is held to (a real drafter is held to the default 1.5 or the user's own)
+DEMO_CANARY_PROMPTS = 8
+DEMO_CANARY_NEW_TOKENS = 32
+DEMO_MIN_ACCEPT = "1.2"
 
 
 def say(msg: str) -> None:
@@ -177,6 +183,67 @@ def train(out: Path) -> int:
     return 0
 
 
+def untrained_drafter(trained: Path, out: Path) -> Path:
+    """The same draft with SpecForge's initial weights (its `post_init`: linear layers N(0, 0.02), norms 1):
+    what a deploy of a checkpoint that never trained ships. Same config, names, shapes and dtypes, so every
+    check passes it: only a measurement can tell it from the trained one."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((trained / "config.json").read_text())
+    g = torch.Generator().manual_seed(0)
+    for f in sorted(trained.glob("*.safetensors")):
+        t = load_file(str(f))
+        for name, v in t.items():
+            if v.is_floating_point():
+                fresh = torch.ones(v.shape) if v.dim() == 1 else torch.randn(v.shape, generator=g) * \
+                    float(cfg.get("initializer_range", 0.02))
+                t[name] = fresh.to(v.dtype)
+        save_file(t, str(out / f.name), metadata={"format": "pt"})
+    for f in trained.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def held_out_prompts(dataset: Path, out: Path, n: int = DEMO_CANARY_PROMPTS) -> Path:
+    """The canary's prompt set: the first tokens of the prepared dataset's samples (the demo has no more
+    conversations to hold out; a real fleet holds out a part of `capture regenerate`'s output)."""
+    rows = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()][:n]
+    out.write_text("".join(json.dumps({"input_ids": r["input_ids"][:48]}) + "\n" for r in rows))
+    return out
+
+
+def close_the_loop(d: DemoHost, training: Path, work: Path) -> tuple[int, int]:
+    """Steps 7-9: the trained drafter checked, deployed with the canary against the server without one, then
+    an untrained drafter refused by the canary and rolled back. (exit of the good deploy, of the bad one)"""
+    from patchctl.core import drafttrain
+
+    draft = Path(drafttrain.run_paths(training)["draft"])
+    if not (draft / "config.json").is_file():
+        print("(steps 7-9 skipped: no trained drafter, see step 3e)")
+        return 0, 1
+    prompts = held_out_prompts(work / "dataset.jsonl", work / "canary-prompts.jsonl")
+    gate = ["--prompts", str(prompts), "--max-new-tokens", str(DEMO_CANARY_NEW_TOKENS),
+            "--min-accept-length", DEMO_MIN_ACCEPT, "--limit", "local"]
+    say("7. drafter check: the trained draft alone, against the data it was trained on, against what the host serves")
+    patchctl("drafter", "check", str(draft), "--data", str(training), "--limit", "local")
+    say(f"8. drafter deploy: sent (content-addressed), baseline on the server without a drafter, restart with it, "
+        f"canary on the same {DEMO_CANARY_PROMPTS} prompts, gate (--min-accept-length {DEMO_MIN_ACCEPT}, never "
+        f"less than the baseline)")
+    rc_good = patchctl("drafter", "deploy", str(draft), *gate)
+    patchctl("status", "--limit", "local")
+    bad = untrained_drafter(draft, work / "untrained-draft")
+    say("9. an untrained drafter (the same files with SpecForge's initial weights: every check passes it): "
+        "the canary measures it against the trained one serving now and rolls it back, verified")
+    rc_bad = patchctl("drafter", "deploy", str(bad), *gate)
+    print(f"(exit {rc_bad}: 1 = refused by the canary, rolled back and verified)")
+    patchctl("status", "--limit", "local")
+    patchctl("history", "--limit", "local", "--last", "4")
+    return rc_good, rc_bad
+
+
 def main() -> int:
     missing = missing_packages()
     if missing:
@@ -206,12 +273,14 @@ def main() -> int:
     print(f"(exit {rc_bad}: 1 = failed, every touched host rolled back and verified)")
     patchctl("status", "--limit", "local")
     patchctl("history", "--limit", "local")
-    say("6. roll the demo host back to a clean tree")
+    say("6. roll the demo host back to a clean tree: a server captures or drafts, never both")
     rc = patchctl("rollback", "--limit", "local", "--to", "clean")
     patchctl("status", "--limit", "local")
+    rc_good, rc_bad_drafter = close_the_loop(d, training, d.root.parent / "work" / name) if rc_capture == 0 else (0, 1)
     pid = pid_on_port(d.port)
     say(f"the demo host's server is still running on {d.host}:{d.port}" + (f" (pid {pid})" if pid else "")
-        + ", unpatched, serving the demo tree")
+        + ", unpatched, serving the demo tree" + (" with the trained drafter (step 8)" if rc_good == 0 and rc_capture == 0
+                                                  else ""))
     print(f"    its log:       {d.log}")
     print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
     print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
@@ -223,7 +292,8 @@ def main() -> int:
         print(f"    train again:   {drafttrain.command_line(training, cpu=True)}")
     else:
         print(f"    training data: step 3 failed (exit {rc_capture}); see its output above")
-    return 0 if rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 else 1
+    return 0 if (rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 and rc_good == 0
+                 and rc_bad_drafter == 1) else 1
 
 
 if __name__ == "__main__":
