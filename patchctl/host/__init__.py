@@ -6,13 +6,17 @@ patchctl needs to be installed there. A host module imports only the standard
 library and its siblings (tests/test_host_package.py enforces it); the
 controller imports the same modules (`check` runs the applier locally).
 
-    agent    the ops a step runs (apply, restart, smoke, rollback, status, ...); main
-    events   progress events and heartbeats to the controller; AgentError
-    state    per-tree state: blobs, journal, manifest, history, run lock
-    server   server config, process/systemd managers, port ownership, readiness
-    smoke    the smoke extraction and dump validation
-    applier  a series applied to a scratch copy with git apply, then compiled
-    tree     where the SGLang tree is, its version, stale __pycache__
-    osutil   process and file helpers
-    atomic   atomic file replacement
+    agent       the agent: its plumbing, the read-only and delegating ops, the dispatcher; main
+    deploy_ops  the deploy and series ops (apply, restart, smoke, rollback, ...), a mixin of Agent
+    dispatch    the ops' handler registry (HANDLERS, @handles)
+    protocol    the host <-> controller contract's table (OPS, envelope, answer, events, kinds)
+    wire, records, answers   the contract's types: Record, on-host records, each op's answer
+    events      progress events and heartbeats to the controller; AgentError
+    state       per-tree state: blobs, journal, manifest, history, run lock
+    server      server config, process/systemd managers, port ownership, readiness
+    smoke       the smoke extraction and dump validation
+    applier     a series applied to a scratch copy with git apply, then compiled
+    tree        where the SGLang tree is, its version, stale __pycache__
+    osutil      process and file helpers
+    atomic      atomic file replacement
 """

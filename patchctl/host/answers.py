@@ -1,0 +1,343 @@
+"""What each op's `result` holds: one answer type per op (`protocol.OPS[op].answer`).
+
+The agent checks its result through its op's type before answering and `remote.call` reads it through
+the same type: a field the type does not name is an error on either side. The result travels as the
+handler built it (absent fields stay absent). Server configs, stage and smoke reports stay plain dicts.
+`Result` carries the agent's notes (every answer has them); `Facts` is a tree as the read-only ops see
+it. `protocol` re-exports every name here. Standard library only, Python 3.8 syntax: shipped to hosts
+with the rest of this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .records import HistoryEntry, Holder, Journal, Manifest, SeriesRef, Snapshot
+from .wire import Record
+
+
+@dataclass
+class Result(Record):
+    """What every op's answer carries: the agent's notes (the dispatcher adds them)."""
+
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class Facts(Result):
+    """A tree as the read-only ops see it (`Agent.facts`)."""
+
+    root: str = None
+    version: str = None
+    manifest: Manifest = None
+    drift: list = None
+    lock: Holder = None
+    python: str = None
+    hostname: str = None
+    server: dict = None  # `Agent._server_status`: running, series, port, manager, pid, uptime_s, health
+    drafter: dict = None  # the drafter this host's server speculates with (drafter.summary), None: none
+    config_change: dict = None  # the running server vs the inventory's config (server.config_change), None: same
+    NESTED = {"manifest": Manifest, "lock": Holder}
+
+
+@dataclass
+class ProbeAnswer(Facts):
+    """`probe` (plan, apply's preflight): the facts, a dry staging of the series, capture refusals."""
+
+    journal: Journal = None
+    stage: dict = None  # applier.stage's report
+    free_bytes: int = None
+    model_arch: str = None
+    capture_refusals: list = None
+    NESTED = dict(Facts.NESTED, journal=Journal)
+
+
+@dataclass
+class StatusAnswer(Facts):
+    interrupted: dict = None  # a journal left by an interrupted change: op, run_id, phase, files, recovery
+    history_tail: list = None
+    NESTED = dict(Facts.NESTED, history_tail=(list, HistoryEntry))
+
+
+@dataclass
+class HistoryAnswer(Result):
+    root: str = None
+    history: list = None
+    NESTED = {"history": (list, HistoryEntry)}
+
+
+@dataclass
+class UnlockAnswer(Result):
+    unlocked: Holder = None  # the holder released; None: nothing was locked
+    NESTED = {"unlocked": Holder}
+
+
+@dataclass
+class ServerSteps(Result):
+    """What restarting a server answers (`Agent._restart`), and a smoke after it (`{"smoke": report}`)."""
+
+    stop: dict = None  # the manager's stop report
+    dump_dir: object = None
+    ready_seconds: float = None
+    smoke: dict = None
+
+
+@dataclass
+class ApplyAnswer(ServerSteps):
+    """`apply`: the files part; with `then`, the restart and smoke that followed in the same command."""
+
+    changed: bool = None
+    note: str = None  # unchanged: why
+    already_verified: bool = None
+    files: list = None
+    patches: list = None  # applier.stage's per-patch report
+    replaced: Snapshot = None
+    version: str = None
+    root: str = None
+    history_id: str = None
+    server_before: dict = None
+    manifest: Manifest = None
+    config_change: dict = None  # the series was applied already; the server config changed (server.config_change)
+    NESTED = {"replaced": Snapshot, "manifest": Manifest}
+
+
+@dataclass
+class RollbackAnswer(ServerSteps):
+    changed: bool = None
+    note: str = None
+    files: list = None
+    to: SeriesRef = None
+    hand_edits_saved: str = None
+    server_before: dict = None  # restart = "stop" (a multi-node unit): the config the controller restarts
+    server: str = None  # what became of the server, in words
+    NESTED = {"to": SeriesRef}
+
+
+@dataclass
+class ServiceAnswer(ServerSteps):
+    action: str = None
+    deployed: dict = None  # series, version, status
+    running_before: bool = None
+    pid_before: int = None
+    changed: bool = None
+    note: str = None
+    pid: int = None
+
+
+@dataclass
+class PullAnswer(Result):
+    files: list = None  # pieces: path, offset, size, eof, data, sha256; or path, error, reason
+    root: str = None
+
+
+@dataclass
+class TokenizerAnswer(Result):
+    """`tokenizer.served`: the served model's tokenizer files (their bytes in `data` with `with_data`)."""
+
+    path: str = None
+    files: dict = None
+    digest: str = None
+    data: dict = None
+    model_path: str = None
+    tokenizer_path: str = None
+    why: str = None
+
+
+@dataclass
+class CaptureProbeAnswer(Result):
+    """`capture.probe`: whether this host takes part in an extraction run, and the facts it runs with."""
+
+    series: str = None
+    version: str = None
+    state: str = None
+    ready: bool = None
+    why: str = None
+    server_down: bool = None
+    dump_dir: str = None
+    rid_prefix: str = None
+    hidden_size: int = None
+    layers: int = None
+    expect: dict = None
+    bytes_per_token: int = None
+    free_bytes: int = None
+    model_path: str = None
+    num_hidden_layers: int = None
+    vocab_size: int = None
+    max_position_embeddings: int = None
+    architectures: list = None
+    format_version: int = None
+    config_context_len: int = None
+    config_context_from: str = None
+    max_req_input_len: int = None  # limits.from_server_info
+    context_length: int = None
+    max_total_num_tokens: int = None
+    server_info_error: str = None
+    tokenizer: dict = None  # path, digest, why
+    hostname: str = None
+    model_config: dict = None  # config.json's fields a draft config copies (smoke.DRAFT_FIELDS)
+    special_tokens: dict = None  # the served tokenizer's bos/eos/pad ids (tokenizer.special_ids)
+
+
+@dataclass
+class RegenerateProbeAnswer(Result):
+    ready: bool = None
+    port: int = None
+    why: str = None
+    model_path: str = None
+    tokenizer: dict = None
+    hostname: str = None
+
+
+@dataclass
+class StreamedAnswer(Result):
+    """A streamed op's counts (`streamed.Streamed`) and how it ended."""
+
+    done: int = None
+    failed: int = None
+    returned: int = None
+    tokens: int = None
+    stopped: str = None  # why this host took no more work
+    seconds: float = None
+
+
+@dataclass
+class CaptureAnswer(StreamedAnswer):
+    bytes: int = None
+    run_dir: str = None
+
+
+@dataclass
+class ConvertAnswer(Result):
+    converted: int = None
+    present: int = None
+    failed: int = None
+    bytes: int = None
+    tokens: int = None
+    seconds: float = None
+    out_dir: str = None
+    workers: int = None
+
+
+@dataclass
+class DrafterDeployAnswer(ServerSteps):
+    """`drafter_deploy`: the drafter recorded (pending) and the server restarted with it, ready."""
+
+    changed: bool = None
+    note: str = None  # unchanged: why
+    drafter: dict = None  # drafter.summary of the record written
+    previous: dict = None  # the drafter before it (None: none)
+    argv: list = None  # the command line the server runs now
+    argv_before: list = None
+
+
+@dataclass
+class DrafterFinalizeAnswer(Result):
+    drafter: dict = None
+
+
+@dataclass
+class DrafterRollbackAnswer(Result):
+    changed: bool = None
+    note: str = None
+    to: dict = None  # the drafter returned to (None: none)
+    from_: dict = None  # the drafter taken away
+    stop: dict = None
+    ready_seconds: float = None
+    server: str = None
+    argv: list = None
+    RENAMED = {"from_": "from"}
+
+
+@dataclass
+class ReadyAnswer(Result):
+    ready_seconds: float = None
+
+
+@dataclass
+class SmokeAnswer(Result):
+    smoke: dict = None  # smoke.smoke's report
+
+
+@dataclass
+class DrafterProbeAnswer(Result):
+    """`drafter_probe` (served.facts): the served model's config.json facts, the server's context length,
+    tokenizer digest, speculative flags and the env names that change a drafter's behaviour."""
+
+    running: bool = None
+    port: int = None
+    why: str = None
+    hostname: str = None
+    model_path: str = None
+    config_path: str = None
+    architectures: list = None
+    hidden_size: int = None
+    num_hidden_layers: int = None
+    vocab_size: int = None
+    max_position_embeddings: int = None
+    config_context_len: int = None
+    config_context_from: str = None
+    max_req_input_len: int = None
+    context_length: int = None
+    max_total_num_tokens: int = None
+    server_info_error: str = None
+    avg_spec_accept_length: list = None
+    server_speculative_algorithm: str = None
+    tokenizer: dict = None  # path, digest, why
+    env: dict = None  # SGLANG_SIMULATE_ACC_LEN, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN where set
+    speculative: dict = None  # algorithm, draft_path, num_steps, eagle_topk, num_draft_tokens (argv)
+
+
+@dataclass
+class AcceptAnswer(Result):
+    """`accept_measure` (accept.Measure): a prompt set's figures on the running server."""
+
+    requests: int = None
+    completion_tokens: int = None
+    prompt_tokens: int = None
+    seconds: float = None
+    tokens_per_s: float = None
+    spec_requests: int = None  # requests whose meta_info carries spec_verify_ct
+    verify_ct: int = None
+    accept_length: float = None  # sum(completion_tokens) / sum(spec_verify_ct); None: no speculation
+    accept_length_mean: float = None  # mean of per-request spec_accept_length (SpecForge's figure)
+    accept_rate: float = None
+    max_new_tokens: int = None
+    concurrency: int = None
+    warmup: int = None
+    flush: str = None
+    server_accept_before: list = None
+    server_accept_after: list = None
+    speculative: dict = None
+    env: dict = None
+    hostname: str = None
+
+
+@dataclass
+class ArtifactProbeAnswer(Result):
+    """`artifact_probe` (read only): what a host holds of a content-addressed artifact (host/artifact.py)."""
+
+    digest: str = None
+    path: str = None  # the draft directory on the host: <state_dir>/drafters/<digest>
+    materialised: bool = None  # <digest>.json and every file of the directory are there
+    objects: list = None  # sha256 of the complete (verified) objects present
+    parts: dict = None  # sha256 -> bytes of its .part (a transfer to resume)
+    conflicts: list = None  # objects/<sha256> that is not a file of the right size: {sha256, path, reason}
+    free_bytes: int = None  # free bytes of the file system drafters/ is (or will be) on
+
+
+@dataclass
+class ArtifactReceiveAnswer(Result):
+    """`artifact_receive` (streamed): what arrived, what was verified or refused, the draft directory."""
+
+    digest: str = None
+    path: str = None
+    received: int = None  # bytes read from the stream and written
+    kept: int = None  # bytes of .part files resumed (not sent again)
+    verified: list = None  # sha256 of the objects verified and renamed into objects/
+    present: list = None  # sha256 of objects another sender completed meanwhile (their bytes discarded)
+    refused: list = None  # {sha256, reason}: bytes that did not hash to it (the .part removed)
+    incomplete: list = None  # {sha256, have, size}: the stream ended before them
+    linked: int = None
+    copied: int = None
+    materialised: bool = None
+    seconds: float = None
