@@ -207,11 +207,15 @@ def untrained_drafter(trained: Path, out: Path) -> Path:
     return out
 
 
-def held_out_prompts(dataset: Path, out: Path, n: int = DEMO_CANARY_PROMPTS) -> Path:
-    """The canary's prompt set: the first tokens of the prepared dataset's samples (the demo has no more
-    conversations to hold out; a real fleet holds out a part of `capture regenerate`'s output)."""
+def canary_prompts(dataset: Path, out: Path, n: int = DEMO_CANARY_PROMPTS) -> Path:
+    """The canary's prompt set: each prepared sample's tokens up to its first trained token (the conversation
+    as it stood when the served model answered it). The demo has 8 conversations and trains on all of them, so
+    the canary measures in distribution; a fleet measures on a held-out part of `capture regenerate`'s output."""
     rows = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()][:n]
-    out.write_text("".join(json.dumps({"input_ids": r["input_ids"][:48]}) + "\n" for r in rows))
+    with open(out, "w") as fh:
+        for r in rows:
+            first = next((i for i, m in enumerate(r.get("loss_mask") or []) if m), len(r["input_ids"]))
+            fh.write(json.dumps({"input_ids": r["input_ids"][:max(first, 1)]}) + "\n")
     return out
 
 
@@ -224,7 +228,7 @@ def close_the_loop(d: DemoHost, training: Path, work: Path) -> tuple[int, int]:
     if not (draft / "config.json").is_file():
         print("(steps 7-9 skipped: no trained drafter, see step 3e)")
         return 0, 1
-    prompts = held_out_prompts(work / "dataset.jsonl", work / "canary-prompts.jsonl")
+    prompts = canary_prompts(work / "dataset.jsonl", work / "canary-prompts.jsonl")
     gate = ["--prompts", str(prompts), "--max-new-tokens", str(DEMO_CANARY_NEW_TOKENS),
             "--min-accept-length", DEMO_MIN_ACCEPT, "--limit", "local"]
     say("7. drafter check: the trained draft alone, against the data it was trained on, against what the host serves")
