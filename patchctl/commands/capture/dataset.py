@@ -129,6 +129,7 @@ class Problems:
 
 
 def short(v, n: int = 60) -> str:
+    """A bad value as problem messages quote it (JSON, or repr for a string), cut to n characters."""
     text = json.dumps(v) if not isinstance(v, str) else repr(v)
     return text if len(text) <= n else text[: n - 1] + "…"
 

@@ -28,6 +28,7 @@ def human_size(n: int) -> str:
 
 
 def eta(seconds: float | None) -> str:
+    """Seconds left as the progress line and summary show them ("?" when not known yet)."""
     if seconds is None:
         return "?"
     m, s = divmod(int(seconds), 60)
