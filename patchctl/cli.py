@@ -45,7 +45,7 @@ COMMANDS = {
     "capture prepare": ("patchctl.commands.capture.prepare", "run_prepare", None),
     "capture regenerate": ("patchctl.commands.capture.regenerate", "run_regenerate", CaptureOptions),
     "capture run": ("patchctl.commands.capture.runner", "run_capture", CaptureOptions),
-    "capture status": ("patchctl.commands.capture.collect", "run_capture_status", None),
+    "capture status": ("patchctl.commands.capture.status", "run_capture_status", None),
     "capture collect": ("patchctl.commands.capture.collect", "run_capture_collect", CaptureOptions),
     "drafter check": ("patchctl.commands.drafter.check", "run_check", DrafterOptions),
     "drafter bench": ("patchctl.commands.drafter.bench", "run_bench", DrafterOptions),

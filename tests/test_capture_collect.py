@@ -127,7 +127,7 @@ def test_a_changed_host_file_and_a_file_in_the_way_are_refused(fleet, tmp_path):
     shorter = Path(done[ids[1]]["path"])
     shorter.write_bytes(shorter.read_bytes()[:-8])
     dest = tmp_path / "out"
-    from patchctl.commands.capture.collect import target_rel
+    from patchctl.commands.capture.collection import target_rel
 
     in_the_way = dest / target_rel(ids[2], "safetensors")
     in_the_way.parent.mkdir(parents=True)

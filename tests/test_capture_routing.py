@@ -1,4 +1,4 @@
-"""The capture run's routing (runner.CaptureRun), driven event by event so each order of results is
+"""The capture run's routing (fleetjob.CaptureRun), driven event by event so each order of results is
 played exactly, not left to the timing of real hosts (test_capture_run.py runs the whole thing over
 real sshd hosts; a server killed there at one moment rather than another once left samples pending).
 
@@ -14,7 +14,7 @@ import json
 
 from patchctl.commands.capture import dataset as datasets
 from patchctl.commands.capture.journal import Journal
-from patchctl.commands.capture.runner import CaptureRun, Item, Lane, _Stream
+from patchctl.commands.capture.fleetjob import CaptureRun, Item, Lane, Stream
 from patchctl.core.console import App
 from patchctl.core.options import CaptureOptions
 from patchctl.core.session import Run
@@ -45,7 +45,7 @@ def setup(tmp_path, n, hosts=("a", "b", "c"), max_fail="1"):
     opts = CaptureOptions(in_flight=1, max_fail=max_fail)
     run = Run(App(patches_dir=tmp_path, inventory_path=inv), opts, "capture run")
     cr = CaptureRun(run.app, opts, run, "t", "patchctl-cap-t", ds, Journal(tmp_path), Progress())
-    lanes = [Lane(h, {}, stream=_Stream()) for h in run.hosts]
+    lanes = [Lane(h, {}, stream=Stream()) for h in run.hosts]
     cr.lanes = {l.host.name: l for l in lanes}
     cr.max_fail = 1
     cr.pending.extend(Item(s) for s in ds.samples)

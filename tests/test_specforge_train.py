@@ -60,7 +60,7 @@ def collection(tmp: Path, n: int, lengths=(48, 96)) -> tuple[Path, dict]:
 
 
 def emit(out: Path, facts: dict, longest: int) -> dict:
-    """What collect's _finish_collection writes: draft-config.json's fields, then the two training files."""
+    """What collection.finish_collection writes: draft-config.json's fields, then the two training files."""
     layer_sets = {"local": [{"layers_to_capture": CAPTURE, "eagle_aux_hidden_state_layer_ids": None}]}
     fields, problems = draftconfig.draft_config("conv", {"local": facts}, layer_sets)
     assert problems == []

@@ -99,7 +99,7 @@ class Dataset:
         return {"id": sample.id, "input_ids": obj["input_ids"], "loss_mask": obj.get("loss_mask")}
 
 
-class _Problems:
+class Problems:
     """Problems of a file, the first MAX_PROBLEMS kept; raised as one BadInput."""
 
     def __init__(self, path: Path):
@@ -128,7 +128,8 @@ class _Problems:
         raise err
 
 
-def _short(v, n: int = 60) -> str:
+def short(v, n: int = 60) -> str:
+    """A bad value as problem messages quote it (JSON, or repr for a string), cut to n characters."""
     text = json.dumps(v) if not isinstance(v, str) else repr(v)
     return text if len(text) <= n else text[: n - 1] + "…"
 
@@ -140,7 +141,7 @@ def _bad_ints(values: list, maybe_negative: bool) -> str | None:
     if types != {int}:
         other = next(t for t in types if t is not int)
         first = next(v for v in values if type(v) is other)
-        return f"a {other.__name__} ({_short(first)})"
+        return f"a {other.__name__} ({short(first)})"
     if maybe_negative and min(values) < 0:
         return f"a negative id ({min(values)})"
     return None
@@ -152,7 +153,7 @@ class JsonLines:
     what was expected (`a_line`, `an_object`). Yields (line number, byte offset, the line without its
     newline, object). Closes the file when done."""
 
-    def __init__(self, f, problems: "_Problems", a_line: str, an_object: str):
+    def __init__(self, f, problems: "Problems", a_line: str, an_object: str):
         self.f, self.problems, self.a_line, self.an_object = f, problems, a_line, an_object
         self.sha256 = hashlib.sha256()
         self.bytes = 0
@@ -164,7 +165,7 @@ class JsonLines:
             f = open(path, "rb")
         except OSError as e:
             raise BadInput(f"cannot read {what}: {e.strerror}", file=str(path)) from None
-        return cls(f, _Problems(path), a_line, an_object)
+        return cls(f, Problems(path), a_line, an_object)
 
     def finish(self, found: int, none: str) -> None:
         """After the last line: BadInput listing every problem, `none` when no line held anything (`found`)."""
@@ -212,7 +213,7 @@ def load_dataset(path, rid_prefix: str = "") -> Dataset:
                    has_loss_mask=any_mask, by_id=ids.by_id)
 
 
-def _check_sample(problems: _Problems, ln: int, line: bytes, obj: dict) -> tuple[str | None, int, int]:
+def _check_sample(problems: Problems, ln: int, line: bytes, obj: dict) -> tuple[str | None, int, int]:
     """(id or None when it is bad, token count, largest token id) of one line, its problems added."""
     if not ALLOWED.issuperset(obj):
         extra = sorted(set(obj) - ALLOWED)
@@ -220,13 +221,13 @@ def _check_sample(problems: _Problems, ln: int, line: bytes, obj: dict) -> tuple
                          f"allowed: id, input_ids, loss_mask (a misspelled loss_mask would train on every token)")
     sid = obj.get("id")
     if not isinstance(sid, str) or not sid:
-        problems.add(ln, "missing id" if "id" not in obj else f"id {_short(sid)}: expected a non-empty string")
+        problems.add(ln, "missing id" if "id" not in obj else f"id {short(sid)}: expected a non-empty string")
         sid = None
     ids = obj.get("input_ids")
     n = max_id = 0
     if not isinstance(ids, list) or not ids:
         problems.add(ln, "missing input_ids" if "input_ids" not in obj else
-                     f"input_ids {_short(ids)}: expected a non-empty list of token ids")
+                     f"input_ids {short(ids)}: expected a non-empty list of token ids")
         ids = None
     else:
         why = _bad_ints(ids, b"-" in line)
@@ -245,19 +246,19 @@ def _check_sample(problems: _Problems, ln: int, line: bytes, obj: dict) -> tuple
 def _bad_mask(mask, n: int | None) -> str | None:
     """Why a loss_mask is not one 0 or 1 per token (`n`: the token count, None when input_ids is bad), or None."""
     if not isinstance(mask, list):
-        return f"loss_mask {_short(mask)}: expected a list of 0 and 1"
+        return f"loss_mask {short(mask)}: expected a list of 0 and 1"
     if n is not None and len(mask) != n:
         return f"loss_mask has {len(mask)} values for {n} input_ids; expected one per token"
     if mask and (set(map(type, mask)) != {int} or not set(mask) <= {0, 1}):
         bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
-        return f"loss_mask holds {_short(bad)}: expected only 0 and 1"
+        return f"loss_mask holds {short(bad)}: expected only 0 and 1"
     return None
 
 
 class _Ids:
     """The samples kept so far: each id once, and no two ids dumped to the same file name."""
 
-    def __init__(self, problems: _Problems, rid_prefix: str):
+    def __init__(self, problems: Problems, rid_prefix: str):
         self.problems, self.rid_prefix = problems, rid_prefix
         self.samples: list[Sample] = []
         self.by_id: dict[str, int] = {}
@@ -270,7 +271,7 @@ class _Ids:
         name = safe_name(self.rid_prefix + s.id)
         if name in self.names:
             other = self.samples[self.by_id[self.names[name]]]
-            self.problems.add(s.line, f"id {_short(s.id)} and id {_short(other.id)} (line {other.line}) would be "
+            self.problems.add(s.line, f"id {short(s.id)} and id {short(other.id)} (line {other.line}) would be "
                                       f"dumped to the same file {name}.safetensors; rename one")
             return False
         self.names[name] = s.id
@@ -281,7 +282,7 @@ class _Ids:
 
 def again(sid: str, first_line: int) -> str:
     """The problem of an id seen before (datasets, conversations, prepare's input)."""
-    return f"id {_short(sid)} again (first on line {first_line}); ids must be unique"
+    return f"id {short(sid)} again (first on line {first_line}); ids must be unique"
 
 
 def length_bound(facts: dict) -> tuple[int | None, str]:
@@ -335,13 +336,13 @@ def check_against_model(dataset: Dataset, facts_by_host: dict[str, dict], *, len
                        "(--no-length-check sends without a bound)", file=str(dataset.path))
     vocab_min = min(((v, h + m) for h, m, v, _, _ in limits_ if v), default=None)
     tight = min(((b, h, src) for h, _, _, b, src in limits_ if b is not None), default=None)
-    problems = _Problems(dataset.path)
+    problems = Problems(dataset.path)
     for s in dataset.samples:
         if vocab_min and s.max_id >= vocab_min[0]:
-            problems.add(s.line, f"id {_short(s.id)}: token id {s.max_id} >= vocab_size {vocab_min[0]} of the model "
+            problems.add(s.line, f"id {short(s.id)}: token id {s.max_id} >= vocab_size {vocab_min[0]} of the model "
                                  f"served on {vocab_min[1]}; expected ids below {vocab_min[0]}")
         if tight and s.tokens > tight[0]:
-            problems.add(s.line, f"id {_short(s.id)}: {s.tokens} tokens; SGLang on {tight[1]} aborts prompts of "
+            problems.add(s.line, f"id {short(s.id)}: {s.tokens} tokens; SGLang on {tight[1]} aborts prompts of "
                                  f"{tight[0] + 1} tokens or more ({tight[2]}); expected at most {tight[0]}")
     problems.raise_if_any("nothing was sent")
     if not length_check:

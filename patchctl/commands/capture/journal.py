@@ -40,6 +40,7 @@ from patchctl.core.report import private_dir
 
 SYNC_EVERY_S = 0.05
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SHOWN = 20  # failures listed in human output of `capture status` and `collect` (--json lists all)
 
 
 def captures_root() -> Path:
@@ -141,6 +142,11 @@ def failure_lines(failures: list[dict], noun: str, shown: int) -> list[str]:
         return []
     head = f"failed {noun} ({len(failures)}" + (f", first {shown} shown" if len(failures) > shown else "") + "):"
     return [head] + [f"  {f['id']} on {f['host']}: {f['reason']}" for f in failures[:shown]]
+
+
+def mb(n: int) -> str:
+    """Bytes as `capture status` and `collect` print them."""
+    return f"{n / 1e6:,.1f} MB"
 
 
 class Journal:
@@ -245,3 +251,10 @@ def read_run_info(name: str) -> dict:
     except FileNotFoundError:
         raise BadInput(f"no capture run named {name!r} (looked for {path}); `patchctl capture run DATASET --name "
                        f"{name}` starts one") from None
+
+
+def load_run(name: str) -> tuple[dict, RunState]:
+    """A capture run's run.json and its journal's state (the name checked; no such run: BadInput)."""
+    check_run_name(name)
+    info = read_run_info(name)
+    return info, Journal(run_dir(name)).state()

@@ -9,7 +9,7 @@ the key its format uses: a ShareGPT message without a speaker reads `no "from"`,
 
 from __future__ import annotations
 
-from patchctl.commands.capture.dataset import _short
+from patchctl.commands.capture.dataset import short
 
 FORMAT_KEYS = {"conversations": ("from", "value"), "messages": ("role", "content")}
 
@@ -33,7 +33,7 @@ def role_of(m: dict, i: int, roles, list_key: str, keys: tuple[str, ...] = ("rol
         return None, f'message {i}: no "{key}"; {expected}'
     role = m[key]
     if not isinstance(role, str) or role not in roles:
-        return None, f'message {i}: "{key}" is {_short(role)}; {expected}'
+        return None, f'message {i}: "{key}" is {short(role)}; {expected}'
     return role, None
 
 
@@ -46,4 +46,4 @@ def content_problem(m: dict, i: int, role: str, list_key: str,
         return None
     if not found:
         return f'message {i} ({role}): no "{key}"; expected a string'
-    return f'message {i} ({role}): "{key}" is {_short(content)}; expected a string'
+    return f'message {i} ({role}): "{key}" is {short(content)}; expected a string'

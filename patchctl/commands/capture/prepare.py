@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 from patchctl.commands.capture import provenance
-from patchctl.commands.capture.dataset import MAX_PROBLEMS, _Problems, _short, again
+from patchctl.commands.capture.dataset import MAX_PROBLEMS, Problems, short, again
 from patchctl.commands.capture.messages import content_problem, role_of
 from patchctl.core.errors import BadInput
 from patchctl.core.options import RunOptions
@@ -104,12 +104,12 @@ class Preparer:
                     "no \"conversations\" (ShareGPT: [{from, value}]) or \"messages\" (OpenAI: [{role, content}]) list")
         conv = obj[keys[0]]
         if not isinstance(conv, list) or not conv:
-            return ("bad", ln, f"{keys[0]} {_short(conv)}: expected a non-empty list of messages")
+            return ("bad", ln, f"{keys[0]} {short(conv)}: expected a non-empty list of messages")
         sid = obj.get("id", f"line-{ln}")
         if isinstance(sid, int) and not isinstance(sid, bool):
             sid = str(sid)
         if not isinstance(sid, str) or not sid:
-            return ("bad", ln, f"id {_short(sid)}: expected a non-empty string")
+            return ("bad", ln, f"id {short(sid)}: expected a non-empty string")
         why = self._check_messages(conv, keys[0])
         if why:
             return ("bad", ln, why)
@@ -118,9 +118,9 @@ class Preparer:
             try:
                 tools = json.loads(tools)
             except ValueError:
-                return ("bad", ln, f"tools {_short(tools)}: not valid JSON")
+                return ("bad", ln, f"tools {short(tools)}: not valid JSON")
         if not isinstance(tools, list):
-            return ("bad", ln, f"tools {_short(tools)}: expected a list")
+            return ("bad", ln, f"tools {short(tools)}: expected a list")
         try:
             out, notes = self._run(conv, tools, self.max_length + 1)
             cut = [n for n in notes if any(c in n for c in CUT_SHORT)]
@@ -200,7 +200,7 @@ def run_prepare(app, args) -> int:
     global _WORKER
     _WORKER = Preparer(tokenizer, args.template, args.max_length, args.train_only_last_turn, args.truncate)
     workers = args.workers or os.cpu_count() or 1
-    made = _Made(_Problems(src))
+    made = _Made(Problems(src))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # renamed by provenance.publish, after its sidecar
     t0 = time.monotonic()
     try:
@@ -268,7 +268,7 @@ def _tokenizer_files(app, args):
 class _Made:
     """What prepare made of the conversations so far: samples written, their counts, what was left out."""
 
-    def __init__(self, problems: _Problems):
+    def __init__(self, problems: Problems):
         self.problems = problems
         self.no_trainable: list[tuple[int, str]] = []
         self.seen: dict[str, int] = {}
@@ -353,7 +353,7 @@ def _meta(args, tok_files, src: Path, made: _Made, dataset_sha: str) -> dict:
 def _report(app, args, src: Path, out: Path, made: _Made, tok_files, elapsed: float, workers: int) -> None:
     no_trainable = made.no_trainable
     for ln, sid in no_trainable[:MAX_PROBLEMS]:
-        app.info(f"{src}:{ln}: id {_short(sid)}: no trainable token (no assistant turn left after the template and "
+        app.info(f"{src}:{ln}: id {short(sid)}: no trainable token (no assistant turn left after the template and "
                  "--max-length): left out")
     if len(no_trainable) > MAX_PROBLEMS:
         app.info(f"{src}: {len(no_trainable)} conversations with no trainable token left out (the first "

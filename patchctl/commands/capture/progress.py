@@ -27,7 +27,8 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
-def _eta(seconds: float | None) -> str:
+def eta(seconds: float | None) -> str:
+    """Seconds left as the progress line and summary show them ("?" when not known yet)."""
     if seconds is None:
         return "?"
     m, s = divmod(int(seconds), 60)
@@ -99,7 +100,7 @@ class Progress:
         filled = int(width * s["done"] / max(1, s["total"]))
         t = Table.grid(padding=(0, 2))
         t.add_row(f"[{'#' * filled}{'.' * (width - filled)}] {s['done']}/{s['total']} samples",
-                  f"{s['tokens_per_s']:.0f} tok/s", human_size(s["bytes"]), f"ETA {_eta(s['eta_s'])}",
+                  f"{s['tokens_per_s']:.0f} tok/s", human_size(s["bytes"]), f"ETA {eta(s['eta_s'])}",
                   f"{s['failed']} failed" if s["failed"] else "")
         for h, v in s["hosts"].items():
             t.add_row(f"  {h}", f"{v['samples_per_s']:.1f} samples/s", f"{v['samples']} done", "", "")
@@ -108,7 +109,7 @@ class Progress:
     def _plain(self) -> str:
         s = self.snapshot()
         return (f"{s['done']}/{s['total']} samples, {s['tokens_per_s']:.0f} tok/s, {human_size(s['bytes'])}, ETA "
-                f"{_eta(s['eta_s'])}" + (f", {s['failed']} failed" if s["failed"] else "") + "; " +
+                f"{eta(s['eta_s'])}" + (f", {s['failed']} failed" if s["failed"] else "") + "; " +
                 ", ".join(f"{h} {v['samples_per_s']:.1f}/s" for h, v in s["hosts"].items()))
 
     def refresh(self) -> None:

@@ -2,7 +2,7 @@
 model's own answer, across every healthy server of the fleet, resumable.
 
 EAGLE-3 drafters accept more tokens when trained on the target model's own outputs. This is capture
-run's machinery (`runner.CaptureRun`: one long-running agent op per host over its SSH connection,
+run's machinery (`fleetjob.CaptureRun`: one long-running agent op per host over its SSH connection,
 conversations fed as the host finishes them so a faster server gets more, the journal, retries on
 another host, a dead server's work handed back, resume, progress) with another op on the hosts
 (`host/regenerate.py`: turn by turn through the server's chat endpoint, each turn's context holding the
@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, _short, again
+from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, short, again
 from patchctl.commands.capture.journal import (Journal, RunState, captures_root, check_run_name, failure_lines,
                                                status_table, tally, write_run_info)
 from patchctl.commands.capture.messages import content_problem, role_of
-from patchctl.commands.capture.progress import Progress, _eta
-from patchctl.commands.capture.runner import CaptureRun, Lane, _capture, default_name
+from patchctl.commands.capture.progress import Progress, eta
+from patchctl.commands.capture.fleetjob import CaptureRun, Lane, default_name, run_job
 from patchctl.core.console import table
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.fsutil import write_atomic
@@ -84,7 +84,7 @@ def messages_of(conv: list) -> list[dict]:
 def _check(conv, list_key: str) -> str | None:
     """Why a conversation cannot be regenerated, or None (`list_key`: "conversations" or "messages")."""
     if not isinstance(conv, list) or not conv:
-        return f"{list_key} {_short(conv)}: expected a non-empty list of messages"
+        return f"{list_key} {short(conv)}: expected a non-empty list of messages"
     seen_user = False
     prev = None
     assistants = 0
@@ -141,7 +141,7 @@ def _conversation(ln: int, obj: dict) -> tuple[str | None, str | None, str | Non
     if isinstance(sid, int) and not isinstance(sid, bool):
         sid = str(sid)
     if not isinstance(sid, str) or not sid:
-        return keys[0], None, f"id {_short(sid)}: expected a non-empty string"
+        return keys[0], None, f"id {short(sid)}: expected a non-empty string"
     return keys[0], sid, None
 
 
@@ -186,7 +186,7 @@ class RegenerateProgress(Progress):
         t = Table.grid(padding=(0, 2))
         t.add_row(f"[{'#' * filled}{'.' * (width - filled)}] {s['done']}/{s['total']} conversations",
                   f"{s['turns']} turns", f"{s['tokens']} tokens generated", f"{s['tokens_per_s']:.0f} tok/s",
-                  f"ETA {_eta(s['eta_s'])}", f"{s['failed']} failed" if s["failed"] else "")
+                  f"ETA {eta(s['eta_s'])}", f"{s['failed']} failed" if s["failed"] else "")
         for h, v in s["hosts"].items():
             t.add_row(f"  {h}", "", f"{v['tokens']} tokens", f"{v['tokens_per_s']:.0f} tok/s",
                       f"{v['conversations']} done", "")
@@ -195,7 +195,7 @@ class RegenerateProgress(Progress):
     def _plain(self) -> str:
         s = self.snapshot()
         return (f"{s['done']}/{s['total']} conversations, {s['turns']} turns, {s['tokens']} tokens generated, "
-                f"{s['tokens_per_s']:.0f} tok/s, ETA {_eta(s['eta_s'])}" + (f", {s['failed']} failed" if s["failed"] else "")
+                f"{s['tokens_per_s']:.0f} tok/s, ETA {eta(s['eta_s'])}" + (f", {s['failed']} failed" if s["failed"] else "")
                 + "; " + ", ".join(f"{h} {v['tokens_per_s']:.0f} tok/s" for h, v in s["hosts"].items()))
 
     def summary(self, name: str, lanes, skipped: dict[str, str], *, done: int, total: int, failed: dict[str, str],
@@ -323,7 +323,7 @@ def run_regenerate(app, opts: CaptureOptions) -> int:
                           "hosts": {l.host.name: {"model_path": l.info.get("model_path"),
                                                   "tokenizer": l.info.get("tokenizer")} for l in lanes}}
         write_run_info(directory, info)
-        return _capture(app, opts, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
+        return run_job(app, opts, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
     finally:
         run.close()
 

@@ -1,0 +1,188 @@
+"""`capture collect RUN --format specforge --on-host DIR`: every host converts its own verified dumps into
+SpecForge's offline `.ckpt` files in DIR on that host (agent op `convert`, host/convert.py), fed its
+samples (and their loss masks) on stdin; nothing of the data comes to the controller. Each converted file
+comes back as an event and goes into the index on this machine (--to, by default the run's `on-host`
+directory; capture/collection.py writes it). Progress and summary are `capture run`'s (capture/progress.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from patchctl.commands.capture.collection import (ALL_ONES, INDEX, OK_STATES, Item, finish_collection, loss_mask,
+                                                  not_collected, pending_by_host, plan_items, prepare_to,
+                                                  print_summary, run_dataset, write_summary)
+from patchctl.commands.capture.journal import RunState, mb, run_dir
+from patchctl.core.console import App
+from patchctl.core.errors import BadInput
+from patchctl.core.options import CaptureOptions
+from patchctl.core.session import Run, host_error
+from patchctl.host import convert as hconvert
+
+STREAM_LINES = 64  # samples per write on a host's stdin
+
+
+class OnHost:
+    """`collect --format specforge --on-host DIR`: one agent op `convert` per host (host/convert.py), fed its
+    samples on stdin; each converted file comes back as an event and goes into the index in --to."""
+
+    def __init__(self, app: App, run: Run, name: str, info: dict, st: RunState, out: Path, host_dir: str, workers,
+                 dataset, progress):
+        self.app, self.run, self.name, self.info, self.out, self.host_dir = app, run, name, info, out, host_dir
+        self.ids = list(st.done)
+        self.workers = workers
+        self.dataset = dataset
+        self.progress = progress
+        self._index = open(out / INDEX, "ab")
+        self._lock = threading.Lock()
+
+    def close(self):
+        self._index.close()
+
+    def entry(self, it: Item) -> dict:
+        facts = (self.info.get("hosts") or {}).get(it.host) or {}
+        return {"id": it.id, "tokens": it.rec.get("tokens"), "file": it.rel, "host_dir": self.host_dir, "host": it.host,
+                "host_path": it.rec.get("path"), "sha256": it.sha256, "bytes": it.bytes,
+                "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
+                "hidden_size": facts.get("hidden_size"), "layers": it.layers, "layers_source": it.layers_source,
+                "loss_mask": it.mask_source or ALL_ONES}
+
+    def _lines(self, items: list[Item]):
+        """The host's samples as stdin chunks, made as the host reads them (loss masks read from the dataset)."""
+        buf = []
+        for it in items:
+            line = {"id": it.id, "path": it.rec.get("path"), "sha256": it.rec.get("sha256"), "bytes": it.rec.get("bytes"),
+                    "tokens": it.rec.get("tokens")}
+            mask, it.mask_source = self.loss_mask(it.id)
+            if mask is not None:
+                line["loss_mask"] = mask
+            buf.append(json.dumps(line, separators=(",", ":")) + "\n")
+            if len(buf) >= STREAM_LINES:
+                yield "".join(buf).encode()
+                buf = []
+        if buf:
+            yield "".join(buf).encode()
+
+    def loss_mask(self, sid: str) -> tuple[list | None, str]:
+        return loss_mask(self.dataset, sid)
+
+    def on_event(self, by_id: dict[str, Item], host: str, ev: dict) -> None:
+        kind = ev.get("event")
+        it = by_id.get(ev.get("id"))
+        if it is None or kind not in ("sample_converted", "sample_failed"):
+            return
+        if kind == "sample_failed":
+            it.status, it.reason = ev.get("status") or "failed", f"{host}:{it.rec.get('path')}: {ev.get('reason')}"
+            self.progress.sample_failed(host, it.id, it.reason)
+            return
+        if ev.get("file") != it.rel or ev.get("source_sha256") != it.rec.get("sha256"):
+            it.status, it.reason = "failed", f"{host} answered {ev.get('file')!r} (source {ev.get('source_sha256')}) for it"
+            return
+        it.status = "present" if ev.get("present") else "converted"
+        it.sha256, it.bytes = ev.get("sha256"), int(ev.get("bytes") or 0)
+        it.layers, it.layers_source = ev.get("layers"), "file"
+        line = (json.dumps(self.entry(it), sort_keys=True) + "\n").encode()
+        with self._lock:
+            self._index.write(line)
+            self._index.flush()
+        self.progress.sample_done(host, int(it.rec.get("tokens") or 0), it.bytes)
+
+    def host(self, host, items: list[Item]) -> tuple[int, str, dict | None]:
+        from patchctl.core import remote
+
+        facts = (self.info.get("hosts") or {}).get(host.name) or {}
+        by_id = {it.id: it for it in items}
+        s = self.run.session(host)
+        req = s.request("convert", run=self.name, out_dir=self.host_dir, host=host.name, ids=self.ids,
+                        expect=facts.get("expect") or {}, layers=facts.get("layers") or hconvert.SPECFORGE_K,
+                        workers=self.workers,
+                        # tests: the host pauses after each sample (a conversion that can be interrupted half way)
+                        pause_s=float(os.environ.get("PATCHCTL_CONVERT_PAUSE_S") or 0) or None)
+        try:
+            res = remote.call(s.transport, req, on_event=lambda ev: self.on_event(by_id, host.name, ev),
+                              silence=self.run.silence, stream=self._lines(items))
+        except Exception as e:  # noqa: BLE001 - this host's remaining samples are reported, the others go on
+            outcome, msg = host_error(e)
+            for it in items:
+                if it.status == "pending":
+                    it.status, it.reason = "host error", f"{outcome}: {msg}"
+            return outcome.exit_code, f"{outcome}: {msg}", None
+        finally:
+            s.close()
+        left = [it for it in items if it.status == "pending"]
+        for it in left:
+            it.status, it.reason = "no answer", f"{host.name} ended without an answer for it"
+        bad = sum(it.status not in OK_STATES for it in items)
+        msg = (f"{res.get('converted', 0)} converted, {res.get('present', 0)} already there, {res.get('failed', 0)} failed; "
+               f"{mb(res.get('bytes') or 0)} in {res.get('seconds')}s with {res.get('workers')} workers")
+        return (1 if bad else 0), msg, res
+
+
+def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunState, host_dir: str) -> int:
+    if not host_dir or "\0" in host_dir:
+        raise BadInput("--on-host: expected a directory path on the hosts")
+    out = Path(opts.to).expanduser().absolute() if opts.to is not None else run_dir(name) / "on-host"
+    fmt = "specforge-on-host"
+    run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
+    prepare_to(out, name, fmt, st)
+    dataset = run_dataset(info)
+    items = plan_items(st, out, fmt, {}, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
+    for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
+        if it.status in ("conflict", "present"):
+            it.status, it.reason = "pending", ""
+    created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    (out / INDEX).write_bytes(b"")
+    write_summary(out, name, info, fmt, items, "collecting", created, on_host=host_dir)
+    by_host = pending_by_host(items)
+    hosts = [h for h in run.hosts if h.name in by_host]
+    from patchctl.commands.capture.progress import Progress
+
+    progress = Progress(app, run_dir(name), run.run_id, total=sum(len(v) for v in by_host.values()), already=0,
+                        hosts=[h.name for h in hosts])
+    job = OnHost(app, run, name, info, st, out, host_dir, opts.workers, dataset, progress)
+    codes: list[int] = []
+    with progress:
+        progress.announce(f"collect {name} --on-host {host_dir} (specforge): {len(st.done)} samples done in the journal; "
+                          f"{sum(len(v) for v in by_host.values())} to convert on {len(hosts)} host(s); index in {out}")
+        try:
+            results = _convert_on(job, hosts, by_host, progress)
+        finally:
+            job.close()
+            run.close()
+        for h in hosts:
+            code, msg, _res = results[h.name]
+            codes.append(code)
+            progress.emit({"event": "host_result", "host": h.name, "exit_code": code, "message": msg})
+            app.info(f"{h.name}: {msg}")
+        summary, failures = finish_collection(out, name, info, fmt, items, created, job.entry, on_host=host_dir)
+        code = not_collected(failures, codes, lambda f: progress.emit({"event": "not_collected", **f}))
+        progress.emit({"event": "run_end", "exit_code": code, "summary": summary, **progress.snapshot()})
+    print_summary(app, out, summary, items, failures)
+    return code
+
+
+def _convert_on(job: OnHost, hosts: list, by_host: dict[str, list[Item]], progress) -> dict[str, tuple]:
+    """One thread per host drives its `convert` op; the progress refreshed until every host has answered."""
+    results: dict[str, tuple] = {}
+    finished = threading.Event()
+
+    def drive(h):
+        try:
+            results[h.name] = job.host(h, by_host[h.name])
+        except Exception as e:  # noqa: BLE001 - a bug here fails this host, loudly, and never hangs the others
+            results[h.name] = (3, f"needs attention: {e.__class__.__name__}: {e}", None)
+        finally:
+            if len(results) == len(hosts):
+                finished.set()
+
+    threads = [threading.Thread(target=drive, args=(h,), name=f"convert {h.name}", daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    while hosts and not finished.wait(0.2):
+        progress.refresh()
+    return results
+
