@@ -43,11 +43,9 @@ SETUP_COMMAND = ("pip install -e '.[sim,prepare,train]' && pip install --no-deps
 # step 3e: a short training on the demo's samples, enough to see SpecForge's loss fall (measured on 2 cores);
 # a real drafter trains with specforge-run.yaml's own epochs and learning rate
 DEMO_TRAIN = ["training.max_steps=16", "training.learning_rate=0.01", "training.log_interval=1"]
-# steps 7-9: the canary's prompt set (the first tokens of the dataset's samples), its answers' length, and the
-# gate the demo's tiny training is held to (a real drafter is held to the default 1.5 or the user's own)
+# steps 7-9: the canary's prompt set (the samples' conversations before their first answer) and its answers' length
 DEMO_CANARY_PROMPTS = 8
 DEMO_CANARY_NEW_TOKENS = 32
-DEMO_MIN_ACCEPT = "1.2"
 
 
 def say(msg: str) -> None:
@@ -229,18 +227,21 @@ def close_the_loop(d: DemoHost, training: Path, work: Path) -> tuple[int, int]:
         print("(steps 7-9 skipped: no trained drafter, see step 3e)")
         return 0, 1
     prompts = canary_prompts(work / "dataset.jsonl", work / "canary-prompts.jsonl")
-    gate = ["--prompts", str(prompts), "--max-new-tokens", str(DEMO_CANARY_NEW_TOKENS),
-            "--min-accept-length", DEMO_MIN_ACCEPT, "--limit", "local"]
+    gate = ["--prompts", str(prompts), "--max-new-tokens", str(DEMO_CANARY_NEW_TOKENS), "--limit", "local"]
     say("7. drafter check: the trained draft alone, against the data it was trained on, against what the host serves")
     patchctl("drafter", "check", str(draft), "--data", str(training), "--limit", "local")
     say(f"8. drafter deploy: sent (content-addressed), baseline on the server without a drafter, restart with it, "
-        f"canary on the same {DEMO_CANARY_PROMPTS} prompts, gate (--min-accept-length {DEMO_MIN_ACCEPT}, never "
-        f"less than the baseline)")
+        f"canary on the same {DEMO_CANARY_PROMPTS} prompts, the default gate (acceptance length >= 1.5, never less "
+        f"than the baseline): kept, or rolled back and verified")
     rc_good = patchctl("drafter", "deploy", str(draft), *gate)
+    if rc_good == 1:
+        print(f"(exit 1: the canary measured the drafter of step 3e's {DEMO_TRAIN[0].split('=')[1]} CPU steps and "
+              "refused it: the server is back as it was, verified. A drafter worth serving trains with "
+              "specforge-run.yaml's own epochs, on GPUs; this one never served a user request unmeasured.)")
     patchctl("status", "--limit", "local")
     bad = untrained_drafter(draft, work / "untrained-draft")
     say("9. an untrained drafter (the same files with SpecForge's initial weights: every check passes it): "
-        "the canary measures it against the trained one serving now and rolls it back, verified")
+        "the canary measures it against what serves now and rolls it back, verified")
     rc_bad = patchctl("drafter", "deploy", str(bad), *gate)
     print(f"(exit {rc_bad}: 1 = refused by the canary, rolled back and verified)")
     patchctl("status", "--limit", "local")
@@ -284,7 +285,7 @@ def main() -> int:
     pid = pid_on_port(d.port)
     say(f"the demo host's server is still running on {d.host}:{d.port}" + (f" (pid {pid})" if pid else "")
         + ", unpatched, serving the demo tree" + (" with the trained drafter (step 8)" if rc_good == 0 and rc_capture == 0
-                                                  else ""))
+                                                  else "") + "")
     print(f"    its log:       {d.log}")
     print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
     print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
@@ -296,7 +297,8 @@ def main() -> int:
         print(f"    train again:   {drafttrain.command_line(training, cpu=True)}")
     else:
         print(f"    training data: step 3 failed (exit {rc_capture}); see its output above")
-    return 0 if (rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 and rc_good == 0
+    # step 8 ends either way the gate decides (0 kept, 1 refused and rolled back); anything else is a failure
+    return 0 if (rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 and rc_good in (0, 1)
                  and rc_bad_drafter == 1) else 1
 
 
