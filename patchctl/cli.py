@@ -304,6 +304,23 @@ def _plan_command(cmd: _Commands) -> None:
     sp.add_argument("--diff", action="store_true", help="also show the unified diff of every file (coloured on a terminal)")
 
 
+def _rollout_flags(sp, what: str) -> None:
+    """--canary, --batch, --max-fail: the rollout every fleet command that changes hosts shares (core.rollout's rules)."""
+    sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help=f"{what} N units first, alone (default 0)")
+    sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
+                    help="batch sizes after the canary: N, P%% of the selected units (rounded up), or a list "
+                         "1,25%%,100%% whose last entry repeats (default: all at once)")
+    sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
+                    help="failed units tolerated before the run stops; P%% of the selected units, rounded down (default 0)")
+
+
+def _run_log_flags(sp) -> None:
+    """--junit and --log-dir of a fleet command that changes hosts."""
+    _junit(sp, "one test case per host step")
+    sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
+                    help="where run logs go (default ~/.local/state/patchctl/runs, or $XDG_STATE_HOME/patchctl/runs)")
+
+
 def _apply_command(cmd: _Commands) -> None:
     sp = cmd("apply", "apply a series, restart, smoke; roll back on failure", epilog=APPLY_EPILOG)
     _series_arg(sp, "the series to deploy")
@@ -313,19 +330,12 @@ def _apply_command(cmd: _Commands) -> None:
     sp.add_argument("--no-smoke", action="store_true", help="restart but skip the smoke extraction")
     sp.add_argument("--skip-trace", action="store_true",
                     help="skip the reachability preflight (deploy even if the trace says the hook never runs; the smoke decides)")
-    sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help="deploy N units first, alone (default 0)")
-    sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
-                    help="batch sizes after the canary: N, P%% of the selected units (rounded up), or a list "
-                         "1,25%%,100%% whose last entry repeats (default: all at once)")
-    sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
-                    help="failed units tolerated before the run stops; P%% of the selected units, rounded down (default 0)")
+    _rollout_flags(sp, "deploy")
     sp.add_argument("--on-fail", choices=["rollback-failed", "rollback-all", "halt"], default="rollback-failed",
                     help="rollback-failed (default): roll back each failed unit; rollback-all: also return every unit "
                          "this run deployed to its previous state once the run stops; halt: leave a failed unit "
                          "patched for inspection (exit 3)")
-    _junit(sp, "one test case per host step")
-    sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
-                    help="where run logs go (default ~/.local/state/patchctl/runs, or $XDG_STATE_HOME/patchctl/runs)")
+    _run_log_flags(sp)
 
 
 def _service_command(cmd: _Commands) -> None:
@@ -340,14 +350,8 @@ def _service_command(cmd: _Commands) -> None:
             g.add_argument("--smoke", dest="smoke", action="store_true", default=None,
                            help="smoke after the start (default: where a capture series is deployed)")
             g.add_argument("--no-smoke", dest="smoke", action="store_false", help="no smoke after the start")
-        sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help="N units first, alone (default 0)")
-        sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
-                        help="batch sizes after the canary, as for apply (default: all at once)")
-        sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
-                        help="failed units tolerated before the run stops, as for apply (default 0)")
-        _junit(sp, "one test case per host step")
-        sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
-                        help="where run logs go (default $XDG_STATE_HOME/patchctl/runs)")
+        _rollout_flags(sp, name)
+        _run_log_flags(sp)
 
 
 def _rollback_command(cmd: _Commands) -> None:
@@ -558,16 +562,6 @@ def _drafter_bench(cmd: _Commands) -> None:
     _hostkeys(bp)
 
 
-def _rollout_flags(sp, what: str) -> None:
-    """--canary, --batch, --max-fail as apply has them (core.rollout's rules)."""
-    sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help=f"{what} N units first, alone (default 0)")
-    sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
-                    help="batch sizes after the canary: N, P%% of the selected units (rounded up), or a list "
-                         "1,25%%,100%% whose last entry repeats (default: all at once)")
-    sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
-                    help="failed units tolerated before the run stops; P%% of the selected units, rounded down (default 0)")
-
-
 def _drafter_deploy(cmd: _Commands) -> None:
     dp = cmd("deploy", "send a trained EAGLE-3 drafter, restart with it, keep it only where its measured acceptance passes",
              "Deploy a trained EAGLE-3 draft directory: checked on its own, against --data and against every host's\n"
@@ -601,8 +595,7 @@ def _drafter_deploy(cmd: _Commands) -> None:
     _limit(dp)
     _hostkeys(dp)
     _rollout_flags(dp, "deploy to")
-    _junit(dp, "one test case per host step")
-    dp.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="where run logs go")
+    _run_log_flags(dp)
 
 
 def _drafter_rollback(cmd: _Commands) -> None:
@@ -612,8 +605,7 @@ def _drafter_rollback(cmd: _Commands) -> None:
     _limit(rp)
     _hostkeys(rp)
     _rollout_flags(rp, "roll back")
-    _junit(rp, "one test case per host step")
-    rp.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="where run logs go")
+    _run_log_flags(rp)
 
 
 def _fraction(text: str) -> float:

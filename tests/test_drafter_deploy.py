@@ -9,11 +9,10 @@ export format; the fitted one trained in plain torch for a few seconds)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from draft_util import fit_good_draft, save_draft, write_draft_dir
+from draft_util import fit_good_draft, write_draft_dir
 from fleet import Fleet
 
 IDS = [1, 3, 4]  # the eagle_config ids of a Llama-convention target: capture layers [2, 4, 5]

@@ -47,7 +47,7 @@ from .deploy_ops import DeployOps, _originals
 from .dispatch import HANDLERS, handles
 from .drafter import read_record, refusal_with_capture, summary as drafter_summary
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
-from .osutil import expand, proc_uptime
+from .osutil import existing_ancestor, expand, proc_uptime
 from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, HistoryEntry, Holder, ProtocolError,
                        check_request)
 from .pull import pull
@@ -186,7 +186,7 @@ class Agent(DeployOps):
         f["server"] = self._server_status(mgr, cfg)
         if self.req.get("series"):
             f["config_change"] = self._config_change(mgr, (self.req["series"].get("smoke") or None))
-        f["free_bytes"] = shutil.disk_usage(_existing(self.state_dir)).free
+        f["free_bytes"] = shutil.disk_usage(existing_ancestor(self.state_dir)).free
         f["model_arch"] = model_arch_of(cfg["argv"])
         if self.req.get("series"):
             f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke"))
@@ -380,13 +380,6 @@ class Agent(DeployOps):
     def op_artifact_receive(self):
         """The missing bytes of a drafter artifact from stdin, verified, then its directory (artifact.receive)."""
         return artifact.receive(self.state_dir, self.req, self.stdin)
-
-
-def _existing(path):
-    """path, or its nearest existing ancestor (the file system a directory not yet made will be on)."""
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 def handle(req):

@@ -40,7 +40,7 @@ import time
 
 from .atomic import write_atomic
 from .events import AgentError, event, heartbeat
-from .osutil import expand, fsync_dir
+from .osutil import existing_ancestor, expand, fsync_dir
 
 CHUNK = 1 << 20  # bytes read from stdin (and re-hashed from a .part) at a time
 _HEX = frozenset("0123456789abcdef")
@@ -108,12 +108,6 @@ def _dirs(state_dir):
     return root, os.path.join(root, "objects")
 
 
-def _existing(path):
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def _lstat(path):
     try:
         return os.lstat(path)
@@ -178,7 +172,7 @@ def probe(state_dir, digest, files):
             parts[sha] = part
     return {"digest": digest, "path": os.path.join(root, digest), "materialised": _materialised(root, digest, files, canonical(files)),
             "objects": have, "parts": parts, "conflicts": conflicts,
-            "free_bytes": shutil.disk_usage(_existing(root)).free}
+            "free_bytes": shutil.disk_usage(existing_ancestor(root)).free}
 
 
 def _check_plan(files, plan):
@@ -270,10 +264,10 @@ class Receiver(object):
         check_manifest(self.digest, self.files)
         _check_plan(self.files, self.plan)
         need = sum(p["size"] - p["offset"] for p in self.plan)
-        free = shutil.disk_usage(_existing(self.root)).free
+        free = shutil.disk_usage(existing_ancestor(self.root)).free
         if need and free - need < self.keep_free:
             raise AgentError("bad_input", "%s: not enough free disk under %s for artifact %s: %d bytes needed, %d free, "
-                             "keep_free %d" % (socket.gethostname(), _existing(self.root), self.digest, need, free,
+                             "keep_free %d" % (socket.gethostname(), existing_ancestor(self.root), self.digest, need, free,
                                                self.keep_free), needed=need, free=free, keep_free=self.keep_free)
 
     def run(self):

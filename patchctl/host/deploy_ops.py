@@ -19,7 +19,7 @@ import time
 from . import applier
 from .dispatch import handles
 from .events import AgentError, ControllerGone, event
-from .osutil import expand, now, sha256_bytes, sha256_file, write_json
+from .osutil import existing_ancestor, expand, now, sha256_bytes, sha256_file, write_json
 from .records import FileRecord, HistoryEntry, Manifest, Meta, PatchRef, Profile, SeriesRef
 from .server import config_change, manager_for, prepare_dump_dir, wait_ready
 from .smoke import smoke
@@ -228,10 +228,7 @@ class DeployOps(object):
         d = cfg["env"].get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
         if not d:
             return
-        probe = expand(d)
-        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)
-        free = shutil.disk_usage(probe).free
+        free = shutil.disk_usage(existing_ancestor(expand(d))).free
         min_free = int(self.req.get("min_free_bytes") or 1 << 30)
         if free < min_free:
             raise AgentError("bad_input", "only %.1f GiB free for dumps at %s (need at least %.1f GiB)" % (

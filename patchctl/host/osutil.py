@@ -115,3 +115,9 @@ def log_tail(path, lines=30):
         return ""
     return "\n".join(text.splitlines()[-lines:])
 
+
+def existing_ancestor(path):
+    """path, or its nearest existing ancestor (the file system a directory not yet made will be on)."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
