@@ -57,6 +57,10 @@ class DrafterUnit:
             return UnitResult(self.names, outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
         try:
             base = self._measure("baseline")
+        except PatchctlError as e:
+            outcome, msg = host_error(e)
+            return UnitResult(self.names, outcome, f"baseline measurement failed: {msg}; nothing changed")
+        try:
             res = s.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
         except AgentFailure as e:
             if e.details.get("rolled_back") is not None:
@@ -74,13 +78,13 @@ class DrafterUnit:
         try:
             new = self._measure("canary")
         except PatchctlError as e:
-            return self._roll_back(f"canary measurement failed: {e}", None, base)
+            return self._roll_back(f"canary measurement failed: {e}", None)
         missed = self.ctx["gate"].verdict(base, new)
         figures = f"baseline {describe(base)} -> new {describe(new)}; prompts {self.ctx['prompts_digest'][:12]}"
         acceptance = {"baseline": base, "new": new, "prompts_sha256": self.ctx["prompts_digest"],
                       "max_new_tokens": self.opts.max_new_tokens, "gate": self.ctx["gate_words"]}
         if missed:
-            return self._roll_back("; ".join(missed), figures, base)
+            return self._roll_back("; ".join(missed), figures)
         try:
             s.call("drafter_finalize", "verified", acceptance=acceptance)
         except PatchctlError as e:
@@ -122,7 +126,7 @@ class DrafterUnit:
             rep.step_end(rec, True, describe(m))
         return m
 
-    def _roll_back(self, why: str, figures: str | None, base: dict) -> UnitResult:
+    def _roll_back(self, why: str, figures: str | None) -> UnitResult:
         try:
             rb = self.session.call("drafter_rollback", "rollback", to="previous", reason=f"canary: {why}",
                                    host_name=self.name)
