@@ -10,7 +10,6 @@ import atexit
 import dataclasses
 import importlib
 import os
-import re
 import shlex
 import sys
 import threading
@@ -18,9 +17,11 @@ from pathlib import Path
 
 from patchctl import __version__
 from patchctl.core.console import App
-from patchctl.core.errors import EXIT_BAD_INPUT, PatchctlError
+from patchctl.core.errors import PatchctlError
 from patchctl.core.options import CaptureOptions, DeployOptions, DrafterOptions, QueryOptions
-from patchctl.core.rollout import parse_batch, parse_max_fail_spec
+from patchctl.cliargs import (Commands, Parser, add_globals, fraction, hostkeys_args, junit_arg, limit_arg, max_fail_spec,
+                              positive_int, rollout_flags, run_log_flags, run_name_arg, series_arg, size_spec,
+                              tree_or_release)
 
 # command -> (module, function, options). Modules are imported on use so that `patchctl series` does not
 # pay for paramiko, and a missing optional dependency only breaks its own command. A fleet command gets its
@@ -131,233 +132,96 @@ takes part, nothing sent; 3 a host's state is unknown; 130 Ctrl-C (in-flight sam
 the journal flushed: run the same command again to go on)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # exit 2 with one line, like every other bad input
-        self.print_usage(sys.stderr)
-        print(f"patchctl: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
-
-
-# --- argument types: bad values are refused before anything is read or touched (exit 2) ---------
-
-_COUNT = re.compile(r"\d+")
-
-
-def positive_int(text: str) -> int:
-    if not _COUNT.fullmatch(text.strip()) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 1 or more")
-    return int(text)
-
-
-def non_negative_int(text: str) -> int:
-    if not _COUNT.fullmatch(text.strip()):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 0 or more")
-    return int(text)
-
-
-def _rollout_rule(parse):
-    """An argument type from one of core.rollout's parsers: the same rules the commands resolve with."""
-    def check(text: str) -> str:
-        try:
-            parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return text
-    check.__name__ = parse.__name__.removeprefix("parse_")  # argparse names the type in some messages
-    return check
-
-
-batch_spec = _rollout_rule(parse_batch)
-max_fail_spec = _rollout_rule(parse_max_fail_spec)
-
-
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def size_spec(text: str) -> int:
-    """A number of bytes: 512MB, 1.5GiB, 0 (plain numbers are bytes)."""
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 0, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-
-# --- the parser: shared pieces, then one function per command ---------------------------------
-
-def _add_globals(p, top: bool):
-    """Global options live in a parent parser too, so that `patchctl status --json` works: on a
-    subcommand they default to SUPPRESS and only override the top-level value when given there."""
-    d = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
-    p.add_argument("--inventory", type=Path, default=d(None), metavar="FILE",
-                   help="inventory TOML: hosts, groups, servers (default: $PATCHCTL_INVENTORY, else "
-                        "./inventory.toml, else $XDG_CONFIG_HOME/patchctl/inventory.toml)")
-    p.add_argument("--patches", type=Path, default=d(None), metavar="DIR",
-                   help="patches directory holding <series>/series.toml (default ./patches, else the shipped one)")
-    p.add_argument("--json", action="store_true", default=d(False),
-                   help="machine-readable results on stdout (apply/rollback/smoke: one JSON event per line); "
-                        "human progress still goes to stderr")
-    p.add_argument("-v", "--verbose", action="store_true", default=d(False),
-                   help="more detail: every agent event, every reached chain of a trace")
-
-
-class _Commands:
-    """Adds (sub)commands that take the global options too (through the parent parser `common`)."""
-
-    def __init__(self, sub, common):
-        self.sub, self.common = sub, common
-
-    def __call__(self, name, help, description=None, epilog=None):
-        return self.sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
-                                   epilog=epilog, parents=[self.common], formatter_class=argparse.RawDescriptionHelpFormatter)
-
-    def nested(self, parser, dest: str, metavar: str, title: str, help: str) -> "_Commands":
-        return _Commands(parser.add_subparsers(dest=dest, required=True, parser_class=_Parser, metavar=metavar,
-                                               title=title, help=help), self.common)
-
-
-def _series_arg(sp, what="the series"):
-    sp.add_argument("series", metavar="SERIES", help=f"{what}: a directory name under the patches directory (see `patchctl series`)")
-
-def _limit(sp):
-    sp.add_argument("--limit", default=None, metavar="PATTERN",
-                    help="hosts to work on: host, group and server names and globs (gpu-*), comma-separated; "
-                         "!name excludes (default: every host)")
-
-def _hostkeys(sp, forks="hosts worked on at once, 1 or more (default 256: one wave of restarts for 256 hosts)"):
-    sp.add_argument("--accept-new-host-keys", action="store_true",
-                    help="record unknown SSH host keys instead of refusing them (changed keys are always refused)")
-    sp.add_argument("--forks", type=positive_int, default=None, metavar="N", help=forks)
-
-def _junit(sp, what):
-    sp.add_argument("--junit", type=Path, metavar="FILE", help=f"also write a JUnit XML report ({what}) to FILE")
-
-def _tree_or_release(sp, verb):
-    g = sp.add_mutually_exclusive_group()
-    g.add_argument("--sglang", metavar="VER",
-                   help=f"SGLang release to {verb}, e.g. 0.5.23 (default: the one the series pins); "
-                        "its wheel is fetched once into the cache")
-    g.add_argument("--tree", type=Path, metavar="PATH",
-                   help=f"{verb} this SGLang tree instead (site-packages or a git checkout; never modified)")
-
-
-def _run_name(sp, required):
-    if required:
-        sp.add_argument("name", metavar="RUN", help="the run's name (as given to `capture run --name`)")
-    else:
-        sp.add_argument("--name", default=None, metavar="RUN",
-                        help="the run's name: letters, digits, '.', '_', '-' (default: the dataset file's stem); "
-                             "running the same command again resumes the run")
-
-
-def _series_command(cmd: _Commands) -> None:
+def _series_command(cmd: Commands) -> None:
     cmd("series", "list series and patches (version, sha256, target SGLang)")
 
 
-def _check_command(cmd: _Commands) -> None:
+def _check_command(cmd: Commands) -> None:
     sp = cmd("check", "apply + compile + hook check against a pinned release or a tree; changes nothing")
-    _series_arg(sp, "the series to check")
-    _tree_or_release(sp, "check against")
+    series_arg(sp, "the series to check")
+    tree_or_release(sp, "check against")
     sp.add_argument("--force", action="store_true", help="check even if the SGLang version is not one the series targets")
     sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
                     help="also trace hook reachability for this model architecture (e.g. LlamaForCausalLM); repeatable")
-    _junit(sp, "one test case per patch, compile, hook and trace")
+    junit_arg(sp, "one test case per patch, compile, hook and trace")
 
 
-def _authoring_command(cmd: _Commands) -> None:
+def _authoring_command(cmd: Commands) -> None:
     for name in ("new", "refresh"):
         verb = "capture" if name == "new" else "regenerate"
         sp = cmd(name, f"{verb} a patch from the edits of an SGLang git checkout")
-        _series_arg(sp, "the series the patch belongs to" + (" (created if missing)" if name == "new" else ""))
+        series_arg(sp, "the series the patch belongs to" + (" (created if missing)" if name == "new" else ""))
         sp.add_argument("patch", metavar="PATCH", help="patch file name inside the series (e.g. 0003-fix.patch)")
         sp.add_argument("--from-tree", type=Path, required=True, metavar="PATH", help="the SGLang git checkout holding the edits")
         sp.add_argument("--base", default=None, metavar="REF", help="diff commits since REF (default: uncommitted edits)")
         sp.add_argument("--description", default=None, metavar="TEXT", help="one line for series.toml")
 
 
-def _trace_command(cmd: _Commands) -> None:
+def _trace_command(cmd: Commands) -> None:
     sp = cmd("trace", "is each function the series changes reachable from a model's forward?",
              "Static reachability trace (ast only, SGLang is never imported): is each function the series changes\n"
              "reached from the model's forward, outside bodies the CUDA graphs replay without running Python?\n"
              "Exit 0: all reached, no blocking warning; 1 otherwise.")
-    _series_arg(sp, "the series to trace")
+    series_arg(sp, "the series to trace")
     sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
                     help="model architecture as in config.json's architectures (e.g. LlamaForCausalLM); repeatable "
                          "(default: every architecture SGLang registers)")
-    _tree_or_release(sp, "trace")
+    tree_or_release(sp, "trace")
 
 
-def _inventory_command(cmd: _Commands) -> None:
+def _inventory_command(cmd: Commands) -> None:
     sp = cmd("inventory", "resolved hosts, groups, servers (env values masked unless public_env)")
-    _limit(sp)
+    limit_arg(sp)
 
 
-def _plan_command(cmd: _Commands) -> None:
+def _plan_command(cmd: Commands) -> None:
     sp = cmd("plan", "what apply would do on each host; touches nothing",
              "What apply would do on each host; touches nothing: the action, the files, the SGLang version and\n"
              "model architecture read from the host, the reachability trace verdict, and the exact server\n"
              "command line and env a restart would run.")
-    _series_arg(sp, "the series to plan")
-    _limit(sp)
-    _hostkeys(sp)
+    series_arg(sp, "the series to plan")
+    limit_arg(sp)
+    hostkeys_args(sp)
     sp.add_argument("--diff", action="store_true", help="also show the unified diff of every file (coloured on a terminal)")
 
 
-def _rollout_flags(sp, what: str) -> None:
-    """--canary, --batch, --max-fail: the rollout every fleet command that changes hosts shares (core.rollout's rules)."""
-    sp.add_argument("--canary", type=non_negative_int, default=0, metavar="N", help=f"{what} N units first, alone (default 0)")
-    sp.add_argument("--batch", type=batch_spec, default=None, metavar="SPEC",
-                    help="batch sizes after the canary: N, P%% of the selected units (rounded up), or a list "
-                         "1,25%%,100%% whose last entry repeats (default: all at once)")
-    sp.add_argument("--max-fail", type=max_fail_spec, default="0", metavar="N|P%",
-                    help="failed units tolerated before the run stops; P%% of the selected units, rounded down (default 0)")
-
-
-def _run_log_flags(sp) -> None:
-    """--junit and --log-dir of a fleet command that changes hosts."""
-    _junit(sp, "one test case per host step")
-    sp.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
-                    help="where run logs go (default ~/.local/state/patchctl/runs, or $XDG_STATE_HOME/patchctl/runs)")
-
-
-def _apply_command(cmd: _Commands) -> None:
+def _apply_command(cmd: Commands) -> None:
     sp = cmd("apply", "apply a series, restart, smoke; roll back on failure", epilog=APPLY_EPILOG)
-    _series_arg(sp, "the series to deploy")
-    _limit(sp)
-    _hostkeys(sp)
+    series_arg(sp, "the series to deploy")
+    limit_arg(sp)
+    hostkeys_args(sp)
     sp.add_argument("--no-restart", action="store_true", help="change files only; the server keeps running the old code")
     sp.add_argument("--no-smoke", action="store_true", help="restart but skip the smoke extraction")
     sp.add_argument("--skip-trace", action="store_true",
                     help="skip the reachability preflight (deploy even if the trace says the hook never runs; the smoke decides)")
-    _rollout_flags(sp, "deploy")
+    rollout_flags(sp, "deploy")
     sp.add_argument("--on-fail", choices=["rollback-failed", "rollback-all", "halt"], default="rollback-failed",
                     help="rollback-failed (default): roll back each failed unit; rollback-all: also return every unit "
                          "this run deployed to its previous state once the run stops; halt: leave a failed unit "
                          "patched for inspection (exit 3)")
-    _run_log_flags(sp)
+    run_log_flags(sp)
 
 
-def _service_command(cmd: _Commands) -> None:
+def _service_command(cmd: Commands) -> None:
     for name, what in (("restart", "stop and start the server as configured now, wait until it serves, smoke it"),
                        ("start", "start the server as configured now where it is down, wait until it serves, smoke it"),
                        ("stop", "stop the server")):
         sp = cmd(name, what + "; files unchanged", epilog=SERVICE_EPILOG)
-        _limit(sp)
-        _hostkeys(sp)
+        limit_arg(sp)
+        hostkeys_args(sp)
         if name != "stop":
             g = sp.add_mutually_exclusive_group()
             g.add_argument("--smoke", dest="smoke", action="store_true", default=None,
                            help="smoke after the start (default: where a capture series is deployed)")
             g.add_argument("--no-smoke", dest="smoke", action="store_false", help="no smoke after the start")
-        _rollout_flags(sp, name)
-        _run_log_flags(sp)
+        rollout_flags(sp, name)
+        run_log_flags(sp)
 
 
-def _rollback_command(cmd: _Commands) -> None:
+def _rollback_command(cmd: Commands) -> None:
     sp = cmd("rollback", "restore hosts to an earlier state, verified")
-    _limit(sp)
-    _hostkeys(sp)
+    limit_arg(sp)
+    hostkeys_args(sp)
     sp.add_argument("--to", default=None, metavar="STATE",
                     help="'previous' (the state before the last deploy; default), 'clean' (no series), or a history id")
     sp.add_argument("--force", action="store_true", help="roll back over hand edits (saved beside the backups first)")
@@ -365,38 +229,38 @@ def _rollback_command(cmd: _Commands) -> None:
                     help="restore files only; leave the server as it is (it keeps running the code it loaded)")
 
 
-def _status_command(cmd: _Commands) -> None:
+def _status_command(cmd: Commands) -> None:
     sp = cmd("status", "applied series, drift, lock, server health; exit 3 and what to run when a host needs attention")
-    _limit(sp)
-    _hostkeys(sp)
+    limit_arg(sp)
+    hostkeys_args(sp)
 
 
-def _smoke_command(cmd: _Commands) -> None:
+def _smoke_command(cmd: Commands) -> None:
     sp = cmd("smoke", "smoke extraction against the running server; changes nothing")
-    _limit(sp)
-    _hostkeys(sp)
+    limit_arg(sp)
+    hostkeys_args(sp)
     sp.add_argument("--series", default=None, metavar="SERIES", help="profile to validate against (default: the applied series)")
-    _junit(sp, "one test case per host")
+    junit_arg(sp, "one test case per host")
 
 
-def _history_command(cmd: _Commands) -> None:
+def _history_command(cmd: Commands) -> None:
     sp = cmd("history", "deploy history per host",
              "Deploy history per host: applies, deploys, rollbacks, restarts, recoveries, unlocks, oldest first.\n"
              "On a terminal, a table; piped, aligned columns (host, id, op, series, run, outcome), the reason\n"
              "for a rollback on an indented line below; --json gives every field.")
-    _limit(sp)
-    _hostkeys(sp)
+    limit_arg(sp)
+    hostkeys_args(sp)
     sp.add_argument("--last", type=positive_int, default=None, metavar="N", help="only the last N entries of each host")
 
 
-def _unlock_command(cmd: _Commands) -> None:
+def _unlock_command(cmd: Commands) -> None:
     sp = cmd("unlock", "release a stale lock")
-    _limit(sp)
-    _hostkeys(sp)
+    limit_arg(sp)
+    hostkeys_args(sp)
     sp.add_argument("--force", action="store_true", help="release even if the holder may still be alive")
 
 
-def _capture_regenerate(cmd: _Commands) -> None:
+def _capture_regenerate(cmd: Commands) -> None:
     cp = cmd("regenerate", "every assistant turn answered anew by the served model, across the fleet; resumable",
               "Replace every assistant turn of a conversations file by the served model's own answer, turn by turn\n"
               "(each turn's context holds the regenerated earlier turns), across every healthy server of the fleet\n"
@@ -404,11 +268,11 @@ def _capture_regenerate(cmd: _Commands) -> None:
     cp.add_argument("conversations", type=Path, metavar="CONVERSATIONS",
                     help='JSONL, one conversation a line: {"conversations": [{"from", "value"}, ...]} (ShareGPT) or '
                          '{"messages": [{"role", "content"}, ...]} (OpenAI); optional "id"')
-    _run_name(cp, required=False)
+    run_name_arg(cp, required=False)
     cp.add_argument("--out", type=Path, required=True, metavar="FILE",
                     help="the regenerated conversations (JSONL, the input's shape; `capture prepare` reads it)")
-    _limit(cp)
-    _hostkeys(cp)
+    limit_arg(cp)
+    hostkeys_args(cp)
     cp.add_argument("--max-new-tokens", type=positive_int, default=512, metavar="N",
                     help="tokens an answer may have (default 512)")
     cp.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
@@ -422,7 +286,7 @@ def _capture_regenerate(cmd: _Commands) -> None:
                     help="do not keep each original turn beside the regenerated one (original_content / original_value)")
 
 
-def _capture_prepare(cmd: _Commands) -> None:
+def _capture_prepare(cmd: Commands) -> None:
     cp = cmd("prepare", "conversations -> a tokenized dataset, with SpecForge's own chat template and loss mask",
               "Tokenize and mask conversations exactly as SpecForge's online preprocessing does (its\n"
               "preprocess_conversations and TEMPLATE_REGISTRY), with the served model's tokenizer; record the\n"
@@ -439,7 +303,7 @@ def _capture_prepare(cmd: _Commands) -> None:
     src.add_argument("--from", dest="from_host", metavar="HOST",
                      help="the tokenizer files of the model served on HOST (inventory name), fetched over its SSH "
                           "connection and cached by sha256 under ~/.cache/patchctl/tokenizers")
-    _hostkeys(cp)
+    hostkeys_args(cp)
     cp.add_argument("--max-length", type=positive_int, default=2048, metavar="N",
                     help="tokens a sample may have (SpecForge's max_length; default 2048); longer ones are refused")
     cp.add_argument("--truncate", action="store_true",
@@ -450,13 +314,13 @@ def _capture_prepare(cmd: _Commands) -> None:
                     help="tokenizing processes (default: one per core)")
 
 
-def _capture_run(cmd: _Commands) -> None:
+def _capture_run(cmd: Commands) -> None:
     cp = cmd("run", "send every sample of a dataset to the fleet's capture servers, verified; resumable")
     cp.add_argument("dataset", type=Path, metavar="DATASET",
                     help='JSONL, one sample a line: {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
-    _run_name(cp, required=False)
-    _limit(cp)
-    _hostkeys(cp, forks="hosts probed at once before the run, 1 or more (default 256); every host that takes part "
+    run_name_arg(cp, required=False)
+    limit_arg(cp)
+    hostkeys_args(cp, forks="hosts probed at once before the run, 1 or more (default 256); every host that takes part "
                      "is then fed samples at the same time, --in-flight each")
     cp.add_argument("--in-flight", type=positive_int, default=8, metavar="N",
                     help="requests in flight per server (default 8); a faster server finishes more and so gets more")
@@ -481,7 +345,7 @@ def _capture_run(cmd: _Commands) -> None:
                          "it was prepared with (DATASET.meta.json)")
 
 
-def _capture_status(cmd: _Commands) -> None:
+def _capture_status(cmd: Commands) -> None:
     cp = cmd("status", "a capture run's or regeneration's progress: done, failed (with reasons), pending, per host "
                        "and in total; the command that resumes it")
     cp.add_argument("name", metavar="RUN",
@@ -489,11 +353,11 @@ def _capture_status(cmd: _Commands) -> None:
                          "a name that is both shows both)")
 
 
-def _capture_collect(cmd: _Commands) -> None:
+def _capture_collect(cmd: Commands) -> None:
     cp = cmd("collect", "pull a run's verified files over the hosts' SSH connections and index them")
-    _run_name(cp, required=True)
-    _limit(cp)
-    _hostkeys(cp, forks="hosts collected from at once, 1 or more (default 256)")
+    run_name_arg(cp, required=True)
+    limit_arg(cp)
+    hostkeys_args(cp, forks="hosts collected from at once, 1 or more (default 256)")
     cp.add_argument("--to", type=Path, default=None, metavar="DIR",
                     help="where the dataset goes (created if missing); with --on-host, where the index, draft-config.json "
                          "and summary go (default: the run's directory, on-host/)")
@@ -511,7 +375,7 @@ def _capture_collect(cmd: _Commands) -> None:
                     help="--on-host: conversion processes per host (default: the host's cores - 1)")
 
 
-def _capture_command(cmd: _Commands) -> None:
+def _capture_command(cmd: Commands) -> None:
     sp = cmd("capture", "extraction runs: a tokenized dataset through the fleet's verified capture servers",
              "Extraction runs: push a tokenized JSONL dataset through every host whose capture series is deployed\n"
              "and verified, each sample exactly once, every dump verified on its host; resume after any crash;\n"
@@ -522,7 +386,7 @@ def _capture_command(cmd: _Commands) -> None:
         add(ccmd)
 
 
-def _drafter_check(cmd: _Commands) -> None:
+def _drafter_check(cmd: Commands) -> None:
     dp = cmd("check", "is a trained EAGLE-3 draft directory one SGLang 0.5.23 serves right for this target?",
              "Check a trained EAGLE-3 draft directory (what `specforge export --to sglang` writes) before any server\n"
              "loads it: architecture, config fields, every tensor's name, dtype and shape (truncated files named), the\n"
@@ -535,10 +399,10 @@ def _drafter_check(cmd: _Commands) -> None:
     dp.add_argument("--limit", default=None, metavar="PATTERN",
                     help="also check against the models these hosts serve (host, group, server names and globs; "
                          "'*' for every host); without it only the local checks run")
-    _hostkeys(dp)
+    hostkeys_args(dp)
 
 
-def _drafter_bench(cmd: _Commands) -> None:
+def _drafter_bench(cmd: Commands) -> None:
     bp = cmd("bench", "acceptance length and tokens/s of what each host serves, on a fixed prompt set; read-only",
              "Measure, on each selected host's running server, the speculative acceptance length (sum of\n"
              "completion_tokens / sum of spec_verify_ct, and the mean of per-request spec_accept_length as\n"
@@ -558,11 +422,11 @@ def _drafter_bench(cmd: _Commands) -> None:
                     help="requests in flight per server, and warm-up requests (default 1, as specforge benchmark)")
     bp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
                     help="seconds one request may take (default 600)")
-    _limit(bp)
-    _hostkeys(bp)
+    limit_arg(bp)
+    hostkeys_args(bp)
 
 
-def _drafter_deploy(cmd: _Commands) -> None:
+def _drafter_deploy(cmd: Commands) -> None:
     dp = cmd("deploy", "send a trained EAGLE-3 drafter, restart with it, keep it only where its measured acceptance passes",
              "Deploy a trained EAGLE-3 draft directory: checked on its own, against --data and against every host's\n"
              "served model (exit 2, nothing sent); sent to every selected host at once, content-addressed (what a\n"
@@ -588,38 +452,27 @@ def _drafter_deploy(cmd: _Commands) -> None:
                     help="the new arm's acceptance length must be at least X (default 1.5)")
     dp.add_argument("--min-gain", type=float, default=0.0, metavar="X",
                     help="... and at least the baseline's + X (default 0: never less than what serves)")
-    dp.add_argument("--max-tps-loss", type=_fraction, default=None, metavar="P%",
+    dp.add_argument("--max-tps-loss", type=fraction, default=None, metavar="P%",
                     help="... and output tokens/s at most P%% below the baseline's (default: not checked)")
     dp.add_argument("--keep-free", type=size_spec, default=2**30, metavar="SIZE",
                     help="free disk to leave on a host's state_dir after the draft arrives (default 1G)")
-    _limit(dp)
-    _hostkeys(dp)
-    _rollout_flags(dp, "deploy to")
-    _run_log_flags(dp)
+    limit_arg(dp)
+    hostkeys_args(dp)
+    rollout_flags(dp, "deploy to")
+    run_log_flags(dp)
 
 
-def _drafter_rollback(cmd: _Commands) -> None:
+def _drafter_rollback(cmd: Commands) -> None:
     rp = cmd("rollback", "back to the drafter before (or none): its record and the exact server config, proven ready")
     rp.add_argument("--to", choices=["previous", "none"], default="previous",
                     help="previous (default): the drafter that served before the last deploy, or none; none: no drafter")
-    _limit(rp)
-    _hostkeys(rp)
-    _rollout_flags(rp, "roll back")
-    _run_log_flags(rp)
+    limit_arg(rp)
+    hostkeys_args(rp)
+    rollout_flags(rp, "roll back")
+    run_log_flags(rp)
 
 
-def _fraction(text: str) -> float:
-    t = text.strip().rstrip("%")
-    try:
-        v = float(t) / 100
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage like 10%")
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage from 0% to below 100%")
-    return v
-
-
-def _drafter_command(cmd: _Commands) -> None:
+def _drafter_command(cmd: Commands) -> None:
     sp = cmd("drafter", "trained EAGLE-3 drafters: check, measure acceptance, deploy with a canary, roll back",
              "Trained EAGLE-3 drafters for the served models: check a draft directory against its target and its\n"
              "training data, and measure the acceptance length each host's server achieves.")
@@ -630,15 +483,15 @@ def _drafter_command(cmd: _Commands) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    _add_globals(common, top=False)
+    add_globals(common, top=False)
 
-    p = _Parser(prog="patchctl", description=DESCRIPTION, epilog=ENVIRONMENT,
+    p = Parser(prog="patchctl", description=DESCRIPTION, epilog=ENVIRONMENT,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"patchctl {__version__}")
-    _add_globals(p, top=True)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND",
+    add_globals(p, top=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND",
                            title="commands", help="run `patchctl COMMAND --help` for its options")
-    cmd = _Commands(sub, common)
+    cmd = Commands(sub, common)
     for add in (_series_command, _check_command, _authoring_command, _trace_command, _inventory_command,
                 _plan_command, _apply_command, _service_command, _rollback_command, _status_command, _smoke_command,
                 _history_command, _unlock_command, _capture_command, _drafter_command):
