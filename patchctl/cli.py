@@ -402,6 +402,22 @@ def _drafter_check(cmd: Commands) -> None:
     hostkeys_args(dp)
 
 
+def _measure_flags(sp) -> None:
+    """The prompt set and how it is sent: `drafter bench`'s one measurement, `drafter deploy`'s two arms."""
+    sp.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                    help='JSONL, one prompt a line: {"input_ids": [...]}, {"text": "..."}, or a conversation '
+                         '{"messages": [{"role", "content"}, ...]} / {"conversations": [{"from", "value"}, ...]} '
+                         "(its turns before the last assistant turn, rendered with --tokenizer's chat template)")
+    sp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                    help="the served tokenizer's files, to render conversations (its digest must be each host's)")
+    sp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
+                    help="tokens each answer is allowed (default 2048, as specforge benchmark)")
+    sp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
+                    help="requests in flight per server, and warm-up requests (default 1, as specforge benchmark)")
+    sp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
+                    help="seconds one request may take (default 600)")
+
+
 def _drafter_bench(cmd: Commands) -> None:
     bp = cmd("bench", "acceptance length and tokens/s of what each host serves, on a fixed prompt set; read-only",
              "Measure, on each selected host's running server, the speculative acceptance length (sum of\n"
@@ -410,18 +426,7 @@ def _drafter_bench(cmd: Commands) -> None:
              "max_new_tokens (flush_cache, warm-up, then the set). A server without speculation shows acceptance\n"
              "'off'; one whose env sets SGLANG_SIMULATE_ACC_LEN is refused. Exit 0 measured; 1 requests failed;\n"
              "2 bad prompt set or refused server, nothing sent; 3 a host could not be reached.")
-    bp.add_argument("--prompts", type=Path, required=True, metavar="FILE",
-                    help='JSONL, one prompt a line: {"input_ids": [...]}, {"text": "..."}, or a conversation '
-                         '{"messages": [{"role", "content"}, ...]} / {"conversations": [{"from", "value"}, ...]} '
-                         "(its turns before the last assistant turn, rendered with --tokenizer's chat template)")
-    bp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                    help="the served tokenizer's files, to render conversations (its digest must be each host's)")
-    bp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
-                    help="tokens each answer is allowed (default 2048, as specforge benchmark)")
-    bp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
-                    help="requests in flight per server, and warm-up requests (default 1, as specforge benchmark)")
-    bp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
-                    help="seconds one request may take (default 600)")
+    _measure_flags(bp)
     limit_arg(bp)
     hostkeys_args(bp)
 
@@ -436,18 +441,9 @@ def _drafter_deploy(cmd: Commands) -> None:
              "verified, or rolled back to the drafter (or none) and the exact server config before, proven ready.\n"
              "Exit 0 deployed (or already serving it); 1 a unit rolled back; 2 refused, nothing sent; 3 attention.")
     dp.add_argument("dir", type=Path, metavar="DIR", help="the draft directory (`specforge export --to sglang`'s output)")
-    dp.add_argument("--prompts", type=Path, required=True, metavar="FILE",
-                    help="the prompt set the acceptance is measured on (as `drafter bench --prompts`), both arms")
     dp.add_argument("--data", type=Path, default=None, metavar="COLLECTED_DIR",
                     help="the `capture collect` directory the draft was trained on (layer ids, sizes, tokenizer)")
-    dp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                    help="the served tokenizer's files, to render conversations in --prompts")
-    dp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
-                    help="tokens each answer is allowed, both arms (default 2048, as specforge benchmark)")
-    dp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",
-                    help="requests in flight per server while measuring (default 1, as specforge benchmark)")
-    dp.add_argument("--request-timeout", type=positive_int, default=600, metavar="S",
-                    help="seconds one request may take (default 600)")
+    _measure_flags(dp)  # the same prompts, tokens and concurrency in both arms
     dp.add_argument("--min-accept-length", type=float, default=1.5, metavar="X",
                     help="the new arm's acceptance length must be at least X (default 1.5)")
     dp.add_argument("--min-gain", type=float, default=0.0, metavar="X",

@@ -17,11 +17,6 @@ from .osutil import now
 from .protocol import HistoryEntry
 from .server import build_server_config, manager_for, wait_ready
 
-# what a record keeps of the drafter before it (enough to serve it again and to show it)
-_PREVIOUS_KEYS = ("digest", "source", "data_run", "status", "run_id", "deployed_at", "verified_at", "acceptance",
-                  "speculative", "path")
-
-
 def _history(agent, op, outcome, rec, reason=None):
     agent.tree.append_history(HistoryEntry(op=op, outcome=outcome, run_id=agent.run_id, reason=reason,
                                            who=(agent.req.get("holder") or {}).get("who"), drafter=summary(rec)))
@@ -52,7 +47,7 @@ def deploy(agent):
     spec = (req.get("server") or {}).get("speculative") or dict(DEFAULTS, args=[])
     rec = dict(want, path=draft_dir(state_dir, want["digest"]), status="pending", run_id=agent.run_id,
                who=(req.get("holder") or {}).get("who"), deployed_at=now(), speculative=spec,
-               previous=cur and dict((k, cur[k]) for k in _PREVIOUS_KEYS if k in cur))
+               previous=summary(cur))  # enough of the drafter before to serve and show it again
     cfg = build_server_config(req, None, None, drafter=rec)
     base_mgr, _ = agent.base_manager()
     before = base_mgr.current_config()
