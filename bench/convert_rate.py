@@ -57,6 +57,8 @@ def add_args(c) -> None:
     c.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=sorted({1, default, n}))
     c.add_argument("--rounds", type=int, default=1)
     c.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    c.add_argument("--check-every", type=int, default=1, help="round 0: hash every Nth converted file (1: all)")
+    c.add_argument("--phases", action="store_true", help="also time one dump's phases in this process")
     c.add_argument("--before", default="f53753e", help="the commit whose converter is 'before' (git archive)")
     c.add_argument("--before-tree", type=Path, default=None,
                    help="a directory holding that commit's patchctl/ package (where the tree has no git)")
@@ -179,8 +181,10 @@ class Bench:
         wall = time.perf_counter() - t0
         cpu, busy = _cpu() - c0, self.busy() - busy0
         if v in ("before", "after", "inline") and rnd == 0:  # compared with after's when the round is over
-            self.digests[(v, w)] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*.ckpt")}
-            assert len(self.digests[(v, w)]) == len(self.items), v
+            files = sorted(out.rglob("*.ckpt"), key=lambda p: p.name)
+            assert len(files) == len(self.items), v
+            self.digests[(v, w)] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                    for p in files[::self.args.check_every]}
         shutil.rmtree(out)
         r = {"round": rnd, "variant": v, "workers": 1 if v == "dd" else w, "wall_s": round(wall, 2),
              "gb_per_s": round(written / wall / 1e9, 3),
@@ -189,6 +193,41 @@ class Bench:
              "loadavg_before": [round(x, 2) for x in load], "bytes_written": written}
         print(json.dumps(r), flush=True)
         return r
+
+    def phases(self) -> dict:
+        """One dump in this process, best of 3 each: read_dump (read + sha256), sample_of, torch.save through the
+        hashing writer into a file (no fsync), the fsync; with the hash inline and on the helper thread."""
+        out, torch, ckpt, item = self.base / "phase.ckpt", self.torch, self.ckpt, self.items[0]
+        res = {}
+        for overlap in (False, True):
+            ckpt.OVERLAP = overlap
+            best = None
+            for _ in range(3):
+                t = [time.perf_counter()]
+                fd = os.open(item["path"], os.O_RDONLY)
+                _d, view = ckpt.read_dump(fd, item["bytes"])
+                os.close(fd)
+                t.append(time.perf_counter())
+                sample, _T, _m = ckpt.sample_of(torch, view, None, 3)
+                t.append(time.perf_counter())
+                fd = os.open(str(out), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                hasher = ckpt._Hasher()
+                torch.save(sample, ckpt.HashingWriter(fd, hasher))
+                hasher.hexdigest()
+                hasher.close()
+                t.append(time.perf_counter())
+                os.fsync(fd)
+                os.close(fd)
+                t.append(time.perf_counter())
+                d = [round(b - a, 4) for a, b in zip(t, t[1:])]
+                if best is None or sum(d) < sum(best):
+                    best = d
+            res["overlap" if overlap else "inline"] = dict(zip(("read_sha256", "sample_of", "save_sha256_write",
+                                                                "fsync"), best), total=round(sum(best), 4))
+        ckpt.OVERLAP = True
+        out.unlink()
+        print(json.dumps({"phases_s_per_dump": res}), flush=True)
+        return res
 
     def close(self):
         for ev in (self.events, self.before_events):
@@ -258,7 +297,10 @@ def summary(rows: list[dict]) -> list[str]:
 def run(args) -> dict:
     b = Bench(args)
     rows = []
+    phases = None
     try:
+        if args.phases:
+            phases = b.phases()
         order = [v for v in VARIANTS if v in args.variants]
         for rnd in range(args.rounds):
             seq = order if rnd % 2 == 0 else order[::-1]
@@ -276,6 +318,6 @@ def run(args) -> dict:
            "dump_mb": round(b.dump_bytes / len(b.items) / 1e6, 1), "ckpt_mb": round(b.out_size / 1e6, 1),
            "before": args.before, "cores": os.cpu_count(), "torch": b.torch.__version__,
            "python": sys.version.split()[0], "dir": str(Path(args.dir or tempfile.gettempdir()).resolve()),
-           "rounds": args.rounds, "same_bytes_as_after": same, "rows": rows, "summary": summary(rows)}
+           "rounds": args.rounds, "phases_s_per_dump": phases, "same_bytes_as_after": same, "rows": rows, "summary": summary(rows)}
     print("\n".join(res["summary"]), flush=True)
     return res
