@@ -28,6 +28,7 @@ with after's: every variant wrote the same bytes.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib
 import importlib.util
@@ -68,6 +69,7 @@ def load_before(rev: str, tree: Path | None):
     """The `convert` and `events` modules of commit `rev`'s agent, imported as package patchctl_before."""
     if tree is None:
         tree = Path(tempfile.mkdtemp(prefix="convert-before-"))
+        atexit.register(shutil.rmtree, tree, True)
         blob = subprocess.run(["git", "-C", str(REPO), "archive", rev, "patchctl/__init__.py", "patchctl/host"],
                               check=True, capture_output=True).stdout
         with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
