@@ -16,8 +16,10 @@ has the format). The path of one sample, used by the agent's `convert` op and th
 
 The bytes are torch.save's own (it writes the same records, in the same order, to any file-like object:
 tests/test_convert.py compares them with torch.save of the same tensors into a BytesIO). The sha256 of a
-piece runs on a helper thread while the caller reads or writes the next one (hashlib, os.readv and
-os.write release the GIL), so a worker's wall time is about one pass over memory, not three.
+piece runs on a helper thread while the caller reads the next one or writes it (hashlib, os.preadv and
+os.write release the GIL). Measured on a 16-core GPU host (docs/benchmarks.md): it shortens the read
+phase by 12 % and lengthens the write phase about as much in one process, and the op with the default 15
+workers ran 6-10 % faster with it in both rounds; the two sha256 passes stay the floor of a worker's CPU.
 
 torch is imported by the caller and passed in (a host's Python is SGLang's; the rest of the host package
 is the standard library).
