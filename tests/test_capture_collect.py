@@ -199,6 +199,7 @@ def test_specforge_ckpt_loads_with_the_shapes_and_dtypes_specforge_expects(fleet
             assert d["loss_mask"].tolist() == s["loss_mask"] and e["loss_mask"] == "dataset"
         else:
             assert d["loss_mask"].tolist() == [1] * T and e["loss_mask"].startswith("all ones")
+        assert path.read_bytes() == _torch_save_of(_dump_tensors(done[s["id"]]["path"]), s)  # the controller's convert_file
     # resumed: its own ckpt files are recognised, nothing pulled
     commands = [h.ssh.count_commands() for h in f.hosts]
     collect(f, "sf", dest, "--format", "specforge")
@@ -360,6 +361,21 @@ def _assert_ckpt_is_the_dump(ckpt: Path, dump: Path, sample: dict) -> None:
     assert d["hidden_state"][0].view(torch.int16).equal(t["hidden_states"].view(torch.int16))
     assert d["aux_hidden_state"][0].view(torch.int16).equal(t["aux_hidden_states"].view(torch.int16))
     assert d["loss_mask"].dtype == torch.int64 and d["loss_mask"].tolist() == sample.get("loss_mask", [1] * T)
+    assert ckpt.read_bytes() == _torch_save_of(t, sample)  # byte for byte torch.save's file
+
+
+def _torch_save_of(t: dict, sample: dict) -> bytes:
+    """torch.save (in memory) of SpecForge's sample made of the dump's tensors `t` and the dataset's mask."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    T = len(sample["input_ids"])
+    torch.save({"input_ids": t["input_ids"], "loss_mask": torch.tensor(sample.get("loss_mask", [1] * T), dtype=torch.int64),
+                "hidden_state": t["hidden_states"][None].clone(), "aux_hidden_state": t["aux_hidden_states"][None].clone()},
+               buf)
+    return buf.getvalue()
 
 
 def test_on_host_every_host_converts_its_own_dumps_into_a_shared_directory(fleet, tmp_path):

@@ -6,10 +6,11 @@ host's own dumps into DIR on that host (its disk, or a mount every host shares) 
 cross the controller. The op reads samples on stdin, one JSON line each (`{"id", "path", "sha256",
 "bytes", "tokens", "loss_mask"?}`), converts them in worker processes (one per core, fork), and for each:
 
-    reads the dump (only inside <state_dir>/dumps/captures/<RUN>/, as `pull`), checks its sha256 against
-    the journal's, its layer metadata against the run's expectation, and K == 3;
-    torch.save()s the sample to `<file>.<host>.patchctl-partial` (host-unique: a shared DIR), fsyncs it,
-    hashes it; appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/hosts/<host>/records.jsonl
+    reads the dump once, hashing it as it reads (only inside <state_dir>/dumps/captures/<RUN>/, as
+    `pull`), checks its sha256 against the journal's, its layer metadata against the run's expectation,
+    and K == 3; torch.save()s the sample straight into `<file>.<host>.patchctl-partial` (host-unique: a
+    shared DIR) through a writer that hashes what passes, fsyncs it once (host/ckpt.py: the bytes are
+    torch.save's own, with no in-memory copy of the dump's tensors or of the output); appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/hosts/<host>/records.jsonl
     (fsynced: the host's own record, which makes a resumed op skip the file); links it into place (never
     replacing a file); answers `sample_converted` (or `sample_failed` with the reason).
 
@@ -24,7 +25,6 @@ everything else is the standard library.
 import hashlib
 import importlib
 import importlib.util
-import io
 import json
 import os
 import sys
@@ -32,11 +32,12 @@ import threading
 import time
 
 from .capture import safe_name
-from .collection import PARTIAL, SharedDir, write_synced
+from . import ckpt
+from .collection import PARTIAL, SharedDir
 from .events import AgentError, event
 from .osutil import expand
 from .pull import _open_inside, captures_root
-from .smoke import check_layers, parse_safetensors
+from .smoke import check_layers
 
 LAYER_KEYS = ("layers_to_capture", "layer_outputs", "eagle_aux_hidden_state_layer_ids")
 SPECFORGE_K = 3  # SpecForge's LlamaForCausalLMEagle3 asserts hidden_states.size(-1) == target_hidden_size * 3
@@ -80,54 +81,27 @@ def _torch():
         return None
 
 
-def _tensor(torch, entry, want_dtype, name):
-    dtype, shape, buf = entry
-    if dtype != want_dtype:
-        raise ValueError("%s is %s, expected %s" % (name, dtype, want_dtype))
-    tdtype = {"I64": torch.int64, "BF16": torch.bfloat16}[dtype]
-    return torch.frombuffer(buf, dtype=tdtype).reshape(shape) if len(buf) else torch.empty(shape, dtype=tdtype)
-
-
-def ckpt_bytes(data, loss_mask, k=None):
-    """(the .ckpt's bytes, T, metadata) for one dump's contents; ValueError when it is not a hidden-dump
-    file of the expected layout (or holds another number of layers than `k`)."""
+def _need_torch():
     torch = _torch()
     if torch is None:
         raise ValueError("torch is not importable by %s (it writes torch.save files)" % sys.executable)
-    meta, t = parse_safetensors(memoryview(data))
-    for name in ("input_ids", "hidden_states", "aux_hidden_states"):
-        if name not in t:
-            raise ValueError("tensor %s missing" % name)
-    ids = _tensor(torch, t["input_ids"], "I64", "input_ids")
-    hidden = _tensor(torch, t["hidden_states"], "BF16", "hidden_states")
-    aux = _tensor(torch, t["aux_hidden_states"], "BF16", "aux_hidden_states")
-    T = ids.shape[0]
-    if hidden.dim() != 2 or aux.dim() != 2 or hidden.shape[0] != T or aux.shape[0] != T:
-        raise ValueError("shapes input_ids %s, hidden_states %s, aux_hidden_states %s do not line up" % (
-            list(ids.shape), list(hidden.shape), list(aux.shape)))
-    if k is not None and aux.shape[1] != k * hidden.shape[1]:
-        raise ValueError("aux_hidden_states is %d wide, %d layers of %d expected" % (aux.shape[1], k, hidden.shape[1]))
-    if loss_mask is None:
-        mask = torch.ones(T, dtype=torch.int64)
-    elif len(loss_mask) != T:
-        raise ValueError("loss_mask has %d values for %d tokens" % (len(loss_mask), T))
-    else:
-        mask = torch.tensor(loss_mask, dtype=torch.int64)
-    sample = {"input_ids": ids.clone(), "loss_mask": mask,
-              "hidden_state": hidden.unsqueeze(0).clone(), "aux_hidden_state": aux.unsqueeze(0).clone()}
-    buf = io.BytesIO()
-    torch.save(sample, buf)
-    return buf.getvalue(), int(T), meta
+    return torch
 
 
 def convert_file(dump_path, out_tmp, loss_mask, k=None):
     """The controller's path: the ckpt of one (already verified) dump file written to `out_tmp`,
-    fsynced; (T, the dump's metadata)."""
-    with open(dump_path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(data)
-    out, T, meta = ckpt_bytes(data, loss_mask, k)
-    write_synced(out_tmp, out)
+    fsynced; (T, the dump's metadata). The same code as the agent's (host/ckpt.py)."""
+    torch = _need_torch()
+    fd = os.open(str(dump_path), os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        _digest, view = ckpt.read_dump(fd, size)
+    finally:
+        os.close(fd)
+    if len(view) != size:
+        raise ValueError("%s shrank while it was read (%d of %d bytes)" % (dump_path, len(view), size))
+    sample, T, meta = ckpt.sample_of(torch, view, loss_mask, k)
+    ckpt.save_synced(torch, sample, str(out_tmp))
     return T, meta
 
 
@@ -145,30 +119,25 @@ def _convert_one(root, item, partial, expect, k):
         if size != item.get("bytes"):
             return {"ok": False, "status": "mismatch", "reason": "%d bytes, the journal recorded %s (changed on the "
                     "host since it was verified)" % (size, item.get("bytes"))}
-        data = bytearray(size)
-        view, got = memoryview(data), 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if not n:
-                break
-            got += n
+        try:
+            digest, view = ckpt.read_dump(fd, size)  # read once, hashed as it is read
+        except OSError as e:
+            return {"ok": False, "status": "unreadable", "reason": e.strerror or str(e)}
     finally:
         os.close(fd)
-    digest = hashlib.sha256(data).hexdigest()
     if digest != item.get("sha256"):
         return {"ok": False, "status": "mismatch", "reason": "sha256 %s, the journal recorded %s (changed on the host "
                 "since it was verified)" % (digest, item.get("sha256"))}
     try:
-        out, T, meta = ckpt_bytes(data, item.get("loss_mask"), k)
+        sample, T, meta = ckpt.sample_of(_need_torch(), view, item.get("loss_mask"), k)
     except Exception as e:  # noqa: BLE001 - this sample's failure only
         return {"ok": False, "status": "bad dump", "reason": "cannot convert: %s" % e}
     problems = check_layers(meta, expect) if expect else []
     if problems:
         return {"ok": False, "status": "layers mismatch", "reason": "; ".join(problems)}
-    del data
-    write_synced(partial, out)
-    return {"ok": True, "sha256": hashlib.sha256(out).hexdigest(), "bytes": len(out), "tokens": T,
-            "layers": layer_meta(meta), "seconds": round(time.time() - t0, 3)}
+    sha, nbytes = ckpt.save_synced(_torch(), sample, partial)
+    return {"ok": True, "sha256": sha, "bytes": nbytes, "tokens": T, "layers": layer_meta(meta),
+            "seconds": round(time.time() - t0, 3)}
 
 
 def _pool(workers):
