@@ -174,9 +174,47 @@ def test_good_drafter_accepts_clearly_more_than_untrained(start, drafts, capsys)
     assert figures["good"] > 2.5
 
 
+def test_with_a_tokenizer_the_answer_follows_the_heads_argmax_as_specforge_reads_it(start, tmp_path):
+    """With a tokenizer in the model directory, an answer's first token depends on the whole conversation and
+    every later one (but an eos) is the argmax of the final hidden state times the `lm_head.weight` that
+    SpecForge's TargetHead reads through the directory's index: what a drafter trained on the dumps learns is
+    what the server serves."""
+    from patchctl.simserver.chat import ChatTokenizer, ordinary_tokens
+    from patchctl.simserver.model import TinyModel
+    from patchctl.simserver.tokenizer import write_tokenizer
+
+    tok_model = write_model(tmp_path / "tok", layers=N, hidden=H, vocab=V)
+    write_tokenizer(tok_model, "llama3")
+    index = json.loads((tok_model / "model.safetensors.index.json").read_text())
+    with safe_open(str(tok_model / index["weight_map"]["lm_head.weight"]), framework="pt") as f:
+        lm_head = f.get_tensor("lm_head.weight").float()
+    target = TinyModel(N, H, V, None, model_dir=tok_model)
+    tok = ChatTokenizer(tok_model)
+    s = start(model_dir=tok_model)
+    s.wait_ready()
+    body = {"text": ["hello world", "the quick brown fox", "what is the capital of France?"],
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    res = s.post("/generate", body)[1]
+    followed = 0
+    for text, r in zip(body["text"], res):
+        seq = tok.encode(text) + r["output_ids"]
+        _, last, _ = target.forward(torch.tensor(seq), torch.tensor([0]), capture_ids=[0])
+        greedy = (last.float() @ lm_head.T).argmax(-1).tolist()
+        n_prompt = len(seq) - len(r["output_ids"])
+        for j in range(n_prompt + 1, len(seq)):
+            if seq[j] not in tok.eos_ids:
+                assert seq[j] == greedy[j - 1], (text, j)
+                followed += 1
+    assert followed > 30
+    served = {t for r in res for t in r["output_ids"]} - set(tok.eos_ids)
+    assert served <= set(ordinary_tokens(tok, V)), "the head maps onto the tokenizer's printable tokens"
+    assert len({r["output_ids"][0] for r in res}) == 3, "first tokens depend on the prompt"
+
+
 def test_stop_ids_truncate_and_chat_unchanged(start, drafts, tmp_path):
-    """With a tokenizer the served token is the chat Chooser's (a function of the whole context) and eos stops
-    generation: speculation still gives exactly the tokens, the stops and the chat answers of plain decoding."""
+    """With a tokenizer the served token follows the chat Chooser (the first from the whole context, eos now and
+    then) and eos stops generation: speculation still gives exactly the tokens, the stops and the chat answers
+    of plain decoding."""
     from patchctl.simserver.tokenizer import write_tokenizer
 
     tok_model = write_model(tmp_path / "tok", layers=N, hidden=H, vocab=V)

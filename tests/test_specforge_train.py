@@ -144,3 +144,81 @@ def test_specforge_trains_and_exports_from_the_emitted_files_unedited(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(drafttrain.TrainFailed, match=r"eagle_aux_hidden_state_layer_ids \[2, 4, 5\], the capture's are \[1, 3, 4\]"):
         drafttrain.check_export(d, json.loads((out / drafttrain.DRAFT_MODEL).read_text()))
+
+
+QUESTIONS = ["hello world, how are you today?", "what is the capital of France?", "tell me about the quick brown fox",
+             "def add(a, b): what does it return?", "count the numbers 0 1 2 3", "is the cat asleep?",
+             "answer briefly: what is a fox?", "you are a helpful assistant: how are you?"]
+DEMO_TRAIN = ["training.max_steps=64", "training.learning_rate=0.02", "training.ttt_length=2", "training.log_interval=8"]
+
+
+def accept_length(server, prompts, n=32) -> float:
+    """Σ completion tokens / Σ verify steps over the prompts, as the server reports them (SGLang's meta_info)."""
+    code, res = server.post("/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": n,
+                                                                                  "temperature": 0}}, timeout=300)
+    assert code == 200, res
+    return (sum(r["meta_info"]["completion_tokens"] for r in res)
+            / sum(r["meta_info"]["spec_verify_ct"] for r in res))
+
+
+def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than_an_untrained_one(
+        tmp_path, sglang_tree, capsys):
+    """SpecForge's own trainer (CPU, as the demo's step 3e runs it) on the stand-in's own answers, captured as
+    the capture path captures them; both drafters then served by speculating stand-ins (real processes, HTTP)
+    on the same prompts: the acceptance each server reports. Replaced: nothing but SGLang itself (the
+    stand-in) and the GPU (CPU training, Triton's interpreter)."""
+    from simserver_util import Server, make_mini_tree
+
+    from patchctl.commands.demo import untrained_drafter
+    from patchctl.simserver.chat import ChatTokenizer
+
+    model = write_model_config(tmp_path / "model", LAYERS, HIDDEN, VOCAB)
+    write_tokenizer(model, "llama3")
+    tok = ChatTokenizer(model)
+    prompts = [tok.encode(tok.render([{"role": "user", "content": q}]), add_special_tokens=False) for q in QUESTIONS]
+    tree = make_mini_tree(sglang_tree, tmp_path / "tree")
+    plain = Server(tree, model, tmp_path / "plain.log", capture=False)
+    try:
+        plain.wait_ready()
+        code, res = plain.post("/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 32,
+                                                                                     "temperature": 0}})
+        assert code == 200, res
+    finally:
+        plain.stop()
+    # the samples: each prompt and the answer the server gave it, states as the capture dumps them
+    tm = TinyModel(LAYERS, HIDDEN, VOCAB, CAPTURE, model_dir=model)
+    out = tmp_path / "served-eagle3"
+    for i, (p, r) in enumerate(zip(prompts, res)):
+        ids = torch.tensor(p + r["output_ids"])
+        aux, last, _ = tm.forward(ids, len(ids) - 1)
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        mask[len(p):] = 1
+        f = out / "files" / f"{i:02x}" / f"s{i}.ckpt"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": last.unsqueeze(0),
+                    "aux_hidden_state": aux.unsqueeze(0)}, f)
+    conf = json.loads((model / "config.json").read_text())
+    facts = {"model_path": str(model), "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_hidden_layers": LAYERS,
+             "architectures": conf["architectures"], "max_position_embeddings": None, "context_length": 4096,
+             "model_config": {k: conf[k] for k in DRAFT_FIELDS if k in conf}, "special_tokens": special_ids(model)}
+    emit(out, facts, max(len(p) for p in prompts) + 32)
+    env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
+    trained = drafttrain.train_and_export(out, DEMO_TRAIN, cpu=True, env=env, timeout=540).draft_dir
+    untrained = untrained_drafter(trained, tmp_path / "untrained")
+    spec = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "4"]
+    figures = {}
+    for name, draft in (("trained", trained), ("untrained", untrained)):
+        s = Server(tree, model, tmp_path / f"{name}.log", capture=False,
+                   args=[*spec, "--speculative-draft-model-path", str(draft)])
+        try:
+            s.wait_ready()
+            figures[name] = accept_length(s, prompts)
+        finally:
+            s.stop()
+    with capsys.disabled():
+        print(f"\naccepted tokens per verify step (3 steps, at most 4): SpecForge-trained {figures['trained']:.2f}, "
+              f"untrained {figures['untrained']:.2f}")
+    assert figures["untrained"] < 1.2, figures
+    # the default gate of `drafter deploy` keeps it, and it is no near miss
+    assert figures["trained"] >= 1.5 and figures["trained"] >= figures["untrained"] + 0.4, figures

@@ -40,11 +40,12 @@ EXAMPLE_CONVERSATIONS = REPO / "examples" / "conversations.jsonl"  # where the d
 REGENERATE_MAX_NEW_TOKENS = 32  # the stand-in's answers are noise: short ones keep the demo quick
 # what `capture prepare` imports, installed by the README's set-up command ([prepare] + SpecForge --no-deps)
 SETUP_COMMAND = ("pip install -e '.[sim,prepare,train]' && pip install --no-deps specforge==0.2.0")
-# step 3e: a short training on the demo's samples, enough to see SpecForge's loss fall (measured on 2 cores);
-# a real drafter trains with specforge-run.yaml's own epochs and learning rate
-DEMO_TRAIN = ["training.max_steps=16", "training.learning_rate=0.01", "training.log_interval=1"]
-# steps 7-9: the canary's prompt set (the samples' conversations before their first answer) and its answers' length
-DEMO_CANARY_PROMPTS = 8
+# step 3e: a short training on the demo's 8 samples (8 epochs; two TTT steps, the demo's drafts are chains of 3),
+# enough for a drafter the canary keeps (measured on 2 cores: docs/design.md); a real drafter trains with
+# specforge-run.yaml's own epochs, learning rate and TTT length
+DEMO_TRAIN = ["training.max_steps=64", "training.learning_rate=0.02", "training.ttt_length=2",
+              "training.log_interval=1"]
+# steps 7-9: the canary's answers' length (its prompts: the regenerated conversations, as the server answered them)
 DEMO_CANARY_NEW_TOKENS = 32
 
 
@@ -205,18 +206,6 @@ def untrained_drafter(trained: Path, out: Path) -> Path:
     return out
 
 
-def canary_prompts(dataset: Path, out: Path, n: int = DEMO_CANARY_PROMPTS) -> Path:
-    """The canary's prompt set: each prepared sample's tokens up to its first trained token (the conversation
-    as it stood when the served model answered it). The demo has 8 conversations and trains on all of them, so
-    the canary measures in distribution; a fleet measures on a held-out part of `capture regenerate`'s output."""
-    rows = [json.loads(line) for line in dataset.read_text().splitlines() if line.strip()][:n]
-    with open(out, "w") as fh:
-        for r in rows:
-            first = next((i for i, m in enumerate(r.get("loss_mask") or []) if m), len(r["input_ids"]))
-            fh.write(json.dumps({"input_ids": r["input_ids"][:max(first, 1)]}) + "\n")
-    return out
-
-
 def close_the_loop(d: DemoHost, training: Path, work: Path) -> tuple[int, int]:
     """Steps 7-9: the trained drafter checked, deployed with the canary against the server without one, then
     an untrained drafter refused by the canary and rolled back. (exit of the good deploy, of the bad one)"""
@@ -226,12 +215,17 @@ def close_the_loop(d: DemoHost, training: Path, work: Path) -> tuple[int, int]:
     if not (draft / "config.json").is_file():
         print("(steps 7-9 skipped: no trained drafter, see step 3e)")
         return 0, 1
-    prompts = canary_prompts(work / "dataset.jsonl", work / "canary-prompts.jsonl")
-    gate = ["--prompts", str(prompts), "--max-new-tokens", str(DEMO_CANARY_NEW_TOKENS), "--limit", "local"]
+    # the canary's prompt set: the regenerated conversations, each up to its last answer, rendered with the served
+    # tokenizer's chat template as the server rendered them when it answered (step 3a). The demo trains on all 8,
+    # so the canary measures in distribution; a fleet measures on a held-out part of `capture regenerate`'s output
+    conversations = work / "regenerated.jsonl"
+    n = sum(1 for line in conversations.read_text().splitlines() if line.strip())
+    gate = ["--prompts", str(conversations), "--tokenizer", str(d.model), "--max-new-tokens",
+            str(DEMO_CANARY_NEW_TOKENS), "--limit", "local"]
     say("7. drafter check: the trained draft alone, against the data it was trained on, against what the host serves")
     patchctl("drafter", "check", str(draft), "--data", str(training), "--limit", "local")
     say(f"8. drafter deploy: sent (content-addressed), baseline on the server without a drafter, restart with it, "
-        f"canary on the same {DEMO_CANARY_PROMPTS} prompts, the default gate (acceptance length >= 1.5, never less "
+        f"canary on the same {n} conversations, the default gate (acceptance length >= 1.5, never less "
         f"than the baseline): kept, or rolled back and verified")
     rc_good = patchctl("drafter", "deploy", str(draft), *gate)
     if rc_good == 1:

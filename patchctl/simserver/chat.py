@@ -7,15 +7,19 @@ Without tokenizer files in the model directory the stand-in keeps its byte token
 endpoint (as a server without a chat template refuses one).
 
 Generation with a tokenizer (`Chooser`): the tiny model's tokens do not mix, so its greedy token depends
-on the last token only and every answer to the same generation prompt would be the same. The token
-generated is therefore the model's greedy token combined with a checksum of the whole context (prompt
-and tokens so far), mapped onto the tokenizer's ordinary tokens, with the eos now and then: still
-deterministic, and an answer depends on every token of its conversation.
+on the last token only, and every generation prompt ends with the same tokens (the template's assistant
+header). So the FIRST token of an answer is chosen from a checksum of the whole prompt (mapped onto the
+tokenizer's ordinary tokens: whole words that re-tokenize to themselves, `ordinary_tokens`), and an answer
+depends on its conversation; every later token is the model's greedy token (its lm head maps onto the
+ordinary tokens: `weights.mapped_head`, written with the tokenizer), so the answer goes on as the model's
+logits say and a drafter trained on the model's hidden states can predict it. The eos ends an answer now and
+then (a checksum of the context, about one token in 23). Deterministic.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from pathlib import Path
 
@@ -69,19 +73,34 @@ class Chooser:
     EOS_EVERY = 23  # about one token in 23 ends the answer (variable lengths, finish_reason stop)
 
     def __init__(self, tok: ChatTokenizer, vocab: int):
-        special = {t.content for t in tok.tok.get_added_tokens_decoder().values()} if hasattr(
-            tok.tok, "get_added_tokens_decoder") else set()
-        self.ordinary = [i for i in range(min(vocab, tok.tok.get_vocab_size()))  # whole, printable text pieces
-                         if tok.tok.id_to_token(i) not in special | {None}
-                         and _printable(tok.tok.decode([i], skip_special_tokens=True))]
+        self.ordinary = ordinary_tokens(tok, vocab)
+        self.is_ordinary = frozenset(self.ordinary)
         self.eos = tok.eos_ids[0] if tok.eos_ids else None
 
     def __call__(self, work, greedy: int) -> int:
         ctx = zlib.crc32(",".join(map(str, list(work.input_ids) + work.output_ids)).encode())
         mix = (ctx * 1000003 + greedy) & 0xFFFFFFFF
-        if self.eos is not None and work.output_ids and mix % self.EOS_EVERY == 0:
+        if not work.output_ids:
+            return self.ordinary[mix % len(self.ordinary)]
+        if self.eos is not None and mix % self.EOS_EVERY == 0:
             return self.eos
-        return self.ordinary[mix % len(self.ordinary)]
+        # a model directory whose head was written before its tokenizer (tied): still printable text
+        return greedy if greedy in self.is_ordinary else self.ordinary[greedy % len(self.ordinary)]
+
+
+def ordinary_tokens(tok: ChatTokenizer, vocab: int) -> list[int]:
+    """The ids below `vocab` an answer is made of: whole words with their leading space (" the", " fox") that
+    the tokenizer encodes back to the same id, so an answer's text re-tokenizes to exactly the served ids (the
+    pre-tokenizer splits at the spaces), as a real model's text mostly does; a tokenizer without such words:
+    every id that decodes to a printable piece of text (no special token)."""
+    special = {t.content for t in tok.tok.get_added_tokens_decoder().values()} if hasattr(
+        tok.tok, "get_added_tokens_decoder") else set()
+    printable = [i for i in range(min(vocab, tok.tok.get_vocab_size()))
+                 if tok.tok.id_to_token(i) not in special | {None}
+                 and _printable(tok.tok.decode([i], skip_special_tokens=True))]
+    words = [i for i in printable if re.fullmatch(r" [A-Za-z]+", tok.decode([i]))
+             and tok.encode(tok.decode([i]), add_special_tokens=False) == [i]]
+    return words or printable
 
 
 def _printable(text: str) -> bool:

@@ -1,7 +1,8 @@
 """The tiny deterministic model: its config.json, its forward with aux capture, the capture layer ids.
 
-Model: embedding -> N layers `h = h + tanh(h @ W_i)` -> RMSNorm -> tied lm
-head, float32 weights made from a fixed seed and read from the model directory
+Model: embedding -> N layers `h = h + tanh(h @ W_i)` -> RMSNorm -> lm head (tied to the embedding,
+or, once a tokenizer is written beside it, a permutation of the embedding's rows onto the tokenizer's
+ordinary tokens: `weights.mapped_head`), float32 weights made from a fixed seed and read from the model directory
 (`weights.py`), greedy decoding (temperature is ignored). Tokens do not mix, so the next token depends on the last token only.
 Aux capture (`--enable-return-aux-hidden-states`): layer id L captures the
 INPUT of layer L (= output of layer L-1), ids used as given (DeepseekV2
@@ -43,7 +44,7 @@ def write_model_config(path, layers: int = 8, hidden: int = 64, vocab: int = 512
 
 
 class TinyModel:
-    """embedding -> N x (h + tanh(h @ W)) -> RMSNorm -> tied lm head; float32, seed 0."""
+    """embedding -> N x (h + tanh(h @ W)) -> RMSNorm -> lm head; float32, seed 0."""
 
     def __init__(self, layers, hidden, vocab, capture_ids, nan_layer=None, nan_tokens=(), model_dir=None):
         import torch  # noqa: PLC0415
@@ -54,6 +55,7 @@ class TinyModel:
         self.layers, self.hidden, self.vocab = layers, hidden, vocab
         params = load_weights(model_dir, layers, hidden, vocab) if model_dir else seeded(layers, hidden, vocab)
         self.embed = params["model.embed_tokens.weight"]
+        self.lm_head = params["lm_head.weight"]
         self.weights = [params[f"model.layers.{i}.proj.weight"] for i in range(layers)]
         self.norm = params["model.norm.weight"]
         self.capture_ids = capture_ids
@@ -73,7 +75,7 @@ class TinyModel:
                     captured[i] = h.clone()
                 h = h + torch.tanh(h @ w)
             normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
-            logits = normed[last_index] @ self.embed.T
+            logits = normed[last_index] @ self.lm_head.T
             aux = None
             if capture_ids:
                 parts = []

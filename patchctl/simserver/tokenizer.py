@@ -64,7 +64,10 @@ FAMILIES = {
 
 
 def write_tokenizer(path, family: str = "llama3", vocab_size: int = 400) -> Path:
-    """Write tokenizer.json and tokenizer_config.json for `family` into `path` (created); same input, same bytes."""
+    """Write tokenizer.json and tokenizer_config.json for `family` into `path` (created); same input, same bytes.
+    Into a stand-in model directory with weights, the weights are written again with the lm head mapped onto this
+    tokenizer's ordinary tokens (weights.mapped_head), as a model's head is trained on its tokenizer's text."""
+    from patchctl.simserver.weights import INDEX_FILE, write_weights  # noqa: PLC0415
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
 
     fam = FAMILIES[family]
@@ -82,4 +85,8 @@ def write_tokenizer(path, family: str = "llama3", vocab_size: int = 400) -> Path
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": fam["bos"], "eos_token": fam["eos"],
            "model_max_length": 131072, "chat_template": fam["template"], "clean_up_tokenization_spaces": False}
     (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    model_cfg = d / "config.json"
+    if model_cfg.is_file() and (d / INDEX_FILE).is_file():  # a model directory: its head speaks this tokenizer
+        mc = json.loads(model_cfg.read_text())
+        write_weights(d, mc["num_hidden_layers"], mc["hidden_size"], mc["vocab_size"])
     return d

@@ -32,12 +32,34 @@ def seeded(layers: int, hidden: int, vocab: int) -> dict:
     return out
 
 
-def write_weights(model_dir, layers: int, hidden: int, vocab: int) -> Path:
-    """Save the seeded parameters into model_dir with their index; returns the weights file."""
+def mapped_head(embed, head_tokens) -> "torch.Tensor":
+    """An lm head whose greedy token is always one of `head_tokens` and moves along a fixed permutation of them:
+    row pi(u) is the embedding of u (u in head_tokens), every other row zero. The last layers keep a token's
+    state close to its embedding, so the greedy token after u is pi(u): the next token depends on the last
+    token only, and it is the argmax of `final hidden state @ lm_head.T`, as SpecForge's target head computes it."""
+    import torch  # noqa: PLC0415
+
+    tokens = torch.tensor(sorted(set(int(t) for t in head_tokens)), dtype=torch.int64)
+    perm = tokens[torch.randperm(len(tokens), generator=torch.Generator().manual_seed(1))]
+    head = torch.zeros_like(embed)
+    head[perm] = embed[tokens]
+    return head
+
+
+def write_weights(model_dir, layers: int, hidden: int, vocab: int, head_tokens=None) -> Path:
+    """Save the seeded parameters into model_dir with their index; returns the weights file. The lm head maps
+    onto `head_tokens` (`mapped_head`), by default the ordinary tokens of the tokenizer in model_dir if it has
+    one (written by tokenizer.write_tokenizer), else it is tied to the embedding."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
     d = Path(model_dir)
     tensors = seeded(layers, hidden, vocab)
+    if head_tokens is None and (d / "tokenizer.json").is_file():
+        from patchctl.simserver.chat import ChatTokenizer, ordinary_tokens  # noqa: PLC0415
+
+        head_tokens = ordinary_tokens(ChatTokenizer(d), vocab)
+    if head_tokens is not None:
+        tensors["lm_head.weight"] = mapped_head(tensors["model.embed_tokens.weight"], head_tokens)
     path = d / WEIGHTS_FILE
     save_file(tensors, str(path), metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
