@@ -136,14 +136,16 @@ class Transport:
 
     def run_python(self, script: str, *, timeout: float | None = None, silence: float | None = None,
                    on_stderr_line: Callable[[str], None] | None = None,
-                   stream: Iterable[bytes] | None = None) -> RunResult:
+                   stream: Iterable[bytes] | None = None, stdout=None) -> RunResult:
         """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive.
         `timeout` bounds the whole command; `silence` the time without a byte from it (for a script that
         reports regularly: a hung link or host that TCP itself does not notice raises ConnectionLost; over SSH,
         until the command's first byte, the host's sshd answering keepalives counts too, see _pump).
         `stream`: stdin stays open after the script and carries these chunks as they come (a long-running
         op fed with work); the command is then `<python> -c STREAM_BOOT` and the script goes first, framed by
-        its length, because `python -` would wait for the end of stdin before running anything."""
+        its length, because `python -` would wait for the end of stdin before running anything.
+        `stdout`: stdout's chunks are `append`ed to it as they arrive (a framed byte stream's parser, core.rawout);
+        the result's stdout is what iterating it yields afterwards."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -290,7 +292,7 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
 class LocalTransport(Transport):
     """`connection = "local"`: the same one-command semantics with a subprocess (argv, no shell)."""
 
-    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None, stdout=None) -> RunResult:
         python = os.path.expanduser(self.host.python) if self.host.python.startswith("~") else self.host.python
         self.commands_run += 1
         try:
@@ -300,7 +302,7 @@ class LocalTransport(Transport):
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             return RunResult(127, "", f"patchctl: cannot run python {self.host.python!r}: {e.strerror}\n")
         events: queue.Queue = queue.Queue()
-        out_chunks: list[bytes] = []
+        out_chunks = [] if stdout is None else stdout
 
         def write(chunk: bytes) -> None:
             proc.stdin.write(chunk)
@@ -509,13 +511,13 @@ class SSHTransport(Transport):
         return conn
 
     # running ------------------------------------------------------------------------------------
-    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None, stdout=None) -> RunResult:
         with self._lock:
             command = (shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " "
                        + " ".join(shlex.quote(w) for w in python_args(stream is not None)))
             chan = self._open_channel()
             self._exec(chan, command)
-            out_chunks: list[bytes] = []
+            out_chunks = [] if stdout is None else stdout
             err_lines: list[str] = []
             outcome, threads, probe = self._pump_command(chan, script, stream, timeout, silence, on_stderr_line,
                                                          out_chunks, err_lines)
