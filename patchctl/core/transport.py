@@ -144,8 +144,7 @@ class Transport:
         `stream`: stdin stays open after the script and carries these chunks as they come (a long-running
         op fed with work); the command is then `<python> -c STREAM_BOOT` and the script goes first, framed by
         its length, because `python -` would wait for the end of stdin before running anything.
-        `stdout`: stdout's chunks are `append`ed to it as they arrive (a framed byte stream's parser, core.rawout);
-        the result's stdout is what iterating it yields afterwards."""
+        `stdout`: takes stdout's chunks as they come (`append`; core.rawout), and yields the result's stdout after."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -168,6 +167,7 @@ _ALIVE = object()  # the host's SSH server answered a keepalive (counts as word 
 FINISHED, DEADLINE, SILENT, NOT_STARTED = "finished", "deadline", "silent", "not started"
 START_FACTOR = 10  # a command whose host answers keepalives may take this many silence limits to say a first word
 PROBE_EVERY_S = 1.0
+READ_BYTES = 1 << 20  # stdout taken at a time: what is there, up to this (raw pulls: fewer wake-ups per MB)
 
 
 def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: float | None, on_stderr_line,
@@ -268,9 +268,11 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
 
     def drain_stdout():
         try:
-            while chunk := read_out(65536):
+            while chunk := read_out(READ_BYTES):
                 out_chunks.append(chunk)
                 events.put(_STDOUT)
+        except (OSError, EOFError, paramiko.SSHException):  # a broken link (no window adjust): the caller sees it
+            pass
         finally:
             events.put(_DONE)
 
