@@ -210,3 +210,68 @@ def test_become_pulls_as_root_what_the_login_user_cannot_read(fleet, tmp_path, l
     assert last_pulled(ev)["files"] == 2 and ev[-1]["exit_code"] == 0
     for sid, p in files.items():
         assert (dest / target_rel(sid, "safetensors")).read_bytes() == p.read_bytes()
+
+
+def _frames(files: dict[str, bytes], chunk: int = 5) -> bytes:
+    """What the agent writes for these files (host/pull.py): header, chunks of `chunk` bytes, end; then an answer."""
+    out = b""
+    for path, data in files.items():
+        out += (json.dumps({"path": path, "offset": 0, "size": len(data)}) + "\n").encode()
+        for i in range(0, len(data), chunk):
+            out += b"%d\n" % len(data[i:i + chunk]) + data[i:i + chunk]
+        out += b"0\n"
+    out += (json.dumps({"path": "/gone", "error": "missing", "reason": "No such file"}) + "\n").encode()
+    return out + b'{"ok": true, "result": {}}\n'
+
+
+def test_frame_sink_splits_files_at_any_chunk_boundary_and_keeps_the_answer():
+    from patchctl.core.rawout import FrameSink
+
+    files = {"/a": bytes(range(256)) * 3, "/b": b"", "/c": b"x\n0\n{}\n" * 7}
+    wire = _frames(files)
+    for cut in [1, 2, 3, 7, 64, len(wire)]:
+        got, ended, headers = {}, [], []
+
+        class Keep:
+            def __init__(self, path):
+                self.path = path
+                got[path] = b""
+
+            def data(self, piece):
+                assert isinstance(piece, memoryview)
+                got[self.path] += bytes(piece)
+
+            def end(self):
+                ended.append(self.path)
+
+        def open_file(hdr):
+            headers.append(hdr)
+            return None if hdr.get("error") else Keep(hdr["path"])
+
+        sink = FrameSink(open_file)
+        for i in range(0, len(wire), cut):
+            sink.append(wire[i:i + cut])
+        assert got == files and ended == ["/a", "/b", "/c"] and headers[-1]["error"] == "missing", cut
+        assert b"".join(sink) == b'{"ok": true, "result": {}}\n' and not sink.cut and sink.error is None
+        assert sink.received == sum(len(d) for d in files.values())
+
+
+def test_frame_sink_a_cut_stream_and_a_failing_receiver():
+    from patchctl.core.rawout import FrameSink
+
+    wire = _frames({"/a": b"0123456789" * 10})
+    sink = FrameSink(lambda hdr: None)
+    sink.append(wire[:60])
+    assert sink.cut and b"".join(sink) == b""  # ended inside the file's frames: no answer
+
+    class Full:
+        def data(self, piece):
+            raise OSError(28, "No space left on device")
+
+        def end(self):
+            raise AssertionError("not after a failure")
+
+    sink = FrameSink(lambda hdr: None if hdr.get("error") else Full())
+    sink.append(wire)
+    assert isinstance(sink.error, OSError) and not sink.cut  # the frames were still read to the answer
+    assert b"".join(sink) == b'{"ok": true, "result": {}}\n'

@@ -145,7 +145,10 @@ class Batch:
         finally:
             for inc in self.incoming.values():
                 if not inc.done:
-                    inc.close(keep=inc.have > 0)  # a cut pull: what arrived stays for the next collect
+                    try:
+                        inc.close(keep=inc.have > 0)  # a cut pull: what arrived stays for the next collect
+                    except OSError:
+                        pass  # (a full disk): what was written is still the file's prefix
 
     # the FrameSink's callbacks (the transport's stdout thread) ------------------------------------
     def _open_file(self, hdr: dict):
