@@ -140,8 +140,8 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def channel_ceiling(fleet, path: Path) -> dict:
-    """One host file through a bare SSH channel (`cat`, no agent, no framing, no disk) into a sha256, over
+def channel_ceiling(fleet, path: Path, times: int = 4) -> dict:
+    """One host file `times` over through a bare SSH channel (`cat`, no agent, no framing, no disk) into a sha256, over
     paramiko with patchctl's cipher preference (core.sshlink: AES-GCM first) and over OpenSSH's `ssh` (its
     default cipher, chacha20-poly1305, and aes128-gcm): MB/s and the controller's CPU per MB, the connection
     not counted (paramiko's is made before the clock starts; `ssh ... true`'s wall and CPU are taken off)."""
@@ -150,7 +150,8 @@ def channel_ceiling(fleet, path: Path) -> dict:
     from patchctl.core import sshlink
 
     h = fleet.ssh[0]
-    size = path.stat().st_size
+    size = path.stat().st_size * times
+    cat = "cat" + f" {path}" * times
     out = {}
     c = paramiko.SSHClient()
     c.load_host_keys(str(fleet.known_hosts))
@@ -160,7 +161,7 @@ def channel_ceiling(fleet, path: Path) -> dict:
         chan = c.get_transport().open_session()
         cipher = c.get_transport().remote_cipher
         c0, t0 = time.process_time(), time.perf_counter()
-        chan.exec_command(f"cat {path}")
+        chan.exec_command(cat)
         hh, got = hashlib.sha256(), 0
         while b := chan.recv(1 << 20):
             hh.update(b)
@@ -173,7 +174,7 @@ def channel_ceiling(fleet, path: Path) -> dict:
     for cipher in ("chacha20-poly1305@openssh.com", "aes128-gcm@openssh.com"):
         argv = ["ssh", "-T", "-F", "/dev/null", "-i", str(h.identity_file), "-p", str(h.port), "-o", "BatchMode=yes",
                 "-o", f"UserKnownHostsFile={fleet.known_hosts}", "-o", "StrictHostKeyChecking=yes",
-                "-o", "GlobalKnownHostsFile=/dev/null", "-c", cipher, f"root@{h.address}", f"cat {path}"]
+                "-o", "GlobalKnownHostsFile=/dev/null", "-c", cipher, f"root@{h.address}", cat]
         k0, t0 = children_cpu_s(), time.perf_counter()  # its connection's own cost, taken off below
         subprocess.run(argv[:-1] + ["true"], check=True)
         setup_wall, setup_cpu = time.perf_counter() - t0, children_cpu_s() - k0
