@@ -275,3 +275,26 @@ def test_frame_sink_a_cut_stream_and_a_failing_receiver():
     sink.append(wire)
     assert isinstance(sink.error, OSError) and not sink.cut  # the frames were still read to the answer
     assert b"".join(sink) == b'{"ok": true, "result": {}}\n'
+
+
+def test_chunk_pipe_hands_over_what_came_in_order_and_ends_at_close():
+    """The SSH channel's stdout buffer of a raw pull (SSHTransport installs it for a FrameSink): bytes in order,
+    at most what was asked, a short remainder after a quiet moment, then EOF once closed."""
+    import threading
+
+    from patchctl.core.rawout import ChunkPipe
+
+    p = ChunkPipe(wake=64, linger=0.01)
+    for i in range(10):
+        p.feed(bytes([i]) * 10)
+    assert len(p) == 100 and p.read_ready()
+    assert p.read(25) == b"\x00" * 10 + b"\x01" * 10 + b"\x02" * 5  # a chunk split at the limit
+    assert p.read(1000) == b"\x02" * 5 + b"".join(bytes([i]) * 10 for i in range(3, 10))
+    p.feed(b"tail")
+    assert p.read(1000) == b"tail"  # fewer than `wake` bytes: handed over once nothing more came
+    got = []
+    reader = threading.Thread(target=lambda: got.append(p.read(1000)))
+    reader.start()
+    p.close()  # wakes a waiting reader: end of stream
+    reader.join(30)
+    assert got == [b""] and p.read(10) == b""

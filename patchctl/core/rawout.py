@@ -44,6 +44,10 @@ class FrameSink:
         self.received = 0
         self.error: BaseException | None = None
 
+    def channel_buffer(self) -> "ChunkPipe":
+        """The SSH channel's stdout buffer for this command (SSHTransport.run_python installs it)."""
+        return ChunkPipe()
+
     @property
     def cut(self) -> bool:
         """The stream ended inside a file's frames."""
@@ -133,3 +137,67 @@ class FrameSink:
         self.state = _TAIL
         if first:
             self.tail.append(first)
+
+
+class ChunkPipe:
+    """A stand-in for paramiko's BufferedPipe as a raw_out command's stdout buffer (`Channel.in_buffer`):
+    the packets' bytes kept as they come (no copy into an array and out again), and the reading thread woken
+    once `wake` bytes are there (or the stream ended, or `linger` seconds passed with some there), not at
+    every 32 KiB packet. Waking it per packet cost a context switch and a GIL hand-over each; the copies and
+    the array's growing and shrinking, fresh pages. The window cannot stall on it: the host may have
+    2 MiB on its way (paramiko's default window), far above `wake`."""
+
+    def __init__(self, wake: int = 256 << 10, linger: float = 0.02):
+        import threading
+        from collections import deque
+
+        self._chunks: deque = deque()
+        self._size = 0
+        self._closed = False
+        self._cv = threading.Condition()
+        self._wake, self._linger = wake, linger
+
+    def feed(self, data) -> None:
+        with self._cv:
+            self._chunks.append(bytes(data))
+            self._size += len(data)
+            if self._size >= self._wake:
+                self._cv.notify()
+
+    def read(self, nbytes: int, timeout=None) -> bytes:
+        with self._cv:
+            while not self._closed and self._size < min(nbytes, self._wake):
+                if not self._cv.wait(self._linger) and self._size:
+                    break  # some bytes and a quiet moment: take them (a short answer, the end of a file)
+            out, n = [], 0
+            while self._chunks and n < nbytes:
+                c = self._chunks.popleft()
+                if n + len(c) > nbytes:
+                    self._chunks.appendleft(c[nbytes - n:])
+                    c = c[:nbytes - n]
+                out.append(c)
+                n += len(c)
+            self._size -= n
+            return b"".join(out)
+
+    def read_ready(self) -> bool:
+        with self._cv:
+            return self._size > 0
+
+    def set_event(self, event) -> None:  # select() on the channel: not used on a raw_out command's channel
+        raise NotImplementedError("ChunkPipe: no select()")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def empty(self) -> bytes:
+        with self._cv:
+            out = b"".join(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+            return out
+
+    def __len__(self) -> int:
+        return self._size

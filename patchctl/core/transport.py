@@ -518,6 +518,8 @@ class SSHTransport(Transport):
             command = (shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " "
                        + " ".join(shlex.quote(w) for w in python_args(stream is not None)))
             chan = self._open_channel()
+            if stdout is not None and hasattr(stdout, "channel_buffer"):
+                chan.in_buffer = stdout.channel_buffer()  # before any byte can arrive (core.rawout.ChunkPipe)
             self._exec(chan, command)
             out_chunks = [] if stdout is None else stdout
             err_lines: list[str] = []
