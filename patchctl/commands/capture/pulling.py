@@ -104,8 +104,8 @@ class Incoming:
 
 class Batch:
     """One `pull_raw` command for some of a host's files. `finish(it, tmp, digest)` is Collector._finish;
-    `retry(it)` puts a resumed file whose sha256 failed back for one whole pull; `progress(files, bytes)`
-    is called as files end."""
+    `retry(it)` puts a resumed file whose sha256 failed back for one whole pull; `progress(nbytes)` is
+    called as each file is finished, with the bytes of it that came in this pull."""
 
     def __init__(self, items: list[Item], partial_of: Callable[[Item], Path], finish, retry,
                  progress: Callable[[int], None] | None = None, fresh: set[str] | None = None):
