@@ -8,9 +8,13 @@ conversion rate per host at 1..W worker processes.
 pull     stands up N real sshd hosts on 127.0.1.2.. (tests/fleet.py, no server needed: `pull` only reads the
          run's captures directory), lays --files dump-sized files of --mb MB into each host's
          <state_dir>/dumps/captures/<RUN>/ with their journal records (what `capture run` leaves; the bytes are
-         random: pulling does not read them), then runs `patchctl capture collect RUN --to DIR --streams S` for
-         each S in turn, alternating for R rounds, each into a fresh DIR. Reports MB/s per host (its own
-         `host_result`) and for the fleet (all bytes / wall), and the machine's CPU load during each collect.
+         random: pulling does not read them), then runs `patchctl capture collect RUN --to DIR --streams S`
+         for each S, with main's code before issue 30 (BEFORE, taken from git: base64 in JSON) and with this
+         checkout's (raw bytes), side by side, alternating which goes first, for R rounds, each into a fresh
+         DIR. Reports MB/s per host (its own `host_result`), the controller's CPU per MB (the collect
+         process's own CPU; `net`: less its fixed cost, the CPU of the same run indexed with --in-place, which
+         starts, reads the journal and writes an index but contacts no host), the machine's load during each collect, and per round the ceiling of one bare SSH
+         channel (`cat` of one file into a sha256: paramiko with patchctl's cipher, OpenSSH's `ssh`).
 convert  the --on-host conversion before (main at f53753e, from git) and after, side by side in one run, at 1,
          the default and all workers, with the disk's own write rate beside it: bench/convert_rate.py says how.
 """
@@ -21,8 +25,10 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,12 +69,81 @@ def write_dump(path: Path, ids: list[int], hidden: int, k: int, payload: bytes) 
 
 # --- pull ---------------------------------------------------------------------------------------
 
+BEFORE = "f53753e"  # main before issue 30: base64 pieces of 32 MiB inside JSON (op `pull`)
+
+
+def before_tree(dest: Path) -> Path:
+    """main's patchctl at BEFORE, from git (`git archive`), to run side by side with this checkout's."""
+    dest.mkdir(parents=True)
+    arch = subprocess.run(["git", "-C", str(REPO), "archive", BEFORE, "patchctl"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
+    return dest
+
+
+def children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def channel_ceiling(fleet, path: Path, times: int = 4) -> dict:
+    """One host file `times` over through a bare SSH channel (`cat`, no agent, no framing, no disk) into a sha256, over
+    paramiko with patchctl's cipher preference (core.sshlink: AES-GCM first) and over OpenSSH's `ssh` (its
+    default cipher, chacha20-poly1305, and aes128-gcm): MB/s and the controller's CPU per MB, the connection
+    not counted (paramiko's is made before the clock starts; `ssh ... true`'s wall and CPU are taken off)."""
+    import paramiko
+
+    from patchctl.core import sshlink
+
+    h = fleet.ssh[0]
+    size = path.stat().st_size * times
+    cat = "cat" + f" {path}" * times
+    out = {}
+    c = paramiko.SSHClient()
+    c.load_host_keys(str(fleet.known_hosts))
+    c.connect(h.address, h.port, username="root", key_filename=str(h.identity_file), look_for_keys=False,
+              allow_agent=False, transport_factory=sshlink._transport)
+    try:
+        chan = c.get_transport().open_session()
+        cipher = c.get_transport().remote_cipher
+        c0, t0 = time.process_time(), time.perf_counter()
+        chan.exec_command(cat)
+        hh, got = hashlib.sha256(), 0
+        while b := chan.recv(1 << 20):
+            hh.update(b)
+            got += len(b)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert got == size, got
+        out[f"paramiko {cipher}"] = {"mb_per_s": round(size / wall / 1e6, 1), "cpu_ms_per_mb": round(cpu / size * 1e9, 2)}
+    finally:
+        c.close()
+    for cipher in ("chacha20-poly1305@openssh.com", "aes128-gcm@openssh.com"):
+        argv = ["ssh", "-T", "-F", "/dev/null", "-i", str(h.identity_file), "-p", str(h.port), "-o", "BatchMode=yes",
+                "-o", f"UserKnownHostsFile={fleet.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+                "-o", "GlobalKnownHostsFile=/dev/null", "-c", cipher, f"root@{h.address}", cat]
+        k0, t0 = children_cpu_s(), time.perf_counter()  # its connection's own cost, taken off below
+        subprocess.run(argv[:-1] + ["true"], check=True)
+        setup_wall, setup_cpu = time.perf_counter() - t0, children_cpu_s() - k0
+        c0, k0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, bufsize=0)
+        hh, got, buf = hashlib.sha256(), 0, bytearray(1 << 20)
+        while n := p.stdout.readinto(buf):
+            hh.update(memoryview(buf)[:n])
+            got += n
+        p.wait()
+        wall = time.perf_counter() - t0 - setup_wall
+        cpu = time.process_time() - c0 + children_cpu_s() - k0 - setup_cpu
+        assert got == size, got
+        out[f"ssh {cipher}"] = {"mb_per_s": round(size / wall / 1e6, 1), "cpu_ms_per_mb": round(cpu / size * 1e9, 2)}
+    return out
+
+
 def bench_pull(args) -> dict:
     from fleet import Fleet
 
     from patchctl.commands.capture.journal import Journal, write_run_info
 
     base = Path(tempfile.mkdtemp(prefix="collect-pull-", dir=args.dir))
+    old = before_tree(base / "before")
     fleet = Fleet(base, args.hosts, _tree(), light=True)
     try:
         run = "pullbench"
@@ -96,29 +171,68 @@ def bench_pull(args) -> dict:
                           "sha256": hashlib.sha256(data).hexdigest(), "bytes": size, "tokens": 1})
         j.close()
         total = size * args.files * args.hosts
-        rows = []
+        sides = {"before": old, "after": REPO}
+        rows, ceilings = [], []
         for r in range(args.rounds):
+            ceilings.append(channel_ceiling(fleet, fleet.hosts[0].dumps / "captures" / run / "s0.safetensors"))
+            print(json.dumps({"round": r, "channel": ceilings[-1]}), flush=True)
             for s in args.streams:
-                out = base / f"out-{r}-{s}"
-                busy0, t0 = machine_busy_s(), time.perf_counter()
-                p = fleet.patchctl("--json", "capture", "collect", run, "--to", str(out), "--streams", str(s), timeout=3600)
-                wall = time.perf_counter() - t0
-                assert p.returncode == 0, p.stderr[-2000:]
-                per_host = {}
-                for line in p.stdout.splitlines():
-                    ev = json.loads(line)
-                    if ev.get("event") == "host_result":
-                        per_host[ev["host"]] = float(ev["message"].split("(")[1].split(" MB/s")[0])
-                row = {"round": r, "streams": s, "wall_s": round(wall, 2), "fleet_mb_per_s": round(total / wall / 1e6, 1),
-                       "host_mb_per_s": per_host, "machine_load": round((machine_busy_s() - busy0) / wall, 2)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                shutil.rmtree(out)
-        return {"mode": "pull", "hosts": args.hosts, "files_per_host": args.files, "file_mb": args.mb,
-                "cores": os.cpu_count(), "rows": rows}
+                for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                    out = base / f"out-{r}-{s}-{side}"
+                    cmd = [sys.executable, "-m", "patchctl", "--inventory", str(fleet.inventory), "--patches",
+                           str(fleet.patches), "--json", "capture", "collect", run, "--to", str(out), "--streams", str(s)]
+                    env = dict(fleet.env(), PYTHONPATH=str(sides[side]))
+                    load0 = os.getloadavg()[0]
+                    busy0, k0, t0 = machine_busy_s(), children_cpu_s(), time.perf_counter()
+                    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(sides[side]), timeout=3600)
+                    wall, cpu = time.perf_counter() - t0, children_cpu_s() - k0
+                    busy = machine_busy_s() - busy0
+                    assert p.returncode == 0, p.stderr[-2000:]
+                    k1 = children_cpu_s()  # its fixed cost: the same run indexed in place (no host contacted)
+                    q = subprocess.run(cmd[:cmd.index("--to") + 1] + [str(out) + "-in-place", "--in-place"],
+                                       capture_output=True, text=True, env=env, cwd=str(sides[side]), timeout=600)
+                    fixed = children_cpu_s() - k1
+                    assert q.returncode == 0, q.stderr[-2000:]
+                    per_host = {}
+                    for line in p.stdout.splitlines():
+                        ev = json.loads(line)
+                        if ev.get("event") == "host_result":
+                            per_host[ev["host"]] = float(ev["message"].split("(")[1].split(" MB/s")[0])
+                    row = {"round": r, "streams": s, "side": side, "wall_s": round(wall, 2),
+                           "fleet_mb_per_s": round(total / wall / 1e6, 1), "host_mb_per_s": per_host,
+                           "controller_cpu_s": round(cpu, 2), "cpu_ms_per_mb": round(cpu / total * 1e9, 2),
+                           "cpu_ms_per_mb_net": round((cpu - fixed) / total * 1e9, 2), "fixed_cpu_s": round(fixed, 2),
+                           "machine_load": round(busy / wall, 2), "loadavg_1m": round(load0, 2)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    shutil.rmtree(out)
+                    shutil.rmtree(str(out) + "-in-place")
+        summary = {}
+        for s in args.streams:
+            for side in ("before", "after"):
+                rs = [x for x in rows if x["streams"] == s and x["side"] == side]
+                summary[f"{side} {s}"] = {
+                    "host_mb_per_s": round(sum(v for x in rs for v in x["host_mb_per_s"].values())
+                                           / sum(len(x["host_mb_per_s"]) for x in rs), 1),
+                    "cpu_ms_per_mb": round(sum(x["cpu_ms_per_mb"] for x in rs) / len(rs), 2),
+                    "cpu_ms_per_mb_net": round(sum(x["cpu_ms_per_mb_net"] for x in rs) / len(rs), 2)}
+            b, a = summary[f"before {s}"], summary[f"after {s}"]
+            summary[f"ratio {s} (after/before)"] = {"host_mb_per_s": round(a["host_mb_per_s"] / b["host_mb_per_s"], 1),
+                                                    "cpu_ms_per_mb": round(a["cpu_ms_per_mb"] / b["cpu_ms_per_mb"], 3)}
+        return {"mode": "pull", "before": BEFORE, "after": _head(), "hosts": args.hosts, "files_per_host": args.files,
+                "file_mb": round(size / 1e6, 1), "mb_per_collect": round(total / 1e6, 1), "rounds": args.rounds,
+                "cores": os.cpu_count(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "channel": ceilings, "rows": rows,
+                "summary": summary}
     finally:
         fleet.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _head() -> str:
+    p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "patchctl"], capture_output=True, text=True)
+    return p.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def _tree() -> Path:

@@ -33,6 +33,7 @@ FAST_LANE = {
                           "test_syntax_error_fails_startup"},
     "test_capture_run.py": {"test_a_bad_dataset_is_refused_naming_the_line_and_nothing_is_sent"},
     "test_capture_collect.py": {"test_collect_from_a_local_host_and_through_sudo"},
+    "test_collect_pull.py": {"test_a_pull_cut_mid_file_resumes_without_sending_again_what_arrived"},
     "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},
     "test_capture_regenerate.py": {"test_every_turn_is_the_servers_answer_to_its_regenerated_context"},
 }

@@ -500,15 +500,35 @@ def test_specforge_refuses_a_run_of_four_layers_before_any_work(fleet, tmp_path)
 
 
 def _pull(f, host, run, paths):
-    """The agent's pull op over the host's real SSH connection, as collect calls it."""
+    """The agent's pull_raw op over the host's real SSH connection, as collect calls it: (the agent's
+    answer's files, {path: the bytes framed on its stdout})."""
+    from patchctl.core import remote
     from patchctl.core.console import App
     from patchctl.core.options import RunOptions
+    from patchctl.core.rawout import FrameSink
     from patchctl.core.session import Run
+
+    got: dict[str, bytearray] = {}
+
+    class Keep:
+        def __init__(self, path):
+            self.buf = got.setdefault(path, bytearray())
+
+        def data(self, chunk):
+            self.buf += chunk
+
+        def end(self):
+            pass
 
     app = App(patches_dir=f.patches, inventory_path=f.inventory)
     r = Run(app, RunOptions(limit=host.name), "test")
     try:
-        return r.session(r.hosts[0]).call("pull", run=run, files=[{"path": str(p)} for p in paths])["files"]
+        s = r.session(r.hosts[0])
+        sink = FrameSink(lambda hdr: None if hdr.get("error") else Keep(hdr["path"]))
+        res = remote.call(s.transport, s.request("pull_raw", run=run, files=[{"path": str(p)} for p in paths]),
+                          stdout=sink)
+        assert sink.error is None and not sink.cut
+        return res["files"], got
     finally:
         r.close()
 
@@ -530,14 +550,12 @@ def test_pull_serves_only_files_inside_the_runs_captures_directory(fleet, tmp_pa
     paths = [good, "/etc/passwd", h.state / "server.json", captures / "sec" / ".." / ".." / ".." / "server.json",
              captures / "other" / "x.safetensors", link, captures / "sec" / "fifo", captures / "sec" / "nope.safetensors",
              "relative/path"]
-    ans = _pull(f, h, "sec", paths)
+    ans, got = _pull(f, h, "sec", paths)
     assert len(ans) == len(paths)
-    import base64
-
-    assert base64.b64decode(ans[0]["data"]) == good.read_bytes() and ans[0]["eof"]
-    assert ans[0]["sha256"] == hashlib.sha256(good.read_bytes()).hexdigest()
+    assert bytes(got[str(good)]) == good.read_bytes() and ans[0]["sent"] == ans[0]["size"] == good.stat().st_size
+    assert list(got) == [str(good)]  # not a byte of anything else
     assert [a.get("error") for a in ans[1:]] == ["refused"] * 6 + ["missing", "refused"], ans
-    assert all("data" not in a for a in ans[1:])
+    assert all("sent" not in a for a in ans[1:])
     for bad in ("..", "a/b", ""):
         from patchctl.core.remote import AgentFailure
 

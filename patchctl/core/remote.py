@@ -95,14 +95,19 @@ def build_script(request: dict) -> str:
 
 
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
-         timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None) -> dict:
+         timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None,
+         stdout=None) -> dict:
     """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
     every `beat_s` seconds (a quarter of the silence limit), so `silence` seconds without a byte means a hung link or
     host (ConnectionLost).
     `stream`: more input for a long-running op, after the script (Transport.run_python), or an apply's
-    go (`gate`: core.preflight.Gate)."""
+    go (`gate`: core.preflight.Gate).
+    `stdout`: for an op whose stdout carries framed raw bytes before its answer (protocol.OPS `raw_out`): the
+    parser that takes them (core.rawout.FrameSink), required for such an op."""
     if stream is not None and not (OPS[request["op"]].streamed or request.get("gate")):
         raise ProtocolError(f"op {request['op']} reads no stream (protocol.OPS)")
+    if (stdout is not None) != OPS[request["op"]].raw_out:
+        raise ProtocolError(f"op {request['op']}: a stdout sink goes with the ops whose stdout is raw (protocol.OPS)")
     other: list[str] = []
     saw_agent: list[bool] = []
     off_protocol: list[str] = []
@@ -124,7 +129,7 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
             other.append(line)
 
     res = transport.run_python(build_script(request), timeout=timeout, silence=silence, on_stderr_line=on_line,
-                               stream=stream)
+                               stream=stream, **({"stdout": stdout} if stdout is not None else {}))
     answer = None
     for line in reversed(res.stdout.strip().splitlines()):
         try:

@@ -136,14 +136,15 @@ class Transport:
 
     def run_python(self, script: str, *, timeout: float | None = None, silence: float | None = None,
                    on_stderr_line: Callable[[str], None] | None = None,
-                   stream: Iterable[bytes] | None = None) -> RunResult:
+                   stream: Iterable[bytes] | None = None, stdout=None) -> RunResult:
         """Run `<host.python> -` with `script` on stdin; stderr lines reach on_stderr_line as they arrive.
         `timeout` bounds the whole command; `silence` the time without a byte from it (for a script that
         reports regularly: a hung link or host that TCP itself does not notice raises ConnectionLost; over SSH,
         until the command's first byte, the host's sshd answering keepalives counts too, see _pump).
         `stream`: stdin stays open after the script and carries these chunks as they come (a long-running
         op fed with work); the command is then `<python> -c STREAM_BOOT` and the script goes first, framed by
-        its length, because `python -` would wait for the end of stdin before running anything."""
+        its length, because `python -` would wait for the end of stdin before running anything.
+        `stdout`: takes stdout's chunks as they come (`append`; core.rawout), and yields the result's stdout after."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -166,6 +167,7 @@ _ALIVE = object()  # the host's SSH server answered a keepalive (counts as word 
 FINISHED, DEADLINE, SILENT, NOT_STARTED = "finished", "deadline", "silent", "not started"
 START_FACTOR = 10  # a command whose host answers keepalives may take this many silence limits to say a first word
 PROBE_EVERY_S = 1.0
+READ_BYTES = 1 << 20  # stdout taken at a time: what is there, up to this (raw pulls: fewer wake-ups per MB)
 
 
 def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: float | None, on_stderr_line,
@@ -266,9 +268,11 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
 
     def drain_stdout():
         try:
-            while chunk := read_out(65536):
+            while chunk := read_out(READ_BYTES):
                 out_chunks.append(chunk)
                 events.put(_STDOUT)
+        except (OSError, EOFError, paramiko.SSHException):  # a broken link (no window adjust): the caller sees it
+            pass
         finally:
             events.put(_DONE)
 
@@ -290,7 +294,7 @@ def _start_pumps(feed_stdin, read_out, read_err, events: queue.Queue, out_chunks
 class LocalTransport(Transport):
     """`connection = "local"`: the same one-command semantics with a subprocess (argv, no shell)."""
 
-    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None, stdout=None) -> RunResult:
         python = os.path.expanduser(self.host.python) if self.host.python.startswith("~") else self.host.python
         self.commands_run += 1
         try:
@@ -300,7 +304,7 @@ class LocalTransport(Transport):
         except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
             return RunResult(127, "", f"patchctl: cannot run python {self.host.python!r}: {e.strerror}\n")
         events: queue.Queue = queue.Queue()
-        out_chunks: list[bytes] = []
+        out_chunks = [] if stdout is None else stdout
 
         def write(chunk: bytes) -> None:
             proc.stdin.write(chunk)
@@ -509,13 +513,15 @@ class SSHTransport(Transport):
         return conn
 
     # running ------------------------------------------------------------------------------------
-    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None) -> RunResult:
+    def run_python(self, script, *, timeout=None, silence=None, on_stderr_line=None, stream=None, stdout=None) -> RunResult:
         with self._lock:
             command = (shell_prefix(self.host) + _remote_python_argv0(self.host.python) + " "
                        + " ".join(shlex.quote(w) for w in python_args(stream is not None)))
             chan = self._open_channel()
+            if stdout is not None and hasattr(stdout, "channel_buffer"):
+                chan.in_buffer = stdout.channel_buffer()  # before any byte can arrive (core.rawout.ChunkPipe)
             self._exec(chan, command)
-            out_chunks: list[bytes] = []
+            out_chunks = [] if stdout is None else stdout
             err_lines: list[str] = []
             outcome, threads, probe = self._pump_command(chan, script, stream, timeout, silence, on_stderr_line,
                                                          out_chunks, err_lines)

@@ -50,7 +50,7 @@ from .events import AgentError, ControllerGone, event, keep_beating, set_beat, s
 from .osutil import existing_ancestor, expand, proc_uptime
 from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, HistoryEntry, Holder, ProtocolError,
                        check_request)
-from .pull import pull
+from .pull import pull_raw
 from .server import build_server_config, config_change, http_request, manager_for
 from .smoke import model_arch_of
 from .state import TreeState
@@ -236,10 +236,11 @@ class Agent(DeployOps):
         f["history_tail"] = [h.to_wire() for h in self.tree.history()[-3:]]
         return f
 
-    @handles("pull")
-    def op_pull(self):
-        """Bytes of a capture run's verified dumps (`capture collect`); read-only, no lock (pull)."""
-        return pull(self.state_dir, self.req.get("run"), self.req.get("files"), self.req.get("max_bytes"))
+    @handles("pull_raw")
+    def op_pull_raw(self):
+        """A capture run's verified dumps, raw and framed on stdout before the answer (`capture collect`);
+        read-only, no lock (pull)."""
+        return pull_raw(self.state_dir, self.req.get("run"), self.req.get("files"))
 
     @handles("convert")
     def op_convert(self):

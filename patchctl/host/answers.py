@@ -125,8 +125,11 @@ class ServiceAnswer(ServerSteps):
 
 
 @dataclass
-class PullAnswer(Result):
-    files: list = None  # pieces: path, offset, size, eof, data, sha256; or path, error, reason
+class PullRawAnswer(Result):
+    """`pull_raw`: the bytes went on stdout before this answer (host/pull.py); what each file sent."""
+
+    files: list = None  # path, offset, size, sent (+ error, reason: ended early); or path, error, reason (+ size)
+    sent: int = None  # file bytes written to stdout, all files
     root: str = None
 
 

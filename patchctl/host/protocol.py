@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 # `from patchctl.host.protocol import X`); the types live in the modules named in the docstring.
 from .answers import (AcceptAnswer, ApplyAnswer, ArtifactProbeAnswer, ArtifactReceiveAnswer,  # noqa: F401
                       CaptureAnswer, CaptureProbeAnswer, ConvertAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
-                      DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullAnswer,
+                      DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullRawAnswer,
                       ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServerSteps, ServiceAnswer,
                       SmokeAnswer, StatusAnswer, StreamedAnswer, TokenizerAnswer, UnlockAnswer)
 from .records import (FORMAT, Change, FileRecord, HistoryEntry, Holder, Journal, Manifest, Meta,  # noqa: F401
@@ -146,12 +146,14 @@ TREE = "tree"  # this run's lock on the tree (lock.json), held across agent call
 class Op(object):
     """One agent op: its own request fields beside the envelope ({name: Record class or None}), the
     locks it needs, whether it reads a stream on stdin while it runs, whether it only looks
-    (creates, changes and locks nothing on the host, not even state_dir), and its answer's type."""
+    (creates, changes and locks nothing on the host, not even state_dir), whether its stdout carries framed
+    raw bytes before the answer line (`raw_out`: the controller hands them to a sink), and its answer's type."""
 
-    def __init__(self, fields, locks=(), streamed=False, read_only=False, answer=Result):
+    def __init__(self, fields, locks=(), streamed=False, read_only=False, answer=Result, raw_out=False):
         self.fields = fields
         self.locks = tuple(locks)
         self.streamed = streamed
+        self.raw_out = raw_out
         self.read_only = read_only
         self.answer = answer
 
@@ -164,7 +166,7 @@ OPS = {
     "probe": Op({"series": SeriesRequest, "capture_layers": None}, read_only=True, answer=ProbeAnswer),
     "status": Op({"capture_layers": None}, read_only=True, answer=StatusAnswer),
     "history": Op({}, read_only=True, answer=HistoryAnswer),
-    "pull": Op({"run": None, "files": None, "max_bytes": None}, read_only=True, answer=PullAnswer),
+    "pull_raw": Op({"run": None, "files": None}, read_only=True, answer=PullRawAnswer, raw_out=True),
     "capture_probe": Op({"capture_layers": None, "hidden_size": None}, read_only=True, answer=CaptureProbeAnswer),
     "regenerate_probe": Op({}, answer=RegenerateProbeAnswer),
     "tokenizer": Op({"with_data": None}, answer=TokenizerAnswer),

@@ -1,27 +1,30 @@
 """Reading a capture run's verified dump files back to the controller (`capture collect`).
 
-`pull(state_dir, run, files, max_bytes)` answers the bytes of the requested files, base64, each
-piece with its sha256, at most `max_bytes` of file data per call (the controller loops, asking
-for the rest of a long file from an offset). A pull is never a way to read arbitrary files: a
-path is served only when its real path lies inside `<state_dir>/dumps/captures/<run>/` (dumps/
-itself may be a link; nothing below it is followed) and it is a regular file; the check is made again on the opened descriptor (/proc/self/fd), so a path
-swapped for a symlink between the check and the open is refused too. It runs with the agent's
+`pull_raw(state_dir, run, files)` (op `pull_raw`) writes the requested files' bytes raw to stdout,
+before the agent's answer line, framed (the reverse of `artifact_receive`, which reads raw bytes on stdin):
+per file one JSON header line, {"path", "offset", "size"} or {"path", "error", "reason"} (no bytes
+follow), then chunks `<n>\n` + n raw bytes, then `0\n`. A chunk is read before its length is written,
+so a frame is always whole: a file that shrinks while it is read just ends early (the answer says how
+many bytes went). No base64, no JSON around the data, no hashing here: the controller hashes what
+arrives and checks the whole file against the journal's sha256; SSH's MAC covers the way.
+
+A pull is never a way to read arbitrary files: a path is served only when its real path lies inside
+`<state_dir>/dumps/captures/<run>/` (dumps/ itself may be a link; nothing below it is followed) and it is
+a regular file; the check is made again on the opened descriptor (/proc/self/fd), so a path swapped for a symlink between the check and the open is refused too. It runs with the agent's
 privileges (root on a `become` host, where the login user could not read the files itself), so
 these checks are what keeps it to the dumps. Nothing is written or taken (no lock): a pull may
 run while the capture op of the same run is still writing other files.
 """
 
-import base64
-import hashlib
+import fcntl
+import json
 import os
 import stat
 
 from .events import AgentError
 from .osutil import expand
 
-MAX_BYTES = 64 << 20  # hard cap of file data per answer, whatever the request says
-DEFAULT_BYTES = 32 << 20
-MAX_FILES = 4096
+MAX_FILES = 4096  # files per request
 
 
 def captures_root(state_dir, run):
@@ -56,42 +59,76 @@ def _open_inside(root, path):
         raise
 
 
-def pull(state_dir, run, files, max_bytes=DEFAULT_BYTES):
-    """files: [{"path", "offset"?}]. Answer: {"files": [{"path", "offset", "size", "eof", "data" (base64),
-    "sha256" (of this piece)} or {"path", "error", "reason"}]} for a prefix of the list, in order, until
-    `max_bytes` of data were read (the last one may be a partial piece: eof false)."""
+CHUNK = 4 << 20  # bytes read from a file and framed at a time by pull_raw
+F_SETPIPE_SZ = 1031  # Linux; fcntl names it only from Python 3.10
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _open_answer(root, path, item):
+    """(fd, size, None) of a file to send, or (None, None, header) saying why not."""
+    try:
+        fd, size = _open_inside(root, path)
+    except ValueError as e:
+        return None, None, {"path": path, "error": "refused", "reason": str(e)}
+    except OSError as e:
+        kind = "missing" if e.errno == 2 else "unreadable"
+        return None, None, {"path": path, "error": kind, "reason": e.strerror or str(e)}
+    want = item.get("size")
+    if want is not None and size != want:
+        os.close(fd)
+        return None, None, {"path": path, "error": "size", "size": size,
+                            "reason": "%d bytes, the controller expects %d" % (size, want)}
+    return fd, size, None
+
+
+def pull_raw(state_dir, run, files, out_fd=1):
+    """files: [{"path", "offset"?, "size"? (expected: another size is answered as error "size", no bytes)}].
+    Streams each file from its offset to out_fd (framed: see the module's docstring) and answers
+    {"files": [{"path", "offset", "size", "sent"} or {"path", "error", "reason"}], "sent", "root"}."""
     root = captures_root(state_dir, run)
-    budget = max(1, min(int(max_bytes or DEFAULT_BYTES), MAX_BYTES))
-    out = []
+    try:
+        fcntl.fcntl(out_fd, F_SETPIPE_SZ, 1 << 20)  # sshd reads a 64 KiB pipe in smaller bites
+    except (OSError, ValueError):
+        pass
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    report, total = [], 0
     for item in list(files or [])[:MAX_FILES]:
-        if budget <= 0:
-            break
-        path = item.get("path") if isinstance(item, dict) else None
-        offset = int(item.get("offset") or 0) if isinstance(item, dict) else 0
-        try:
-            fd, size = _open_inside(root, path)
-        except ValueError as e:
-            out.append({"path": path, "error": "refused", "reason": str(e)})
+        item = item if isinstance(item, dict) else {}
+        path = item.get("path")
+        offset = max(0, int(item.get("offset") or 0))
+        fd, size, refusal = _open_answer(root, path, item)
+        if refusal is not None:
+            _write_all(out_fd, (json.dumps(refusal) + "\n").encode())
+            report.append(refusal)
             continue
+        _write_all(out_fd, (json.dumps({"path": path, "offset": offset, "size": size}) + "\n").encode())
+        sent, why = 0, None
+        try:
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                f.seek(min(offset, size))
+                left = max(0, size - offset)
+                while left > 0:
+                    n = f.readinto(view[:min(CHUNK, left)])
+                    if not n:
+                        why = "the file ended at %d bytes (it shrank while read)" % (offset + sent)
+                        break
+                    _write_all(out_fd, b"%d\n" % n)
+                    _write_all(out_fd, view[:n])
+                    sent += n
+                    left -= n
         except OSError as e:
-            kind = "missing" if e.errno == 2 else "unreadable"
-            out.append({"path": path, "error": kind, "reason": e.strerror or str(e)})
-            continue
-        try:
-            want = max(0, min(size - offset, budget))
-            chunks = []
-            got = 0
-            os.lseek(fd, offset, os.SEEK_SET)
-            while got < want:
-                b = os.read(fd, min(want - got, 8 << 20))
-                if not b:
-                    break
-                chunks.append(b)
-                got += len(b)
-        finally:
-            os.close(fd)
-        data = b"".join(chunks)
-        budget -= len(data)
-        out.append({"path": path, "offset": offset, "size": size, "eof": offset + len(data) >= size,
-                    "data": base64.b64encode(data).decode("ascii"), "sha256": hashlib.sha256(data).hexdigest()})
-    return {"files": out, "root": root}
+            why = "read error: %s" % (e.strerror or e)
+        _write_all(out_fd, b"0\n")
+        total += sent
+        entry = {"path": path, "offset": offset, "size": size, "sent": sent}
+        if why:
+            entry.update(error="unreadable", reason=why)
+        report.append(entry)
+    return {"files": report, "sent": total, "root": root}

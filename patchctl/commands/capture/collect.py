@@ -1,11 +1,12 @@
 """`capture collect RUN --to DIR`: a run's verified files pulled and indexed.
 
-Pulls each "done" file over its host's one SSH connection (agent op `pull`, host/pull.py: only files
-under <state_dir>/dumps/captures/<RUN>/, at most PULL_BYTES of data per round trip, long files in
-pieces), checks its sha256 against the journal, and writes it into DIR under a partial name, then links
-it into place (never replacing a file: a file already there with other contents is refused and
-reported). Resumable: a file already in DIR with the right sha256 is not pulled again. --format
-specforge converts each verified dump into SpecForge's offline `.ckpt` (capture/specforge.py);
+Pulls each "done" file over its host's SSH connections (`--streams` per host; agent op `pull_raw`,
+host/pull.py: only files under <state_dir>/dumps/captures/<RUN>/, raw bytes framed on the command's
+stdout, up to PULL_BATCH bytes of files per command: capture/pulling.py), checks its sha256 against the
+journal, and writes it into DIR under a partial name, then links it into place (never replacing a file: a
+file already there with other contents is refused and reported). Resumable: a file already in DIR with the
+right sha256 is not pulled again, and a pull cut mid-file resumes from its partial file (rehashed here,
+only the rest sent). --format specforge converts each verified dump into SpecForge's offline `.ckpt` (capture/specforge.py);
 --in-place pulls nothing and indexes the files where they lie; --on-host DIR has every host convert its
 own (capture/onhost.py). Only the selected hosts (--limit) are contacted. DIR's layout, its index and
 summary: capture/collection.py.
@@ -18,8 +19,6 @@ missing for specforge); 3 a host could not be reached or was lost.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import threading
@@ -32,6 +31,7 @@ from patchctl.commands.capture.collection import (ALL_ONES, INDEX, OK_STATES, PA
                                                   plan_items, prepare_to, print_summary, run_dataset, write_summary)
 from patchctl.commands.capture.journal import load_run, mb
 from patchctl.commands.capture.onhost import run_on_host
+from patchctl.commands.capture.pulling import partial_name, pull_batch
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file
@@ -41,7 +41,7 @@ from patchctl.host.protocol import Outcome
 from patchctl.host.smoke import check_layers
 from patchctl.core.session import Run, host_error
 
-PULL_BYTES = 32 << 20  # file data per agent round trip (base64 makes the answer 4/3 of that)
+PULL_BATCH = 1 << 30  # file bytes per agent command (pull_raw; starting one costs ~0.1 s)
 PULL_FILES = 2048
 PULL_STREAMS = 4  # pulls in flight per host by default (--streams)
 
@@ -55,6 +55,7 @@ class Collector:
         self.dataset = None
         self._index = open(out / INDEX, "ab")
         self._lock = threading.Lock()  # hosts are pulled in parallel threads
+        self._fresh: set[str] = set()  # ids pulled again from byte 0 (a resumed file whose sha256 failed)
 
     def close(self):
         self._index.close()
@@ -80,14 +81,14 @@ class Collector:
             os.fsync(self._index.fileno())
 
     def pull_host(self, host, items: list[Item]) -> tuple[int, str]:
-        """Pull every item of one host over `streams` SSH connections at once (each its own agent pull per
-        round trip: one stream is bound by one connection's cipher and one agent's reads); (exit code, message)."""
+        """Pull every item of one host over `streams` SSH connections at once (each one agent command per
+        batch of files: pulling.pull_batch); (exit code, message)."""
         from patchctl.core.session import HostSession
 
         queue = deque(items)
         n = max(1, min(self.streams, len(items)))
         sessions = [self.run.session(host)] + [HostSession(self.run, host) for _ in range(n - 1)]
-        tally = {"bytes": 0, "files": 0, "t0": time.time(), "error": None}
+        tally = {"bytes": 0, "files": 0, "sent": 0, "kept": 0, "t0": time.time(), "last": 0.0, "error": None}
         threads = [threading.Thread(target=self._stream, args=(host, s, queue, tally, len(items)), daemon=True,
                                     name=f"pull {host.name} {i}") for i, s in enumerate(sessions)]
         for t in threads:
@@ -103,104 +104,64 @@ class Collector:
             return outcome.exit_code, f"{outcome}: {msg}"
         done = sum(it.status in OK_STATES for it in items)
         bad = len(items) - done
+        kept = f"; {mb(tally['kept'])} resumed from partial files" if tally["kept"] else ""
         return (1 if bad else 0), (f"{done} of {len(items)} files, {mb(tally['bytes'])} in {secs:.1f}s "
                                    f"({tally['bytes'] / secs / 1e6:.1f} MB/s, {n} stream{'s' if n > 1 else ''})"
-                                   + (f"; {bad} not collected" if bad else ""))
+                                   + kept + (f"; {bad} not collected" if bad else ""))
 
     def _claim(self, queue: deque, most: int) -> list[Item]:
-        """The next files for one stream: up to PULL_BYTES of them (at least one), `most` at most (a host's
+        """The next files for one stream: up to PULL_BATCH bytes of them (at least one), `most` at most (a host's
         files shared out over its streams even when they are small)."""
         out, size = [], 0
         with self._lock:
-            while queue and len(out) < most and (not out or size + int(queue[0].rec.get("bytes") or 0) <= PULL_BYTES):
+            while queue and len(out) < most and (not out or size + int(queue[0].rec.get("bytes") or 0) <= PULL_BATCH):
                 it = queue.popleft()
                 out.append(it)
                 size += int(it.rec.get("bytes") or 0)
         return out
 
     def _stream(self, host, s, queue: deque, tally: dict, total: int) -> None:
-        state: dict[str, list] = {}  # host path -> [file object, hasher, offset]
+        def retry(it: Item) -> None:  # a resumed file whose sha256 failed: once more, whole
+            with self._lock:
+                self._fresh.add(it.id)
+                queue.append(it)
+
+        def progress(nbytes: int) -> None:
+            with self._lock:
+                tally["bytes"] += nbytes
+                due = time.time() - tally["last"] >= 1.0
+            if due:
+                self._progress(host, tally, total)
+
         try:
             while tally["error"] is None:
                 batch = self._claim(queue, min(PULL_FILES, -(-total // self.streams)))
                 if not batch:
                     return
-                pos = 0
-                while pos < len(batch):
-                    part = batch[pos:]
-                    req = [{"path": it.rec["path"], "offset": state[it.rec["path"]][2] if it.rec["path"] in state else 0}
-                           for it in part]
-                    res = s.call("pull", run=self.name, files=req, max_bytes=PULL_BYTES)
-                    answers = res.get("files") or []
-                    if not answers:
-                        raise RuntimeError("the agent answered no file (no progress)")
-                    got = 0
-                    for it, ans in zip(part, answers):
-                        if ans.get("path") != it.rec["path"]:
-                            raise RuntimeError(f"answer for {ans.get('path')!r}, expected {it.rec['path']!r}")
-                        finished, nb = self._piece(it, ans, state)
-                        got += nb
-                        if not finished:
-                            break
-                        pos += 1
-                    with self._lock:
-                        tally["bytes"] += got
-                        tally["files"] += sum(1 for it in part if it.status != "pending")
-                        files, nbytes = tally["files"], tally["bytes"]
-                    secs = max(time.time() - tally["t0"], 1e-6)
-                    self.reporter.emit({"event": "pulled", "run_id": self.run.run_id, "host": host.name, "files": files,
-                                        "of": total, "bytes": nbytes, "seconds": round(secs, 3)})
-                    self.app.info(f"{host.name}: {files}/{total} files, {mb(nbytes)} ({nbytes / secs / 1e6:.1f} MB/s)")
+                b = pull_batch(s, self.name, batch, self._partial_of, self._finish, retry, progress, self._fresh)
+                with self._lock:
+                    tally["sent"] += b.sent
+                    tally["kept"] += b.kept
+                    tally["files"] += sum(1 for it in batch if it.status != "pending")
+                self._progress(host, tally, total)
         except Exception as e:  # noqa: BLE001 - the host's remaining items are reported, the others go on
-            for f, _h, _o in state.values():
-                self._drop(f)
             with self._lock:
                 if tally["error"] is None:
                     tally["error"] = host_error(e) if not isinstance(e, RuntimeError) else (Outcome.FAILED, str(e))
         finally:
             s.close()
 
-    def _drop(self, f) -> None:
-        f.close()
-        try:
-            os.unlink(f.name)
-        except OSError:
-            pass
+    def _progress(self, host, tally: dict, total: int) -> None:
+        with self._lock:
+            tally["last"] = time.time()
+            files, nbytes, sent, kept = tally["files"], tally["bytes"], tally["sent"], tally["kept"]
+        secs = max(time.time() - tally["t0"], 1e-6)
+        self.reporter.emit({"event": "pulled", "run_id": self.run.run_id, "host": host.name, "files": files,
+                            "of": total, "bytes": nbytes, "sent": sent, "kept": kept, "seconds": round(secs, 3)})
+        self.app.info(f"{host.name}: {files}/{total} files, {mb(nbytes)} ({nbytes / secs / 1e6:.1f} MB/s)")
 
-    def _piece(self, it: Item, ans: dict, state: dict) -> tuple[bool, int]:
-        """One answer for one file; (finished with this file, bytes received)."""
-        path, rec = it.rec["path"], it.rec
-        if ans.get("error"):
-            it.status = {"missing": "missing", "refused": "refused"}.get(ans["error"], "unreadable")
-            it.reason = f"{it.host}:{path}: {ans['error']} ({ans.get('reason')})"
-            return True, 0
-        data = base64.b64decode(ans["data"])
-        if hashlib.sha256(data).hexdigest() != ans.get("sha256"):
-            raise RuntimeError(f"{path}: a piece arrived damaged (its sha256 differs from the agent's)")
-        if path not in state:
-            if ans.get("size") != rec.get("bytes"):
-                it.status = "mismatch"
-                it.reason = (f"{it.host}:{path} has {ans.get('size')} bytes, the journal recorded {rec.get('bytes')} "
-                             "(changed on the host since it was verified); not collected")
-                return True, len(data)
-            dest = self.out / it.rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(dest.name + (".safetensors" if self.fmt == "specforge" else "") + PARTIAL)
-            state[path] = [open(tmp, "wb"), hashlib.sha256(), 0]
-        f, h, off = state[path]
-        if ans.get("offset") != off:
-            raise RuntimeError(f"{path}: piece at offset {ans.get('offset')}, expected {off}")
-        f.write(data)
-        h.update(data)
-        state[path][2] = off + len(data)
-        if not ans.get("eof"):
-            return False, len(data)
-        del state[path]
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        self._finish(it, Path(f.name), h.hexdigest())
-        return True, len(data)
+    def _partial_of(self, it: Item) -> Path:
+        return partial_name(self.out / it.rel, self.fmt)
 
     def _finish(self, it: Item, tmp: Path, digest: str) -> None:
         dest = self.out / it.rel
