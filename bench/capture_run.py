@@ -161,10 +161,11 @@ def clear_captures(f: Fleet, name: str) -> None:
                 p.unlink()
 
 
-def before_tree(commit: str) -> Path:
-    """Commit's tree in a temporary directory (its patchctl package: controller and agent)."""
+def before_tree(commit: str, git: Path = REPO) -> Path:
+    """Commit's tree in a temporary directory (its patchctl package: controller and agent), from the
+    repository `git`."""
     d = Path(tempfile.mkdtemp(prefix=f"patchctl-{commit}-"))
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "patchctl"], check=True, capture_output=True)
+    archive = subprocess.run(["git", "-C", str(git), "archive", commit, "patchctl"], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(d)], input=archive.stdout, check=True)
     return d
 
@@ -262,6 +263,8 @@ def main() -> int:
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before", default=BEFORE, help=f"the commit whose patchctl is 'before' (default {BEFORE})")
+    ap.add_argument("--git", type=Path, default=REPO, help="the repository --before is taken from (default: this "
+                    "tree; for a bench run from an exported copy of the tree)")
     ap.add_argument("--no-before", action="store_true", help="plain client and this tree only")
     ap.add_argument("--no-resume", action="store_true")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "capture_run.json")
@@ -271,7 +274,7 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="capture-bench-"))
     codes = {"after": None}
     if not a.no_before:
-        codes["before"] = before_tree(a.before)
+        codes["before"] = before_tree(a.before, a.git)
     paths = ["plain"] + (["before"] if "before" in codes else []) + ["after"]
     f = Fleet(base, a.hosts, tree)
     results = {"hosts": a.hosts, "samples": a.samples, "in_flight": a.in_flight, "rounds": [], "before": a.before,
