@@ -176,15 +176,22 @@ def one_path(f: Fleet, which: str, code: Path | None, base: Path, r: int, a) -> 
     rows = make_dataset(base / f"{tag}.jsonl", a.samples, tag)
     tokens = sum(len(ids) for _, ids in rows)
     f0 = forwards(f)
-    ctl_cpu = None
+    ctl_cpu, phases = None, None
     with ProcCPU(str(f.base)) as pc:
         if which == "plain":
             wall, done = plain_client(f, rows, a.in_flight)
         else:
+            t0 = time.time()
             c = capture(f, base / f"{tag}.jsonl", f"bench-{tag}", a.in_flight, code=code)
             wall, ctl_cpu = c["wall"], c["cpu"]
-            done = [json.loads(l)["t"] for l in journal_path(f, f"bench-{tag}").read_text().splitlines()
-                    if '"rec":"done"' in l]
+            recs = [json.loads(l) for l in journal_path(f, f"bench-{tag}").read_text().splitlines()]
+            done = [x["t"] for x in recs if x["rec"] == "done"]
+            start = next(x["t"] for x in recs if x["rec"] == "run")
+            phases = {"startup_s": round(start - t0, 2),  # interpreter, imports, SSH, probe, checks
+                      "first_done_s": round(min(done) - start, 2),  # the agents' start, the first batch
+                      "last_host_s": round(max(done) - min(max(x["t"] for x in recs if x["rec"] == "done" and x["host"] == h)
+                                                           for h in {x["host"] for x in recs if x["rec"] == "done"}), 2),
+                      "exit_s": round(t0 + wall - max(done), 2)}  # the summary, the agents' answers, exit
             clear_captures(f, f"bench-{tag}")
     fw = forwards(f) - f0
     steady = steady_rate(done)
@@ -194,7 +201,7 @@ def one_path(f: Fleet, which: str, code: Path | None, base: Path, r: int, a) -> 
             "machine_cpu_ms_per_sample": round(pc.machine / n * 1e3, 2),
             "cpu_ms_per_sample": {k: round(pc.seconds.get(k, 0.0) / n * 1e3, 2) for k in KINDS},
             "controller_cpu_s": None if ctl_cpu is None else round(ctl_cpu, 2),
-            "forwards_per_sample": round(fw / n, 3)}
+            "forwards_per_sample": round(fw / n, 3), "phases": phases}
 
 
 def resume(f: Fleet, which: str, code: Path | None, base: Path, a, rate: float) -> dict:
@@ -240,6 +247,11 @@ def report(results: dict, paths: list[str]) -> None:
           + " | ".join(str(med(rows[p], "machine_cpu_ms_per_sample")) for p in paths) + " |")
     for k in KINDS:
         print(f"| {k} CPU ms/sample | " + " | ".join(str(med(rows[p], "cpu_ms_per_sample", k)) for p in paths) + " |")
+    for k, what in (("startup_s", "start-up: process to journal (imports, SSH, probe, checks), s"),
+                     ("first_done_s", "journal to first done (agents start, first batch), s"),
+                     ("last_host_s", "first host done to last host done, s"), ("exit_s", "last done to exit, s")):
+        print(f"| {what} | " + " | ".join("" if p == "plain" else str(med([x["phases"] for x in rows[p]], k))
+                                          for p in paths) + " |")
     print("| server forwards per sample | " + " | ".join(str(med(rows[p], "forwards_per_sample")) for p in paths) + " |")
     for p in paths:
         if p != "plain":
