@@ -36,13 +36,13 @@ class Progress:
         pass
 
 
-def setup(tmp_path, n, hosts=("a", "b", "c"), max_fail="1", in_flight=1):
+def setup(tmp_path, n, hosts=("a", "b", "c"), max_fail="1"):
     path = tmp_path / "ds.jsonl"
     path.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": [1, 2, 3 + i]}) + "\n" for i in range(n)))
     ds = datasets.load_dataset(path, "patchctl-cap-t-")
     inv = tmp_path / "inventory.toml"  # local hosts: the Run is real, no host is ever contacted
     inv.write_text("".join(f'[hosts.{h}]\nconnection = "local"\nsglang_root = "{tmp_path}"\n' for h in hosts))
-    opts = CaptureOptions(in_flight=in_flight, max_fail=max_fail)
+    opts = CaptureOptions(in_flight=1, max_fail=max_fail)
     run = Run(App(patches_dir=tmp_path, inventory_path=inv), opts, "capture run")
     cr = CaptureRun(run.app, opts, run, "t", "patchctl-cap-t", ds, Journal(tmp_path), Progress())
     lanes = [Lane(h, {}, stream=Stream()) for h in run.hosts]
@@ -117,22 +117,3 @@ def test_a_retry_goes_back_to_the_host_it_failed_on_when_no_other_is_open(tmp_pa
     cr.on_event(L["a"], {"event": "sample_failed", "id": out["a"][0], "reason": "NaN in the dump"})
     assert sent(L["a"]) == out["a"][:1]  # its second attempt, on the one host left
     assert cr.lanes["a"].outstanding[out["a"][0]].attempt == 2
-
-
-def test_near_the_end_no_host_hoards_a_queue_while_another_has_room(tmp_path):
-    """Each host holds its in-flight slots and as many again queued while there is plenty left; near the end
-    only its share of what is left, so a host that finishes early still gets work and the hosts end together."""
-    cr, L = setup(tmp_path, 36, in_flight=4)
-    out = {h: sent(l) for h, l in L.items()}
-    assert [len(out[h]) for h in "abc"] == [8, 8, 8]  # PREFETCH x in-flight each while 12 are left
-    for sid in out["a"]:  # a is fast: it finishes its 8 first and is topped up from the 12 left
-        done(cr, L["a"], sid)
-    took_a = sent(L["a"])
-    for sid in out["b"]:
-        done(cr, L["b"], sid)
-    took_b = sent(L["b"])
-    assert took_b, "b finished its samples and got none of what was left"
-    assert len(took_a) < 8  # not a full queue again: PREFETCH x in-flight would have given it 8 of the 12
-    assert max(len(l.outstanding) for l in L.values() if l is not L["c"]) <= 4 + 2  # slots and a share of the rest
-    left = [it.sample.id for it in cr.pending]
-    assert sorted(took_a + took_b + left) == sorted(f"s{i}" for i in range(24, 36))

@@ -125,20 +125,11 @@ class CaptureRun:
                 return self.retries.pop(i)
         return self.pending.popleft() if self.pending else None
 
-    def _cap(self) -> int:
-        """How many samples a host may hold: its --in-flight slots and as many again queued (PREFETCH), so its
-        queue never runs dry; but near the end no more queued than its share of what is left, so the hosts
-        finish together instead of one working off a full queue while the others idle (at 600 samples on 3
-        hosts that tail was ~0.5 s of a ~9 s run)."""
-        n = self.opts.in_flight
-        open_lanes = sum(1 for l in self.lanes.values() if l.active and not l.closed) or 1
-        left = len(self.pending) + len(self.retries)
-        return n + min((PREFETCH - 1) * n, -(-left // open_lanes))
-
     def _fill(self, lane: Lane) -> None:
-        """Top the host up to _cap() outstanding samples (caller holds the lock)."""
+        """Top the host up to PREFETCH x in-flight outstanding samples (caller holds the lock)."""
+        cap = PREFETCH * self.opts.in_flight
         sent, lines = [], []
-        while lane.active and not self.stopping and len(lane.outstanding) < self._cap():
+        while lane.active and not self.stopping and len(lane.outstanding) < cap:
             it = self._pick(lane)
             if it is None:
                 break
