@@ -26,13 +26,15 @@ LLAMA_245 = smoke.expected_layers(given=[2, 4, 5])
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    """Each test once per path; the stdlib one also with numpy made unimportable (the fallback itself)."""
+    """Each test once per path; the stdlib one also with numpy made unimportable (the fallback itself); the
+    numpy one forced (these test files are small: "auto" would check them with the standard library)."""
     if request.param == "stdlib":
         monkeypatch.setattr(dumpscan, "_numpy", False)  # numpy_module() now answers None
         assert dumpscan.backend_in_use() == "stdlib"
+        monkeypatch.setattr(dumpscan, "BACKEND", "auto")
     else:
         assert dumpscan.backend_in_use() == "numpy"
-    monkeypatch.setattr(dumpscan, "BACKEND", "auto")
+        monkeypatch.setattr(dumpscan, "BACKEND", "numpy")
     return request.param
 
 
@@ -270,3 +272,24 @@ def test_verify_rate_bench_runs(tmp_path):
     assert all(x["checks"] == 3 and x["cpu_s_per_dump"] > 0 for x in res["rows"])  # every check found the files good
     assert res["facts"]["runs"] == 1 and len(res["facts"]["load_before"]) == 3
     assert "| numpy | 1" in r.stdout and "load average before" in r.stdout
+
+
+def test_auto_checks_small_dumps_with_the_standard_library_and_never_imports_numpy_for_them(tmp_path):
+    """"auto" (what a capture host runs): a dump below NUMPY_FROM_BYTES is checked by the standard library
+    (faster there), so an agent that only sees small dumps never imports numpy; a big one goes to numpy. The
+    verdicts are the same either way (the tests above run both paths on every defect)."""
+    small = tmp_path / "small.safetensors"
+    ids = _dump(small, mutate=lambda a, h: _set(a, (1, 9), float("nan")))
+    assert dumpscan.backend_in_use("auto", small.stat().st_size) == "stdlib"
+    assert dumpscan.backend_in_use("auto", dumpscan.NUMPY_FROM_BYTES) == "numpy"
+    assert dumpscan.backend_in_use("auto", dumpscan.NUMPY_FROM_BYTES - 1) == "stdlib"
+    code = (
+        "import sys, json\n"
+        "from patchctl.host import capture, dumpscan, smoke\n"
+        "problems, digest = capture.check_file(sys.argv[1], json.loads(sys.argv[2]),\n"
+        "                                      smoke.expected_layers(given=[2, 4, 5]), 8)\n"
+        "print(json.dumps([problems, 'numpy' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(small), json.dumps(ids)], capture_output=True, text=True,
+                         cwd=str(REPO))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [["layer 5 slice has NaN or Inf"], False]

@@ -128,14 +128,18 @@ class CaptureRun:
     def _fill(self, lane: Lane) -> None:
         """Top the host up to PREFETCH x in-flight outstanding samples (caller holds the lock)."""
         cap = PREFETCH * self.opts.in_flight
+        sent, lines = [], []
         while lane.active and not self.stopping and len(lane.outstanding) < cap:
             it = self._pick(lane)
             if it is None:
                 break
             s = it.sample
             lane.outstanding[s.id] = it
-            self.journal.append({"rec": "sent", "id": s.id, "host": lane.host.name, "attempt": it.attempt})
-            lane.stream.put((json.dumps(self.work_line(s), separators=(",", ":")) + "\n").encode())
+            sent.append({"rec": "sent", "id": s.id, "host": lane.host.name, "attempt": it.attempt})
+            lines.append(json.dumps(self.work_line(s), separators=(",", ":")) + "\n")
+        if sent:  # journalled before the host can see them; one write and one chunk for all of them
+            self.journal.extend(sent)
+            lane.stream.put("".join(lines).encode())
         self._maybe_end()
 
     # what differs between the fleet jobs built on this one (capture here, capture/regenerate.py) ----------

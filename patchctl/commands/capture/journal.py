@@ -155,25 +155,44 @@ class Journal:
         self.path = self.dir / "journal.jsonl"
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self._synced = 0.0
+        self._dirty = threading.Event()  # written since the last fsync
+        self._closing = threading.Event()
+        self._syncer: threading.Thread | None = None
 
     # writing -------------------------------------------------------------------------------
     def append(self, rec: dict) -> None:
         """One record, in the file when this returns (a killed controller loses nothing), fsynced within
         SYNC_EVERY_S (group commit: a power loss costs at most the last moment's results, which a resume
         sends again) and at close()."""
-        rec = dict(rec)
-        rec.setdefault("t", round(time.time(), 3))
-        data = (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        self.extend([rec])
+
+    def extend(self, recs: list[dict]) -> None:
+        """Records in one write (append's guarantees for each). The fsync is the syncer thread's, never the
+        caller's: a capture's event path (which holds the job's lock) does not wait on the disk."""
+        now = round(time.time(), 3)
+        data = b"".join((json.dumps(dict({"t": now}, **r), sort_keys=True, separators=(",", ":")) + "\n").encode()
+                        for r in recs)
+        if not data:
+            return
         with self._lock:
-            if self._fd is None:
+            if self._fd is None:  # the first record, or the first since close()
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 self._heal_torn_tail()
+                self._syncer = threading.Thread(target=self._sync_loop, name="journal fsync", daemon=True)
+                self._syncer.start()
             os.write(self._fd, data)
-            now = time.monotonic()
-            if now - self._synced >= SYNC_EVERY_S:
-                os.fsync(self._fd)
-                self._synced = now
+            self._dirty.set()
+
+    def _sync_loop(self) -> None:
+        """fsync what was written, at most once per SYNC_EVERY_S, until close() (which syncs the rest)."""
+        while True:
+            self._dirty.wait()
+            if self._closing.is_set():
+                return
+            self._dirty.clear()
+            os.fsync(self._fd)  # close() joins this thread before it closes the descriptor
+            if self._closing.wait(SYNC_EVERY_S):
+                return
 
     def _heal_torn_tail(self) -> None:
         """A crash mid-write leaves a last line without its newline: end it, so the next record starts
@@ -186,11 +205,20 @@ class Journal:
                     os.write(self._fd, b"\n")
 
     def close(self) -> None:
+        """Everything written fsynced, the file closed (a later append opens it again)."""
+        with self._lock:
+            syncer, self._syncer = self._syncer, None
+            self._closing.set()
+            self._dirty.set()  # wakes the syncer
+        if syncer is not None:
+            syncer.join()
         with self._lock:
             if self._fd is not None:
                 os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = None
+            self._closing.clear()
+            self._dirty.clear()
 
     # reading -------------------------------------------------------------------------------
     def records(self) -> list[dict]:
