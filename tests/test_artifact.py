@@ -192,11 +192,11 @@ def test_the_probe_writes_nothing_on_the_host(fleet):
     try:
         s = run.session(run.hosts[0])
         snap = host_snapshot(h.dir)
-        ans = A._call(s, "artifact_probe", digest=art.digest, files=art.wire_files())
+        ans = s.call_raw("artifact_probe", digest=art.digest, files=art.wire_files())
         assert ans["objects"] == [] and ans["parts"] == {} and not ans["materialised"] and ans["free_bytes"] > 0
         assert host_snapshot(h.dir) == snap and not (h.dir / "state").exists()  # not even state_dir
         with pytest.raises(AgentFailure, match="hashes to [0-9a-f]{64}, not to the digest sent") as e:  # a manifest that lies
-            A._call(s, "artifact_probe", digest="0" * 64, files=art.wire_files())
+            s.call_raw("artifact_probe", digest="0" * 64, files=art.wire_files())
         assert e.value.kind == "bad_input"
     finally:
         run.close()
@@ -220,7 +220,7 @@ def test_not_enough_free_disk_is_refused_before_a_byte(fleet):
         # the host checks too (its disk may have filled since the probe): refused before reading the stream
         plan = [{"sha256": f.sha256, "offset": 0, "size": f.size} for f in art.objects().values()]
         with pytest.raises(AgentFailure, match="not enough free disk") as e:
-            A._call(s, "artifact_receive", stream=iter([b"x" * 100]), digest=art.digest, files=art.wire_files(),
+            s.call_raw("artifact_receive", stream=iter([b"x" * 100]), digest=art.digest, files=art.wire_files(),
                     plan=plan, keep_free=free + (1 << 40))
         assert e.value.kind == "bad_input" and not _drafters(h).exists()
     finally:
@@ -294,7 +294,7 @@ def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole
         assert e.value.details["incomplete"][0] == {"sha256": model.sha256, "have": arrived, "size": model.size}
         assert 0 < arrived < model.size and not (objects / model.sha256).exists()
         snap = host_snapshot(h.dir)  # a probe of a host holding objects and a .part changes nothing either
-        ans = A._call(s, "artifact_probe", digest=art.digest, files=art.wire_files())
+        ans = s.call_raw("artifact_probe", digest=art.digest, files=art.wire_files())
         assert ans["parts"] == {model.sha256: arrived} and len(ans["objects"]) == 1 and not ans["materialised"]
         assert host_snapshot(h.dir) == snap
         # resumed: only the rest is sent
@@ -379,15 +379,17 @@ def test_two_controllers_sending_the_same_artifact_at_once_do_not_corrupt_it(fle
     h = hosts[3]
     _clean(h)
     out, runs = {}, [_run(inv, h.name) for _ in range(2)]
-    real, both_probed = A._call, threading.Barrier(2, timeout=60)
+    from patchctl.core.session import HostSession
 
-    def call(session, op, stream=None, **fields):  # both probe before either sends: both plan every object
-        res = real(session, op, stream=stream, **fields)
+    real, both_probed = HostSession.call_raw, threading.Barrier(2, timeout=60)
+
+    def call(session, op, **kw):  # both probe before either sends: both plan every object
+        res = real(session, op, **kw)
         if op == "artifact_probe":
             both_probed.wait()
         return res
 
-    monkeypatch.setattr(A, "_call", call)
+    monkeypatch.setattr(HostSession, "call_raw", call)
 
     def go(i):
         try:
@@ -437,7 +439,7 @@ def test_a_file_in_the_draft_directory_that_patchctl_did_not_write_is_left_alone
         assert obj.read_text() == "not it" and not (obj.parent / f"{obj.name}.part").exists()
         plan = [{"sha256": art.files[0].sha256, "offset": 0, "size": art.files[0].size}]  # the host refuses it too
         with pytest.raises(AgentFailure, match="patchctl did not write it") as e:
-            A._call(s, "artifact_receive", stream=iter([json.dumps(plan[0]).encode() + b"\n", (src / "config.json").read_bytes()]),
+            s.call_raw("artifact_receive", stream=iter([json.dumps(plan[0]).encode() + b"\n", (src / "config.json").read_bytes()]),
                     digest=art.digest, files=art.wire_files(), plan=plan, keep_free=0)
         assert e.value.kind == "attention" and obj.read_text() == "not it"
     finally:

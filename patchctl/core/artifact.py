@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from patchctl.core import remote
 from patchctl.core.errors import BadInput, Failed, NeedsAttention, PatchctlError
 from patchctl.host.artifact import canonical, valid_relpath
 
@@ -180,17 +179,6 @@ class _Stream:
                         self.on_progress(self.sent)
 
 
-def _call(session, op: str, stream=None, **fields) -> dict:
-    run = session.run
-
-    def on_event(ev):
-        if run.reporter:
-            run.reporter.agent_event(session.host.name, ev)
-
-    return remote.call(session.transport, session.request(op, **fields), on_event=on_event, silence=run.silence,
-                       stream=stream)
-
-
 def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
          on_progress: Callable[[int, int], None] | None = None, stop: threading.Event | None = None) -> dict:
     """Bring one host's copy of `artifact` up to date over its HostSession; returns
@@ -201,7 +189,7 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
     t0 = time.monotonic()
     name = session.host.name
     files = artifact.wire_files()
-    probe = _call(session, "artifact_probe", digest=artifact.digest, files=files)
+    probe = session.call_raw("artifact_probe", digest=artifact.digest, files=files)
     if probe.get("conflicts"):
         c = probe["conflicts"][0]
         raise NeedsAttention(f"{name}: {c['path']}: {c['reason']}; patchctl did not write it and leaves it: remove it")
@@ -229,7 +217,7 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
             raise BadInput(f"{f.source}: changed since the drafter directory was hashed ({f.size} bytes then, "
                            f"{st.st_size} now): hash it again (Artifact.from_dir)")
     stream = _Stream(plan, objects, (lambda n: on_progress(n, need)) if on_progress else None, stop)
-    res = _call(session, "artifact_receive", stream=stream, digest=artifact.digest, files=files, plan=plan,
+    res = session.call_raw("artifact_receive", stream=stream, digest=artifact.digest, files=files, plan=plan,
                 keep_free=keep_free)
     out.update(bytes_sent=res["received"], bytes_present=distinct - res["received"], objects_sent=len(res["verified"]),
                files_verified=len(res["verified"]), materialised=res["materialised"], commands=2, path=res["path"],

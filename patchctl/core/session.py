@@ -160,7 +160,13 @@ class HostSession:
             self.run.reporter.step_end(at["rec"], True, _step_summary(at["op"], res), res)
         return res
 
-    def _call(self, req: dict, next_step=None, gate=None) -> dict:
+    def call_raw(self, op: str, *, stream=None, stdout=None, **fields) -> dict:
+        """One agent round trip whose input or output carries raw bytes besides its request: `stream` (bytes
+        after the script: artifact_receive), `stdout` (core.rawout.FrameSink: pull_raw). Events go to the run's
+        reporter; no step, no lock handling."""
+        return self._call(self.request(op, **fields), stream=stream, stdout=stdout)
+
+    def _call(self, req: dict, next_step=None, gate=None, stream=None, stdout=None) -> dict:
         def on_event(ev):
             if ev.get("event") == "probed" and gate is not None:
                 gate.probed(ev)  # the preflight's answer, reported by the preflight
@@ -170,8 +176,10 @@ class HostSession:
             if self.run.reporter:
                 self.run.reporter.agent_event(self.host.name, ev)
 
-        stream = gate.decision() if gate is not None and req.get("gate") else None
-        return remote.call(self.transport, req, on_event=on_event, silence=self.run.silence, stream=stream)
+        if gate is not None and req.get("gate"):
+            stream = gate.decision()
+        return remote.call(self.transport, req, on_event=on_event, silence=self.run.silence, stream=stream,
+                           stdout=stdout)
 
     def note(self, msg: str) -> None:
         if self.run.reporter:

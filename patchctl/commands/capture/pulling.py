@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 from patchctl.commands.capture.collection import PARTIAL, Item
-from patchctl.core import remote
 from patchctl.core.rawout import FrameSink
 
 REHASH_BLOCK = 4 << 20
@@ -133,7 +132,7 @@ class Batch:
         try:
             req = self.request()
             sink = FrameSink(self._open_file)
-            res = _call(session, "pull_raw", sink, run=run_name, files=req)
+            res = session.call_raw("pull_raw", stdout=sink, run=run_name, files=req)
             if sink.error is not None:
                 raise sink.error
             self.sent += int(res.get("sent") or 0)
@@ -194,17 +193,6 @@ class Batch:
         self.finish(inc.it, inc.tmp, digest)
         if self.progress:
             self.progress(inc.have - inc.kept)
-
-
-def _call(session, op: str, sink: FrameSink, **fields) -> dict:
-    run = session.run
-
-    def on_event(ev):
-        if run.reporter:
-            run.reporter.agent_event(session.host.name, ev)
-
-    return remote.call(session.transport, session.request(op, **fields), on_event=on_event, silence=run.silence,
-                       stdout=sink)
 
 
 def pull_batch(session, run_name: str, items: list[Item], partial_of, finish, retry, progress=None,
