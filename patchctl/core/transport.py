@@ -7,12 +7,9 @@ wait has a deadline so a dead host fails fast instead of hanging the fleet.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import logging
 import os
 import queue
-import re
 import shlex
 import socket
 import subprocess
@@ -29,7 +26,8 @@ import paramiko
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 from patchctl.core.become import argv_prefix, shell_prefix
-from patchctl.core.errors import EXIT_ATTENTION, EXIT_BAD_INPUT, PatchctlError
+from patchctl.core.errors import EXIT_ATTENTION, PatchctlError
+from patchctl.core.hostkeys import HostKeyRefused, StrictPolicy, fingerprint, known_host_keys  # noqa: F401 (HostKeyRefused: re-exported)
 from patchctl.core.inventory import Host
 
 # What an idle connection costs the controller is paramiko's reader waking on its socket timeout (and
@@ -48,12 +46,6 @@ class HostUnreachable(PatchctlError):
     """Could not connect or log in; nothing was done on the host."""
 
     exit_code = EXIT_ATTENTION
-
-
-class HostKeyRefused(PatchctlError):
-    """The host's key is unknown or changed. A configuration matter: nothing was sent, so exit 2."""
-
-    exit_code = EXIT_BAD_INPUT
 
 
 class ConnectionLost(PatchctlError):
@@ -120,10 +112,6 @@ def _feed(write: Callable[[bytes], None], close: Callable[[], None], payload: by
                 pass
 
     return feed
-
-
-def fingerprint(key: paramiko.PKey) -> str:
-    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
 
 
 class Transport:
@@ -345,60 +333,6 @@ class LocalTransport(Transport):
         return RunResult(code, b"".join(out_chunks).decode("utf-8", "replace"), "".join(err_lines))
 
 
-def _keyscan_hint(hostname: str, keytype: str, known_hosts: Path) -> str:
-    m = re.fullmatch(r"\[(.*)\]:(\d+)", hostname)
-    addr, port = (m.group(1), m.group(2)) if m else (hostname, "22")
-    kt = keytype.removeprefix("ssh-").split("-")[0] if keytype.startswith("ssh-") else "ecdsa"
-    return (f"ssh-keyscan -p {port} -t {kt} {shlex.quote(addr)} >> {shlex.quote(str(known_hosts))} "
-            f"(then check the fingerprint with ssh-keygen -lf {shlex.quote(str(known_hosts))})")
-
-
-class _StrictPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown host key: refuse with its fingerprint, or (opt-in) record it in the inventory's known_hosts."""
-
-    def __init__(self, host_label: str, known_hosts: Path, accept_new: bool):
-        self.host_label = host_label
-        self.known_hosts = known_hosts
-        self.accept_new = accept_new
-
-    def missing_host_key(self, client, hostname, key):
-        fp = fingerprint(key)
-        if not self.accept_new:
-            raise HostKeyRefused(
-                f"{self.host_label}: unknown host key for {hostname}: {key.get_name()} {fp}. "
-                f"Nothing was sent. If that is the host's key, accept it with --accept-new-host-keys, or record "
-                f"it yourself: {_keyscan_hint(hostname, key.get_name(), self.known_hosts)}"
-            )
-        self.known_hosts.parent.mkdir(parents=True, exist_ok=True)
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        with open(self.known_hosts, "a+", encoding="utf-8") as f:  # append: never rewrite the user's file
-            f.seek(0)
-            existing = f.read()
-            if existing and not existing.endswith("\n"):
-                f.write("\n")
-            f.write(line)
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-_known_hosts: dict[str, tuple[tuple, paramiko.HostKeys]] = {}
-_known_hosts_lock = threading.Lock()
-
-
-def known_host_keys(path: Path) -> paramiko.HostKeys:
-    """The known_hosts file, parsed once per version of it (path, inode, size, mtime) and shared read-only by
-    every connection of the run. Parsing it per connection cost each of N hosts the parse of all N keys:
-    O(N²) controller CPU, 16 ms per host at N = 256. A key appended meanwhile (--accept-new-host-keys)
-    changes the file, so the next connection parses it again."""
-    st = path.stat()
-    version = (st.st_ino, st.st_size, st.st_mtime_ns)
-    with _known_hosts_lock:
-        cached = _known_hosts.get(str(path))
-        if cached is None or cached[0] != version:
-            cached = (version, paramiko.HostKeys(str(path)))
-            _known_hosts[str(path)] = cached
-        return cached[1]
-
-
 def _set_keepalive(conn) -> None:
     """SSH keepalives every KEEPALIVE_S, and on Linux TCP_USER_TIMEOUT so that unanswered keepalives abort the
     socket after DEAD_AFTER_S: a silently dead host or link then ends the session (ConnectionLost) instead of
@@ -461,7 +395,7 @@ class SSHTransport(Transport):
                 conn.client._system_host_keys = known_host_keys(known)  # read-only view; we append, never rewrite
             except (OSError, paramiko.SSHException) as e:
                 raise HostKeyRefused(f"{label}: cannot read known_hosts {known}: {e}") from None
-        conn.client.set_missing_host_key_policy(_StrictPolicy(label, known, self.accept_new_host_keys))
+        conn.client.set_missing_host_key_policy(StrictPolicy(label, known, self.accept_new_host_keys))
         if isinstance(conn.gateway, sshlink.Link) and conn.gateway not in self._all_conns:
             self._harden(conn.gateway, h, f"gateway {conn.gateway.host} of {label}")
         self._all_conns.append(conn)
