@@ -44,19 +44,28 @@ def collection(tmp: Path, n: int, lengths=(48, 96)) -> tuple[Path, dict]:
     g = torch.Generator().manual_seed(7)
     for i in range(n):
         T = lengths[0] + (i * 29) % (lengths[1] - lengths[0])
-        ids = torch.randint(0, 400, (T,), generator=g)
-        aux, last, _ = tm.forward(ids, T - 1)
-        mask = torch.ones(T, dtype=torch.long)
-        mask[: T // 4] = 0  # the prompt part, as SpecForge's template masks it
-        f = out / "files" / f"{i:02x}" / f"s{i}.ckpt"
-        f.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"input_ids": ids.long(), "loss_mask": mask, "hidden_state": last.unsqueeze(0),
-                    "aux_hidden_state": aux.unsqueeze(0)}, f)
+        write_sample(out, i, tm, torch.randint(0, 400, (T,), generator=g), T // 4)  # T // 4: the prompt part
+    return out, host_facts(model)
+
+
+def write_sample(out: Path, i: int, tm, ids, prompt_len: int) -> None:
+    """One sample as collect writes it: `ids`' states from the model, the loss mask 0 over the first
+    `prompt_len` tokens (as SpecForge's template masks a prompt) and 1 after."""
+    aux, last, _ = tm.forward(ids, len(ids) - 1)
+    mask = torch.ones(len(ids), dtype=torch.long)
+    mask[:prompt_len] = 0
+    f = out / "files" / f"{i:02x}" / f"s{i}.ckpt"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"input_ids": ids.long(), "loss_mask": mask, "hidden_state": last.unsqueeze(0),
+                "aux_hidden_state": aux.unsqueeze(0)}, f)
+
+
+def host_facts(model: Path) -> dict:
+    """The host facts the capture probe records in run.json for the model in `model`."""
     conf = json.loads((model / "config.json").read_text())
-    facts = {"model_path": str(model), "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_hidden_layers": LAYERS,
-             "architectures": conf["architectures"], "max_position_embeddings": None, "context_length": 4096,
-             "model_config": {k: conf[k] for k in DRAFT_FIELDS if k in conf}, "special_tokens": special_ids(model)}
-    return out, facts
+    return {"model_path": str(model), "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_hidden_layers": LAYERS,
+            "architectures": conf["architectures"], "max_position_embeddings": None, "context_length": 4096,
+            "model_config": {k: conf[k] for k in DRAFT_FIELDS if k in conf}, "special_tokens": special_ids(model)}
 
 
 def emit(out: Path, facts: dict, longest: int) -> dict:
@@ -170,6 +179,8 @@ def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than
     from simserver_util import Server, make_mini_tree
 
     from patchctl.commands.demo import untrained_drafter
+    from patchctl.host.capture import server_limits
+    from patchctl.host.smoke import model_facts
     from patchctl.simserver.chat import ChatTokenizer
 
     model = write_model_config(tmp_path / "model", LAYERS, HIDDEN, VOCAB)
@@ -183,24 +194,16 @@ def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than
         code, res = plain.post("/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 32,
                                                                                      "temperature": 0}})
         assert code == 200, res
+        # the host facts as the capture probe reads them from the running server (host/capture.probe's parts)
+        cfg = {"host": "127.0.0.1", "port": plain.port}
+        facts = dict(model_facts(cfg), **server_limits(cfg), special_tokens=special_ids(model))
     finally:
         plain.stop()
     # the samples: each prompt and the answer the server gave it, states as the capture dumps them
     tm = TinyModel(LAYERS, HIDDEN, VOCAB, CAPTURE, model_dir=model)
     out = tmp_path / "served-eagle3"
     for i, (p, r) in enumerate(zip(prompts, res)):
-        ids = torch.tensor(p + r["output_ids"])
-        aux, last, _ = tm.forward(ids, len(ids) - 1)
-        mask = torch.zeros(len(ids), dtype=torch.long)
-        mask[len(p):] = 1
-        f = out / "files" / f"{i:02x}" / f"s{i}.ckpt"
-        f.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"input_ids": ids, "loss_mask": mask, "hidden_state": last.unsqueeze(0),
-                    "aux_hidden_state": aux.unsqueeze(0)}, f)
-    conf = json.loads((model / "config.json").read_text())
-    facts = {"model_path": str(model), "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_hidden_layers": LAYERS,
-             "architectures": conf["architectures"], "max_position_embeddings": None, "context_length": 4096,
-             "model_config": {k: conf[k] for k in DRAFT_FIELDS if k in conf}, "special_tokens": special_ids(model)}
+        write_sample(out, i, tm, torch.tensor(p + r["output_ids"]), len(p))
     emit(out, facts, max(len(p) for p in prompts) + 32)
     env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
     trained = drafttrain.train_and_export(out, DEMO_TRAIN, cpu=True, env=env, timeout=540).draft_dir
