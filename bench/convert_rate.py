@@ -115,7 +115,7 @@ class Bench:
         self.before, self.before_events = load_before(args.before, args.before_tree) if "before" in args.variants \
             else (None, None)
         fd = os.open(self.items[0]["path"], os.O_RDONLY)
-        _d, view = ckpt.read_dump(fd, self.items[0]["bytes"])
+        view = ckpt.read_dump(fd, self.items[0]["bytes"])
         os.close(fd)
         # for the torch.save rows: views of this thread's read buffer (read_dump is not called here again). No
         # torch op that runs a parallel region (clone of a large tensor) before the workers fork: GNU OpenMP's
@@ -197,35 +197,43 @@ class Bench:
         return r
 
     def phases(self) -> dict:
-        """One dump in this process, best of 3 each: read_dump (read + sha256), sample_of, torch.save through the
-        hashing writer into a file (no fsync), the fsync; with the hash inline and on the helper thread."""
+        """One dump in this process, best of 3 each: read_dump, its sha256 alone, sample_of, torch.save through the
+        hashing writer into a file (no fsync), the fsync; then the worker's path with the dump's sha256 on a
+        thread of its own beside sample_of and the save (read -> saved, no fsync), and inline (one thread)."""
         out, torch, ckpt, item = self.base / "phase.ckpt", self.torch, self.ckpt, self.items[0]
+
+        def once(overlap):
+            ckpt.OVERLAP = overlap
+            t = [time.perf_counter()]
+            fd = os.open(item["path"], os.O_RDONLY)
+            view = ckpt.read_dump(fd, item["bytes"])
+            os.close(fd)
+            t.append(time.perf_counter())
+            hashlib.sha256(view).hexdigest()
+            t.append(time.perf_counter())
+            sample, _T, _m = ckpt.sample_of(torch, view, None, 3)
+            t.append(time.perf_counter())
+            ckpt.save(torch, sample, str(out), sync=False)
+            t.append(time.perf_counter())
+            ckpt.fsync_path(str(out))
+            t.append(time.perf_counter())
+            t0 = time.perf_counter()  # the worker's path: read, then sha256 beside sample_of + save
+            fd = os.open(item["path"], os.O_RDONLY)
+            view = ckpt.read_dump(fd, item["bytes"])
+            os.close(fd)
+            digest = ckpt.Digest(view)
+            sample, _T, _m = ckpt.sample_of(torch, view, None, 3)
+            ckpt.save(torch, sample, str(out), sync=False)
+            digest.hexdigest()
+            worker = time.perf_counter() - t0
+            ckpt.fsync_path(str(out))
+            return [round(b - a, 4) for a, b in zip(t, t[1:])] + [round(worker, 4)]
+
         res = {}
         for overlap in (False, True):
-            ckpt.OVERLAP = overlap
-            best = None
-            for _ in range(3):
-                t = [time.perf_counter()]
-                fd = os.open(item["path"], os.O_RDONLY)
-                _d, view = ckpt.read_dump(fd, item["bytes"])
-                os.close(fd)
-                t.append(time.perf_counter())
-                sample, _T, _m = ckpt.sample_of(torch, view, None, 3)
-                t.append(time.perf_counter())
-                fd = os.open(str(out), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                hasher = ckpt._Hasher()
-                torch.save(sample, ckpt.HashingWriter(fd, hasher))
-                hasher.hexdigest()
-                hasher.close()
-                t.append(time.perf_counter())
-                os.fsync(fd)
-                os.close(fd)
-                t.append(time.perf_counter())
-                d = [round(b - a, 4) for a, b in zip(t, t[1:])]
-                if best is None or sum(d) < sum(best):
-                    best = d
-            res["overlap" if overlap else "inline"] = dict(zip(("read_sha256", "sample_of", "save_sha256_write",
-                                                                "fsync"), best), total=round(sum(best), 4))
+            best = min((once(overlap) for _ in range(3)), key=lambda d: d[-1])
+            res["overlap" if overlap else "inline"] = dict(zip(("read", "sha256", "sample_of", "save_sha256_write",
+                                                                "fsync", "worker_read_to_saved"), best))
         ckpt.OVERLAP = True
         out.unlink()
         print(json.dumps({"phases_s_per_dump": res}), flush=True)

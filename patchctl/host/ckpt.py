@@ -85,22 +85,46 @@ def _buffer(size):
 
 
 def read_dump(fd, size):
-    """(sha256 hex of what was read, a view of it): `size` bytes of `fd` from its start, hashed as they
-    are read. The view is short when the file is (it shrank since its size was taken): its hash then
-    tells. The view is valid until this thread's next read_dump."""
+    """A view of `size` bytes of `fd` from its start, read into this thread's kept buffer; short when the file
+    is (it shrank since its size was taken: its Digest then tells). Valid until this thread's next read_dump."""
     view = _buffer(size)
-    hasher = _Hasher()
     got = 0
-    try:
-        while got < size:
-            n = _pread_into(fd, view[got:min(size, got + CHUNK)], got)
-            if not n:
-                break
-            hasher.feed(view[got:got + n])
-            got += n
-        return hasher.hexdigest(), view[:got]
-    finally:
-        hasher.close()
+    while got < size:
+        n = _pread_into(fd, view[got:], got)
+        if not n:
+            break
+        got += n
+    return view[:got]
+
+
+class Digest(object):
+    """The sha256 of a whole buffer, computed on a thread of its own (OVERLAP) while the caller converts it:
+    hashlib releases the GIL. `hexdigest()` waits for it; call it before the buffer may change."""
+
+    def __init__(self, view):
+        self.h = hashlib.sha256()
+        self.error = None
+        self.thread = None
+        if OVERLAP:
+            self.thread = threading.Thread(target=self._run, args=(view,), name="ckpt-digest")
+            self.thread.daemon = True
+            self.thread.start()
+        else:
+            self.h.update(view)
+
+    def _run(self, view):
+        try:
+            self.h.update(view)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            self.error = e
+
+    def hexdigest(self):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+        return self.h.hexdigest()
 
 
 def _pread_into(fd, view, offset):
@@ -175,15 +199,27 @@ class HashingWriter(object):
         pass
 
 
-def save_synced(torch, sample, path):
-    """torch.save(sample) written to a new `path` (created or truncated) and fsynced: (sha256, bytes)."""
+def save(torch, sample, path, sync=True):
+    """torch.save(sample) written to a new `path` (created or truncated), fsynced unless `sync` is False (the
+    caller fsyncs it later: fsync_path): (sha256, bytes)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     hasher = _Hasher()
     try:
         w = HashingWriter(fd, hasher)
         torch.save(sample, w)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
         return hasher.hexdigest(), w.bytes
     finally:
         hasher.close()
+        os.close(fd)
+
+
+def fsync_path(path):
+    """fsync a file written earlier, possibly by another process (fsync flushes the file, whichever of its
+    descriptors it is called on)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
         os.close(fd)

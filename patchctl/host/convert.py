@@ -6,11 +6,13 @@ host's own dumps into DIR on that host (its disk, or a mount every host shares) 
 cross the controller. The op reads samples on stdin, one JSON line each (`{"id", "path", "sha256",
 "bytes", "tokens", "loss_mask"?}`), converts them in worker processes (one per core, fork), and for each:
 
-    reads the dump once, hashing it as it reads (only inside <state_dir>/dumps/captures/<RUN>/, as
+    reads the dump once (only inside <state_dir>/dumps/captures/<RUN>/, as
     `pull`), checks its sha256 against the journal's, its layer metadata against the run's expectation,
     and K == 3; torch.save()s the sample straight into `<file>.<host>.patchctl-partial` (host-unique: a
-    shared DIR) through a writer that hashes what passes, fsyncs it once (host/ckpt.py: the bytes are
-    torch.save's own, with no in-memory copy of the dump's tensors or of the output); appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/hosts/<host>/records.jsonl
+    shared DIR) through a writer that hashes what passes (host/ckpt.py: the bytes are torch.save's own,
+    with no in-memory copy of the dump's tensors or of the output; the dump's own sha256 runs beside it on
+    a thread of its own); the op fsyncs it once on a thread of its own, while the worker takes its next
+    dump; appends {rel, source_sha256, sha256, bytes} to DIR/.patchctl/hosts/<host>/records.jsonl
     (fsynced: the host's own record, which makes a resumed op skip the file); links it into place (never
     replacing a file); answers `sample_converted` (or `sample_failed` with the reason).
 
@@ -30,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from .capture import safe_name
 from . import ckpt
@@ -95,18 +98,19 @@ def convert_file(dump_path, out_tmp, loss_mask, k=None):
     fd = os.open(str(dump_path), os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        _digest, view = ckpt.read_dump(fd, size)
+        view = ckpt.read_dump(fd, size)
     finally:
         os.close(fd)
     if len(view) != size:
         raise ValueError("%s shrank while it was read (%d of %d bytes)" % (dump_path, len(view), size))
     sample, T, meta = ckpt.sample_of(torch, view, loss_mask, k)
-    ckpt.save_synced(torch, sample, str(out_tmp))
+    ckpt.save(torch, sample, str(out_tmp))
     return T, meta
 
 
-def _convert_one(root, item, partial, expect, k):
-    """In a worker process: one dump read (inside root), checked and converted to `partial`.
+def _convert_one(root, item, partial, expect, k, sync=True):
+    """In a worker process: one dump read (inside root), checked and converted to `partial`, fsynced unless
+    `sync` is False (the op then fsyncs it on a thread of its own while this worker takes the next dump).
     {"ok": True, sha256, bytes, tokens, layers} or {"ok": False, status, reason}."""
     t0 = time.time()
     try:
@@ -120,14 +124,27 @@ def _convert_one(root, item, partial, expect, k):
             return {"ok": False, "status": "mismatch", "reason": "%d bytes, the journal recorded %s (changed on the "
                     "host since it was verified)" % (size, item.get("bytes"))}
         try:
-            digest, view = ckpt.read_dump(fd, size)  # read once, hashed as it is read
+            view = ckpt.read_dump(fd, size)  # read once
         except OSError as e:
             return {"ok": False, "status": "unreadable", "reason": e.strerror or str(e)}
     finally:
         os.close(fd)
-    if digest != item.get("sha256"):
+    digest = ckpt.Digest(view)  # hashed on a thread of its own while the dump is converted
+    try:
+        res = _convert_view(view, item, partial, expect, k, sync)
+    finally:
+        got = digest.hexdigest()  # before anything returns: the buffer is the next dump's
+    if got != item.get("sha256"):
+        _unlink(partial)
         return {"ok": False, "status": "mismatch", "reason": "sha256 %s, the journal recorded %s (changed on the host "
-                "since it was verified)" % (digest, item.get("sha256"))}
+                "since it was verified)" % (got, item.get("sha256"))}
+    if res.get("ok"):
+        res["seconds"] = round(time.time() - t0, 3)
+    return res
+
+
+def _convert_view(view, item, partial, expect, k, sync):
+    """A read dump's bytes checked and converted to `partial` (its sha256 is checked by the caller)."""
     try:
         sample, T, meta = ckpt.sample_of(_need_torch(), view, item.get("loss_mask"), k)
     except Exception as e:  # noqa: BLE001 - this sample's failure only
@@ -135,9 +152,8 @@ def _convert_one(root, item, partial, expect, k):
     problems = check_layers(meta, expect) if expect else []
     if problems:
         return {"ok": False, "status": "layers mismatch", "reason": "; ".join(problems)}
-    sha, nbytes = ckpt.save_synced(_torch(), sample, partial)
-    return {"ok": True, "sha256": sha, "bytes": nbytes, "tokens": T, "layers": layer_meta(meta),
-            "seconds": round(time.time() - t0, 3)}
+    sha, nbytes = ckpt.save(_torch(), sample, partial, sync=sync)
+    return {"ok": True, "sha256": sha, "bytes": nbytes, "tokens": T, "layers": layer_meta(meta)}
 
 
 def _pool(workers):
@@ -193,7 +209,10 @@ class Converter(object):
         records = self.dir.records()
         t0 = time.time()
         pool = _pool(self.workers)
-        pending = {}  # future -> (item, rel, partial)
+        # the workers leave their files' fsync to these threads and go on to their next dump: each worker's
+        # CPU phases and the disk's flushes overlap (one fsync in flight per worker at most, on average)
+        syncer = ThreadPoolExecutor(self.workers) if pool is not None else None
+        pending = {}  # future -> (item, rel, partial): conversions in the workers, then their fsyncs here
         try:
             for item in self._items():
                 rel = target_rel(item["id"], "specforge")
@@ -212,30 +231,37 @@ class Converter(object):
                 args = (self.root, item, partial, self.expect, self.k)
                 if pool is None:
                     self._finish(item, rel, partial, _convert_one(*args))
+                    self._pause()
                     continue
-                pending[pool.submit(_convert_one, *args)] = (item, rel, partial)
-                while len(pending) >= 2 * self.workers:
-                    self._reap(pending, block=True)
+                pending[pool.submit(_convert_one, *(args + (False,)))] = (item, rel, partial)
+                while len(pending) >= 3 * self.workers:
+                    self._reap(pending, syncer)
             while pending:
-                self._reap(pending, block=True)
+                self._reap(pending, syncer)
             if pool is not None:
                 pool.shutdown(wait=True)  # every worker reaped (their CPU is then the op's own, in rusage)
         finally:
             if pool is not None and pending:  # the controller is gone: what runs finishes, nothing new starts
                 pool.shutdown(wait=False, cancel_futures=True) if sys.version_info >= (3, 9) else pool.shutdown(wait=False)
+            if syncer is not None:
+                syncer.shutdown(wait=not pending)  # interrupted: a file not yet recorded stays a partial (redone)
         return dict(self.counts, seconds=round(time.time() - t0, 3), out_dir=self.out, workers=self.workers)
 
-    def _reap(self, pending, block):
-        from concurrent.futures import FIRST_COMPLETED, wait
-
-        done, _ = wait(list(pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+    def _reap(self, pending, syncer):
+        """Wait for a conversion or an fsync to end; a converted file goes to the syncer, a synced one is
+        recorded and linked into place."""
+        done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
         for fut in done:
             item, rel, partial = pending.pop(fut)
             try:
                 res = fut.result()
             except Exception as e:  # noqa: BLE001 - a worker that died fails its sample, loudly
                 res = {"ok": False, "status": "bad dump", "reason": "converter error: %s: %s" % (e.__class__.__name__, e)}
+            if res.get("ok") and not res.get("synced"):
+                pending[syncer.submit(_synced, partial, res)] = (item, rel, partial)
+                continue
             self._finish(item, rel, partial, res)
+            self._pause()
 
     def _finish(self, item, rel, partial, res):
         if not res.get("ok"):
@@ -252,6 +278,8 @@ class Converter(object):
             return self._failed(item, "conflict", "%s appeared meanwhile; not overwritten" % dest)
         _unlink(partial)
         self._done(item, rel, dict(rec, seconds=res.get("seconds")))
+
+    def _pause(self):
         if self.pause:  # tests only: a conversion slow enough to be interrupted half way
             time.sleep(self.pause)
 
@@ -268,6 +296,16 @@ class Converter(object):
         with self.lock:
             self.counts["failed"] += 1
         event("sample_failed", id=item["id"], status=status, reason=reason)
+
+
+def _synced(partial, res):
+    """On a syncer thread: a converted file fsynced; its result, or the failure to flush it."""
+    t0 = time.time()
+    try:
+        ckpt.fsync_path(partial)
+    except OSError as e:
+        return {"ok": False, "status": "unwritable", "reason": "fsync of %s: %s" % (partial, e.strerror or e)}
+    return dict(res, synced=True, seconds=round((res.get("seconds") or 0) + time.time() - t0, 3))
 
 
 def _size(path):
