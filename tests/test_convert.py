@@ -111,6 +111,29 @@ def test_the_convert_op_writes_torch_save_bytes(tmp_path, capsys, monkeypatch, w
     assert {p: p.stat().st_ino for p in out.rglob("*.ckpt")} == inodes
 
 
+def test_each_converted_file_is_fsynced_by_the_op_before_it_is_recorded_and_linked(tmp_path, capsys, monkeypatch):
+    """The workers leave the fsync to the op's syncer threads (they go on to their next dump meanwhile): every
+    converted file is fsynced there, as its partial, before the host's record names it and before it is linked."""
+    h = Host(tmp_path)
+    for n, (T, H, with_mask) in enumerate(SHAPES):
+        h.dump(f"s{n}", tensors(T, H, seed=n), mask_for(T, n) if with_mask else None)
+    out = tmp_path / "out"
+    synced, real = [], ckpt.fsync_path
+
+    def fsync_path(path):
+        dest = Path(path[:path.index(".h0.patchctl-partial")])
+        records = out / ".patchctl" / "hosts" / "h0" / "records.jsonl"
+        named = records.exists() and dest.relative_to(out).as_posix() in records.read_text()
+        synced.append((dest, dest.exists(), named, threading.current_thread() is threading.main_thread()))
+        real(path)
+
+    monkeypatch.setattr(ckpt, "fsync_path", fsync_path)
+    res, evs = h.convert(out, 2, capsys)
+    assert res["converted"] == len(SHAPES)
+    assert sorted(d for d, *_ in synced) == sorted(out / e["file"] for e in evs.values())
+    assert not any(exists or named or main for _d, exists, named, main in synced), synced
+
+
 def test_convert_file_writes_torch_save_bytes_from_several_threads(tmp_path):
     """The controller's path (capture collect --format specforge on pulled files), the same code: each of 4
     threads converting at once (a kept buffer per thread) writes exactly torch.save's bytes."""
@@ -125,8 +148,9 @@ def test_convert_file_writes_torch_save_bytes_from_several_threads(tmp_path):
     def work(mine):
         try:
             for dump, out, mask, want, T in mine:
-                got_T, meta = convert.convert_file(dump, out, mask, convert.SPECFORGE_K)
+                got_T, meta, sha, nbytes = convert.convert_file(dump, out, mask, convert.SPECFORGE_K)
                 assert (got_T, meta) == (T, META) and out.read_bytes() == want, out
+                assert (sha, nbytes) == (hashlib.sha256(want).hexdigest(), len(want))  # hashed as written
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 

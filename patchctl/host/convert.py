@@ -93,7 +93,8 @@ def _need_torch():
 
 def convert_file(dump_path, out_tmp, loss_mask, k=None):
     """The controller's path: the ckpt of one (already verified) dump file written to `out_tmp`,
-    fsynced; (T, the dump's metadata). The same code as the agent's (host/ckpt.py)."""
+    fsynced; (T, the dump's metadata, the ckpt's sha256, its bytes). The same code as the agent's
+    (host/ckpt.py)."""
     torch = _need_torch()
     fd = os.open(str(dump_path), os.O_RDONLY)
     try:
@@ -104,8 +105,8 @@ def convert_file(dump_path, out_tmp, loss_mask, k=None):
     if len(view) != size:
         raise ValueError("%s shrank while it was read (%d of %d bytes)" % (dump_path, len(view), size))
     sample, T, meta = ckpt.sample_of(torch, view, loss_mask, k)
-    ckpt.save(torch, sample, str(out_tmp))
-    return T, meta
+    sha, nbytes = ckpt.save(torch, sample, str(out_tmp))
+    return T, meta, sha, nbytes
 
 
 def _convert_one(root, item, partial, expect, k, sync=True):

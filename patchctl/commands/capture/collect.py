@@ -34,7 +34,6 @@ from patchctl.commands.capture.onhost import run_on_host
 from patchctl.commands.capture.pulling import partial_name, pull_batch
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
-from patchctl.core.fsutil import sha256_file
 from patchctl.core.options import CaptureOptions
 from patchctl.host import convert as hconvert
 from patchctl.host.protocol import Outcome
@@ -187,7 +186,7 @@ class Collector:
                 ckpt = dest.with_name(dest.name + PARTIAL)
                 mask, it.mask_source = self.loss_mask(it.id)
                 try:
-                    convert(tmp, ckpt, mask)
+                    _T, _meta, digest, _n = convert(tmp, ckpt, mask)  # the ckpt's sha256, hashed as it was written
                 except Exception as e:  # noqa: BLE001 - a file that does not convert is this sample's failure only
                     it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: cannot convert: {e}"
                     if ckpt.exists():
@@ -195,7 +194,6 @@ class Collector:
                     return
                 os.unlink(tmp)
                 tmp = ckpt
-                digest = sha256_file(ckpt)
             it.sha256, it.bytes = digest, tmp.stat().st_size
             self.record(it)
             try:

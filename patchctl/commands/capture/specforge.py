@@ -52,9 +52,9 @@ def refuse_other_k(info: dict) -> None:
                        "it as --format safetensors, or capture again with 3 layers")
 
 
-def convert(dump_path: Path, out_tmp: Path, loss_mask: list[int] | None) -> tuple[int, dict]:
+def convert(dump_path: Path, out_tmp: Path, loss_mask: list[int] | None) -> tuple[int, dict, str, int]:
     """Write the ckpt for one dump file to `out_tmp` (fsynced); `loss_mask` None means all ones.
-    (T, the dump's metadata). Raises ValueError when the dump is not a hidden-dump file of the expected
+    (T, the dump's metadata, the ckpt's sha256 and bytes, hashed as written). Raises ValueError when the dump is not a hidden-dump file of the expected
     layout or does not hold 3 layers."""
     require_torch()
     return convert_file(dump_path, out_tmp, loss_mask, SPECFORGE_K)
