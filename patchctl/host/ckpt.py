@@ -6,20 +6,23 @@ has the format). The path of one sample, used by the agent's `convert` op and th
 `convert_file` alike (host/convert.py):
 
     read_dump   the dump read into this thread's buffer, kept between samples (no fresh pages to fault in
-                and zero), in CHUNK pieces, each hashed while the next is read: one read, one sha256
+                and zero): one read
+    Digest      the dump's sha256 on a thread of its own, running beside the next two steps (the op checks
+                it against the journal before the converted file is kept; the controller, whose file was
+                checked as it was pulled, does not hash it again)
     sample_of   the safetensors layout checked (dumpscan.layout: offsets, overlaps, sizes against dtype and
                 shape), the tensors taken as views of that buffer (`torch.frombuffer` of one tensor's slice:
                 its storage is that slice alone, so torch.save writes exactly those bytes, no clone needed)
-    save_synced torch.save straight into the output file through a writer that hashes what passes, each
-                large record's pieces hashed while they are written; one fsync. No in-memory copy of the
-                output and no second pass over it
+    save        torch.save straight into the output file through a writer that hashes what passes, each
+                large record's pieces hashed while they are written; fsynced here, or later by the caller
+                (fsync_path: the op's syncer threads, while the worker takes its next dump). No in-memory
+                copy of the output and no second pass over it
 
 The bytes are torch.save's own (it writes the same records, in the same order, to any file-like object:
-tests/test_convert.py compares them with torch.save of the same tensors into a BytesIO). The sha256 of a
-piece runs on a helper thread while the caller reads the next one or writes it (hashlib, os.preadv and
-os.write release the GIL). Measured on a 16-core GPU host (docs/benchmarks.md): it shortens the read
-phase by 12 % and lengthens the write phase about as much in one process, and the op with the default 15
-workers ran 6-10 % faster with it in both rounds; the two sha256 passes stay the floor of a worker's CPU.
+tests/test_convert.py compares them with torch.save of the same tensors into a BytesIO). hashlib, os.preadv
+and os.write release the GIL, so the two sha256 passes (the dump's, the output's) run on their own threads
+beside the copy into the file: on one dump (docs/benchmarks.md) read -> saved takes the longest of them, not
+their sum.
 
 torch is imported by the caller and passed in (a host's Python is SGLang's; the rest of the host package
 is the standard library).
@@ -32,16 +35,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .dumpscan import layout
 
-CHUNK = 1 << 20  # read / hash / write piece: fits a core's L2, so the hash reads what the copy just touched
+CHUNK = 1 << 20  # write / hash piece: fits a core's L2, so the hash reads what the copy just touched
 KEEP_BYTES = 512 << 20  # a buffer up to this size is kept for the thread's next sample; a larger one is freed
-OVERLAP = True  # hash on a helper thread while reading / writing (False: inline, one thread; the bench compares)
+OVERLAP = True  # hash on helper threads beside the conversion (False: inline, one thread; the bench compares)
 
 _local = threading.local()
 
 
 class _Hasher(object):
     """sha256 of pieces fed in order; with OVERLAP each runs on a helper thread while the caller goes on to
-    its next read or write. `sync()` before a fed piece's memory may change."""
+    its next write. `sync()` before a fed piece's memory may change."""
 
     def __init__(self, overlap=None):
         self.h = hashlib.sha256()
