@@ -3,7 +3,8 @@ side in one run, with the disk's own write rate beside it (issue 30).
 
     python bench/collect_rate.py convert [--dumps 30] [--tokens 2000] [--hidden 7168] [--workers 1,D,C]
                                          [--rounds 1] [--variants before,after,inline,torch.save,disk,dd]
-                                         [--before f53753e | --before-tree DIR] [--dir DIR]
+                                         [--before f53753e | --before-tree DIR] [--prev REV | --prev-tree DIR]
+                                         [--dir DIR]
 
 Writes --dumps hidden-dump files of T x H (K = 3, bf16: 8 * H bytes a token, 115 MB at T = 2 000, H = 7 168)
 with the capture module's metadata into <dir>/state/dumps/captures/bench/ (then in the page cache: this
@@ -13,6 +14,8 @@ rounds), converts or writes all of them into a fresh directory on the same file 
 
   before      the `convert` op's Converter as on main at --before (loaded from git, `git archive`, or from
               --before-tree, a copy of that commit's `patchctl/` package where there is no git: the GPU host)
+  prev        the same for another commit, --prev / --prev-tree (a step between before and after: variant
+              "prev" runs when one of them is given)
   after       this tree's Converter (host/convert.py + host/ckpt.py)
   inline      this tree's, hashing on the worker's own thread (ckpt.OVERLAP = False)
   torch.save  the ceiling of any torch.save converter: W processes torch.save the same tensors (already in
@@ -46,7 +49,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = ("before", "after", "inline", "torch.save", "disk", "dd")
+VARIANTS = ("before", "prev", "after", "inline", "torch.save", "disk", "dd")
+CONVERTERS = ("before", "prev", "after", "inline")
 
 
 def add_args(c) -> None:
@@ -63,10 +67,12 @@ def add_args(c) -> None:
     c.add_argument("--before", default="f53753e", help="the commit whose converter is 'before' (git archive)")
     c.add_argument("--before-tree", type=Path, default=None,
                    help="a directory holding that commit's patchctl/ package (where the tree has no git)")
+    c.add_argument("--prev", default=None, help="a second commit to convert with, as variant 'prev'")
+    c.add_argument("--prev-tree", type=Path, default=None, help="--before-tree's twin for --prev")
 
 
-def load_before(rev: str, tree: Path | None):
-    """The `convert` and `events` modules of commit `rev`'s agent, imported as package patchctl_before."""
+def load_before(rev: str, tree: Path | None, name: str = "patchctl_before"):
+    """The `convert` and `events` modules of commit `rev`'s agent, imported as package `name`."""
     if tree is None:
         tree = Path(tempfile.mkdtemp(prefix="convert-before-"))
         atexit.register(shutil.rmtree, tree, True)
@@ -75,12 +81,11 @@ def load_before(rev: str, tree: Path | None):
         with tarfile.open(fileobj=io.BytesIO(blob)) as tf:
             tf.extractall(tree)
     pkg = tree / "patchctl"
-    spec = importlib.util.spec_from_file_location("patchctl_before", pkg / "__init__.py",
-                                                  submodule_search_locations=[str(pkg)])
+    spec = importlib.util.spec_from_file_location(name, pkg / "__init__.py", submodule_search_locations=[str(pkg)])
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["patchctl_before"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
-    return importlib.import_module("patchctl_before.host.convert"), importlib.import_module("patchctl_before.host.events")
+    return importlib.import_module(f"{name}.host.convert"), importlib.import_module(f"{name}.host.events")
 
 
 def _cpu() -> float:
@@ -114,6 +119,9 @@ class Bench:
         self.ckpt, self.after, self.events = ckpt, convert, events
         self.before, self.before_events = load_before(args.before, args.before_tree) if "before" in args.variants \
             else (None, None)
+        self.prev, self.prev_events = (None, None)
+        if "prev" in args.variants and (args.prev or args.prev_tree):
+            self.prev, self.prev_events = load_before(args.prev, args.prev_tree, "patchctl_prev")
         fd = os.open(self.items[0]["path"], os.O_RDONLY)
         view = ckpt.read_dump(fd, self.items[0]["bytes"])
         os.close(fd)
@@ -154,6 +162,8 @@ class Bench:
     def run_variant(self, v: str, w: int, out: Path) -> int:
         if v == "before":
             return self.convert(self.before, out, w)
+        if v == "prev":
+            return self.convert(self.prev, out, w)
         if v in ("after", "inline"):
             self.ckpt.OVERLAP = v == "after"  # set before the workers fork
             try:
@@ -182,7 +192,7 @@ class Bench:
         written = self.run_variant(v, w, out)
         wall = time.perf_counter() - t0
         cpu, busy = _cpu() - c0, self.busy() - busy0
-        if v in ("before", "after", "inline") and rnd == 0:  # compared with after's when the round is over
+        if v in CONVERTERS and rnd == 0:  # compared with after's when the round is over
             files = sorted(out.rglob("*.ckpt"), key=lambda p: p.name)
             assert len(files) == len(self.items), v
             self.digests[(v, w)] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
@@ -190,7 +200,7 @@ class Bench:
         shutil.rmtree(out)
         r = {"round": rnd, "variant": v, "workers": 1 if v == "dd" else w, "wall_s": round(wall, 2),
              "gb_per_s": round(written / wall / 1e9, 3),
-             "dump_gb_per_s": round(self.dump_bytes / wall / 1e9, 3) if v in ("before", "after", "inline") else None,
+             "dump_gb_per_s": round(self.dump_bytes / wall / 1e9, 3) if v in CONVERTERS else None,
              "cpu_s_per_dump": round(cpu / len(self.items), 3), "busy_cores": round(busy / wall, 2),
              "loadavg_before": [round(x, 2) for x in load], "bytes_written": written}
         print(json.dumps(r), flush=True)
@@ -240,7 +250,7 @@ class Bench:
         return res
 
     def close(self):
-        for ev in (self.events, self.before_events):
+        for ev in (self.events, self.before_events, self.prev_events):
             if ev is not None:
                 ev.stop_beating.set()
         shutil.rmtree(self.base, ignore_errors=True)
@@ -289,11 +299,13 @@ def summary(rows: list[dict]) -> list[str]:
     for w in sorted({r["workers"] for r in rows if r["variant"] != "dd"}):
         get = lambda v: best.get((v, w))  # noqa: E731
         parts = [f"W={w:>2}"]
-        for v in ("before", "after", "inline", "torch.save", "disk"):
+        for v in ("before", "prev", "after", "inline", "torch.save", "disk"):
             if get(v):
                 parts.append(f"{v} {get(v)['gb_per_s']:.2f} GB/s ({get(v)['cpu_s_per_dump']:.2f} s CPU/dump)")
         if get("before") and get("after"):
             parts.append(f"after/before {get('after')['gb_per_s'] / get('before')['gb_per_s']:.2f}x")
+        if get("prev") and get("after"):
+            parts.append(f"after/prev {get('after')['gb_per_s'] / get('prev')['gb_per_s']:.2f}x")
         if get("after") and get("disk"):
             parts.append(f"after/disk(W) {100 * get('after')['gb_per_s'] / get('disk')['gb_per_s']:.0f}%")
         if get("after") and dd:
@@ -311,7 +323,7 @@ def run(args) -> dict:
     try:
         if args.phases:
             phases = b.phases()
-        order = [v for v in VARIANTS if v in args.variants]
+        order = [v for v in VARIANTS if v in args.variants and (v != "prev" or b.prev is not None)]
         for rnd in range(args.rounds):
             seq = order if rnd % 2 == 0 else order[::-1]
             for w in args.workers:
@@ -326,7 +338,7 @@ def run(args) -> dict:
         b.close()
     res = {"mode": "convert", "dumps": args.dumps, "tokens": args.tokens, "hidden": args.hidden,
            "dump_mb": round(b.dump_bytes / len(b.items) / 1e6, 1), "ckpt_mb": round(b.out_size / 1e6, 1),
-           "before": args.before, "cores": os.cpu_count(), "torch": b.torch.__version__,
+           "before": args.before, "prev": args.prev, "cores": os.cpu_count(), "torch": b.torch.__version__,
            "python": sys.version.split()[0], "dir": str(Path(args.dir or tempfile.gettempdir()).resolve()),
            "rounds": args.rounds, "phases_s_per_dump": phases, "same_bytes_as_after": same, "rows": rows, "summary": summary(rows)}
     print("\n".join(res["summary"]), flush=True)
