@@ -150,9 +150,12 @@ def test_every_turn_is_the_servers_answer_to_its_regenerated_context(fleet, tmp_
                                                {"role": "assistant", "content": "hi"}]}
     with open(tmp_path / "conv.jsonl", "a") as fh:
         fh.write(json.dumps(refused) + "\n")
+    commands = {h.name: h.ssh.count_commands() for h in f.hosts}
     p = f.patchctl("capture", "regenerate", str(tmp_path / "conv.jsonl"), "--name", "main", "--out",
                    str(tmp_path / "regen.jsonl"), "--max-new-tokens", str(MAX_NEW), "--in-flight", "2")
     assert p.returncode == 1, p.stdout + p.stderr
+    # one agent start per host: its regenerate op answered the probe, then took the conversations
+    assert {h.name: h.ssh.count_commands() - commands[h.name] for h in f.hosts} == {h.name: 1 for h in f.hosts}
     fails = [r for r in journal(f, "main") if r["rec"] == "failed"]
     assert [r["id"] for r in fails] == ["two-users", "two-users"] and fails[0]["host"] != fails[1]["host"]
     assert fails[1]["final"] and "Conversation roles must alternate" in fails[1]["reason"]

@@ -196,6 +196,40 @@ def test_a_dataset_through_three_hosts_every_file_bit_exact_failures_retried_els
     assert "resuming run main: 298 of 300 samples already done" in p.stderr
 
 
+def dump_tree(h) -> dict[str, tuple]:
+    """Everything under a host's dump directory: each path's kind, size and mtime (the directory's own too)."""
+    out = {}
+    for p in [h.dumps, *h.dumps.rglob("*")]:
+        st = p.lstat()
+        out[str(p.relative_to(h.dumps))] = (p.is_dir(), st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_one_agent_start_per_host_and_a_refused_run_touches_no_host(fleet, tmp_path):
+    f = fleet
+    samples = dataset(tmp_path / "ds.jsonl", 40, seed=9)
+    commands = {h.name: h.ssh.count_commands() for h in f.hosts}
+    p = f.patchctl("capture", "run", str(tmp_path / "ds.jsonl"), "--name", "once", "--keep-free", "0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    # each host ran one command: its capture op answered the probe, then took the samples
+    assert {h.name: h.ssh.count_commands() - commands[h.name] for h in f.hosts} == {h.name: 1 for h in f.hosts}
+    assert set(done_records(journal(f, "once"))) == set(samples)
+    # refused after the probes (a sample as long as the servers' max_req_input_len): every op ends unsent,
+    # having created nothing on its host; the agents are gone when the command returns
+    ds = tmp_path / "long.jsonl"
+    ds.write_text(json.dumps({"id": "fits", "input_ids": [11] * 20}) + "\n" +
+                  json.dumps({"id": "long", "input_ids": [11] * 2042}) + "\n")
+    trees = {h.name: dump_tree(h) for h in f.hosts}
+    commands = {h.name: h.ssh.count_commands() for h in f.hosts}
+    p = f.patchctl("capture", "run", str(ds), "--name", "refused", "--keep-free", "0")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "id 'long': 2042 tokens" in p.stderr and "nothing was sent" in p.stderr
+    assert {h.name: h.ssh.count_commands() - commands[h.name] for h in f.hosts} == {h.name: 1 for h in f.hosts}
+    assert {h.name: dump_tree(h) for h in f.hosts} == trees
+    assert all(agent_lock_free(h) for h in f.hosts)
+    assert journal(f, "refused") == [] and not (f.base / "xdg-state" / "patchctl" / "captures" / "refused").exists()
+
+
 def test_a_server_killed_mid_run_its_samples_go_elsewhere_none_lost_none_twice(fleet, tmp_path):
     f = fleet
     samples = dataset(tmp_path / "ds.jsonl", 400, seed=2)

@@ -232,6 +232,26 @@ def test_the_dispatcher_refuses_what_the_table_does_not_declare(tmp_path):
     assert not Path(state).exists()  # refused before anything was made
 
 
+def test_a_streamed_op_answers_its_probe_first_and_a_host_that_takes_no_part_is_left_as_it_was(tmp_path, capsys):
+    """capture and regenerate answer their own probe as a `probed` event (its facts of the op's `probed` type)
+    before any work; on a host patchctl never worked on, one that takes no part creates and locks nothing."""
+    from patchctl.host import agent
+
+    assert {n for n, o in P.OPS.items() if o.probed} == {"capture", "regenerate"}
+    root, state = _tree(tmp_path)
+    for op, fields, why in (("capture", {"capture_run": "r"}, "no series deployed"),
+                            ("regenerate", {}, "no server is running on port 1")):
+        capsys.readouterr()
+        req = dict(_req(op, root, state, **fields), server={"port": 1, "host": "127.0.0.1", "command": "true"})
+        assert agent.handle(req) == {"ready": False, "notes": []}
+        evs = [json.loads(l[len(P.EVENT_PREFIX):]) for l in capsys.readouterr().err.splitlines()
+               if l.startswith(P.EVENT_PREFIX)]
+        assert [e["event"] for e in evs] == ["probed"], evs
+        facts = P.OPS[op].probed.from_wire(evs[0]["facts"])
+        assert facts.ready is False and facts.why == why and facts.hostname
+        assert not Path(state).exists(), op
+
+
 # --- each op's answer ---------------------------------------------------------------------------
 
 def test_every_op_declares_the_type_of_its_answer():

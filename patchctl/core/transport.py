@@ -328,8 +328,12 @@ class LocalTransport(Transport):
                 raise ConnectionLost(_silent_message(self.host.name, silence, "it was killed"))
             raise CommandTimeout(f"{self.host.name}: command did not finish within {timeout:g}s; "
                                  "it was killed, the host's state is unknown")
-        for t in threads:
+        feeder, *drains = threads
+        for t in drains:
             t.join()
+        # a command that ended without reading all its stream (a streamed op that took no part) does not
+        # wait for the stream's end: the feeder finds the pipe closed at its next chunk (as over SSH)
+        feeder.join(1)
         return RunResult(code, b"".join(out_chunks).decode("utf-8", "replace"), "".join(err_lines))
 
 

@@ -69,6 +69,11 @@ class Agent(DeployOps):
         # Ops that only look: no directory, file, lock or mode is created or changed on the host (plan,
         # status, history and apply's preflight are dry runs; a look must not need the state dir's privilege).
         self.read_only = self.op.read_only
+        # An op that answers its own probe first (`probed` in protocol.OPS) on a host patchctl never worked on
+        # (no state_dir): the probe reads the host as it is, and nothing is created or locked unless it takes
+        # part (`_probed`). A capture never does (no series can be deployed there); a regeneration may.
+        self.deferred = self.op.probed is not None and not os.path.isdir(self.state_dir)
+        self.read_only = self.read_only or self.deferred
         self.stdin = sys.stdin.buffer if self.op.streamed else None  # only a streamed op reads more input
         if not self.read_only and not os.path.isdir(self.state_dir):
             os.makedirs(self.state_dir, 0o700)
@@ -101,7 +106,9 @@ class Agent(DeployOps):
         return self._tree
 
     def take_locks(self):
-        """The locks this op's entry of protocol.OPS names, in order."""
+        """The locks this op's entry of protocol.OPS names, in order (a deferred op's: once it takes part)."""
+        if self.deferred:
+            return
         for lock in self.op.locks:
             if lock == REFUSE_HELD:
                 self._refuse_if_held()
@@ -288,18 +295,24 @@ class Agent(DeployOps):
         mgr, _ = self.base_manager()
         return mgr.current_config()
 
-    def _refuse_drafter_for_capture(self):
-        """A capture run never goes to a server that speculates (SGLang refuses the two together)."""
-        rec = read_record(self.state_dir)
-        if rec:
-            raise AgentError("bad_input", "cannot capture here: the server speculates with the drafter %s (from %s); "
-                             "take it away first: patchctl drafter rollback --to none" % (rec["digest"][:12], rec.get("source")))
+    def _probed(self, info):
+        """Answer this op's probe (`protocol.OPS[op].probed`) as a `probed` event: the controller checks every
+        host's answer before it sends any work. True when this host takes part; a deferred op (no state_dir
+        yet) creates state_dir and takes its locks first, so "ready" is said only under them."""
+        if info.get("ready") and self.deferred:
+            if not os.path.isdir(self.state_dir):
+                os.makedirs(self.state_dir, 0o700)
+            self.deferred = False
+            self.read_only = self.op.read_only
+            self._tree = None
+            self.take_locks()
+        event("probed", facts=info)
+        return bool(info.get("ready"))
 
-    @handles("capture_probe")
-    def op_capture_probe(self):
-        """Does this host take part in an extraction run (`capture.probe`); reads only."""
-        m = self.tree.manifest()
-        info = capture.probe(m, self._capture_server(), self.req)
+    def _capture_probe(self, cfg):
+        """Does this host take part in an extraction run (`capture.probe`); reads only. A server that
+        speculates does not: SGLang refuses a capture and a drafter together."""
+        info = capture.probe(self.tree.manifest(), cfg, self.req)
         rec = read_record(self.state_dir)
         if rec and info.get("ready"):
             info = dict(info, ready=False, why="its server speculates with the drafter %s (from %s): take it away first "
@@ -308,28 +321,26 @@ class Agent(DeployOps):
 
     @handles("capture", check=capture.check_request)
     def op_capture(self):
-        """One host's share of an extraction run: samples on stdin until it closes (`capture.Capture`).
+        """One host's share of an extraction run. First its probe (`_capture_probe`), answered as a `probed`
+        event; a host that does not take part ends there. Then samples on stdin until it closes
+        (`capture.Capture`): nothing is created on the host before the first one arrives, so a run the
+        controller refuses after the probes (it closes the stream unsent) leaves every host as it was.
         Holds the agent lock throughout: no deploy restarts this server under a running capture."""
-        self._refuse_drafter_for_capture()
         cfg = self._capture_server()
-        info = capture.probe(self.tree.manifest(), cfg, self.req)
-        if not info["ready"]:
-            raise AgentError("bad_input", "cannot capture here: %s" % info["why"])
+        info = self._capture_probe(cfg)
+        if not self._probed(info):
+            return {"ready": False}
         return capture.Capture(cfg, info, self.req, self.stdin).run_all()
-
-    @handles("regenerate_probe")
-    def op_regenerate_probe(self):
-        """Does this host take part in a regeneration (`regenerate.probe`); reads only."""
-        return dict(regenerate.probe(self._capture_server()), hostname=socket.gethostname())
 
     @handles("regenerate")
     def op_regenerate(self):
-        """One host's share of a regeneration: conversations on stdin until it closes (`regenerate.Regenerate`).
-        Holds the agent lock throughout: no deploy restarts this server under it."""
+        """One host's share of a regeneration: first its probe (`regenerate.probe`), answered as a `probed`
+        event (a host that does not take part ends there), then conversations on stdin until it closes
+        (`regenerate.Regenerate`; it writes nothing on the host). Holds the agent lock throughout: no deploy
+        restarts this server under it."""
         cfg = self._capture_server()
-        info = regenerate.probe(cfg)
-        if not info["ready"]:
-            raise AgentError("bad_input", "cannot regenerate here: %s" % info["why"])
+        if not self._probed(dict(regenerate.probe(cfg), hostname=socket.gethostname())):
+            return {"ready": False}
         return regenerate.Regenerate(cfg, self.req, self.stdin).run_all()
 
     @handles("tokenizer")

@@ -148,7 +148,8 @@ class TokenizerAnswer(Result):
 
 @dataclass
 class CaptureProbeAnswer(Result):
-    """`capture.probe`: whether this host takes part in an extraction run, and the facts it runs with."""
+    """The `capture` op's `probed` event (`capture.probe`): whether this host takes part in an extraction run,
+    and the facts it runs with."""
 
     series: str = None
     version: str = None
@@ -183,6 +184,8 @@ class CaptureProbeAnswer(Result):
 
 @dataclass
 class RegenerateProbeAnswer(Result):
+    """The `regenerate` op's `probed` event (`regenerate.probe`): whether this host takes part."""
+
     ready: bool = None
     port: int = None
     why: str = None
@@ -195,6 +198,7 @@ class RegenerateProbeAnswer(Result):
 class StreamedAnswer(Result):
     """A streamed op's counts (`streamed.Streamed`) and how it ended."""
 
+    ready: bool = None  # False: its probe said this host does not take part (the `probed` event says why); nothing done
     done: int = None
     failed: int = None
     returned: int = None

@@ -1,7 +1,8 @@
 """Extraction runs on the host (`patchctl capture run`): the probe, and one long-running op per host and run.
 
 Owns what decides whether this host takes part (a capture series deployed *and verified*, its server
-running, the model's facts and the bytes a token's dump costs) and the capture loop: samples arrive
+running, the model's facts and the bytes a token's dump costs: the op answers it first, as a `probed`
+event, agent.op_capture) and the capture loop: nothing is created before the first sample; samples arrive
 on stdin, one JSON line each (`{"id", "rid", "input_ids"}`), while the op runs; up to `in_flight` of
 them at a time go to the local server (`max_new_tokens = 1`, the sample's rid); each dump is awaited
 (bounded), validated by the smoke's rules (`smoke.check_dump`; big dumps in a pool of processes, half
@@ -197,10 +198,15 @@ class Capture(Streamed):
 
     # the loop ---------------------------------------------------------------------------
     def run_all(self):
+        t0 = time.time()
+        first = self._first()
+        if first is None:  # no sample came (the run refused after the probes, stopped, or none for this host):
+            #                nothing was created here
+            return dict(self.counts, stopped=None, seconds=round(time.time() - t0, 3), run_dir=None)
+        self.work.append(first)
         for d in (self.run_dir, os.path.join(self.run_dir, "rejected")):
             if not os.path.isdir(d):
                 os.makedirs(d, 0o750)
-        t0 = time.time()
         workers = 0
         if self.info["bytes_per_token"] * 1024 >= self.pool_from:  # a model whose dumps get big
             workers = checker_workers()

@@ -147,15 +147,19 @@ class Op(object):
     """One agent op: its own request fields beside the envelope ({name: Record class or None}), the
     locks it needs, whether it reads a stream on stdin while it runs, whether it only looks
     (creates, changes and locks nothing on the host, not even state_dir), whether its stdout carries framed
-    raw bytes before the answer line (`raw_out`: the controller hands them to a sink), and its answer's type."""
+    raw bytes before the answer line (`raw_out`: the controller hands them to a sink), and its answer's type.
+    `probed`: a streamed op that first answers its own probe (does this host take part, with what) as a
+    `probed` event whose `facts` are of this type, then waits for its first work item: the controller checks
+    every host's answer before it sends any, and one agent start per host does both (`capture`, `regenerate`)."""
 
-    def __init__(self, fields, locks=(), streamed=False, read_only=False, answer=Result, raw_out=False):
+    def __init__(self, fields, locks=(), streamed=False, read_only=False, answer=Result, raw_out=False, probed=None):
         self.fields = fields
         self.locks = tuple(locks)
         self.streamed = streamed
         self.raw_out = raw_out
         self.read_only = read_only
         self.answer = answer
+        self.probed = probed
 
 
 _CHANGES = (REFUSE_HELD, AGENT, TREE)
@@ -167,8 +171,6 @@ OPS = {
     "status": Op({"capture_layers": None}, read_only=True, answer=StatusAnswer),
     "history": Op({}, read_only=True, answer=HistoryAnswer),
     "pull_raw": Op({"run": None, "files": None}, read_only=True, answer=PullRawAnswer, raw_out=True),
-    "capture_probe": Op({"capture_layers": None, "hidden_size": None}, read_only=True, answer=CaptureProbeAnswer),
-    "regenerate_probe": Op({}, answer=RegenerateProbeAnswer),
     "tokenizer": Op({"with_data": None}, answer=TokenizerAnswer),
     "convert": Op({"run": None, "host": None, "out_dir": None, "expect": None, "layers": None, "workers": None,
                    "pause_s": None, "ids": None}, streamed=True, answer=ConvertAnswer),
@@ -188,9 +190,9 @@ OPS = {
     "unlock": Op({"expect_run_id": None}, [AGENT], answer=UnlockAnswer),
     "capture": Op({"capture_run": None, "in_flight": None, "keep_free": None, "request_timeout": None,
                    "pool_from_bytes": None, "capture_layers": None, "hidden_size": None}, [AGENT_NOW], streamed=True,
-                  answer=CaptureAnswer),
+                  answer=CaptureAnswer, probed=CaptureProbeAnswer),
     "regenerate": Op({"in_flight": None, "request_timeout": None, "max_new_tokens": None, "temperature": None},
-                     [AGENT_NOW], streamed=True, answer=StreamedAnswer),
+                     [AGENT_NOW], streamed=True, answer=StreamedAnswer, probed=RegenerateProbeAnswer),
     "drafter_deploy": Op({"drafter": None, "host_name": None}, _CHANGES, answer=DrafterDeployAnswer),
     "drafter_finalize": Op({"acceptance": None}, [AGENT], answer=DrafterFinalizeAnswer),
     "drafter_rollback": Op({"to": None, "reason": None, "host_name": None}, _CHANGES, answer=DrafterRollbackAnswer),
@@ -266,7 +268,9 @@ class Answer(Record):
 EVENTS = {
     "heartbeat": ("step", "pid", "path", "elapsed", "last", "sent"),
     "step": ("step", "op", "ended", "failed", "reason", "details"),  # failed: the step in hand failed (reason, details)
-    "probed": ("facts", "error"),  # apply with `gate`: the preflight's probe answer (or its failure), before the go
+    # apply with `gate`: the preflight's probe answer (or its failure), before the go; an op with `probed`
+    # (capture, regenerate): its own probe's answer, before its first work item
+    "probed": ("facts", "error"),
     "lock_broken": ("holder",),
     "undo_pending": ("series", "run_id"),
     "recovered": ("op", "run_id", "action", "files"),

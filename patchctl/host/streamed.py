@@ -28,8 +28,23 @@ class Streamed(object):
         """Work on one sample until its event is sent (or hand it back)."""
         raise NotImplementedError
 
+    def _first(self):
+        """The first sample, read here before any thread starts, or None when the stream ends without one (the
+        controller refused the run after the probes, stopped it, or had no work for this host). An op that
+        creates anything on the host does so only once this returns a sample: that is the go."""
+        try:
+            while True:
+                line = self.stdin.readline()
+                if not line:
+                    return None
+                if line.strip():
+                    return json.loads(line.decode("utf-8"))
+        except (OSError, ValueError):
+            return None  # a broken stream is the controller gone: nothing started, nothing to finish
+
     def _run_workers(self, name):
-        """Reader and workers, until the stream ends and every sample is answered, or the controller is gone."""
+        """Reader and workers, until the stream ends and every sample is answered, or the controller is gone
+        (a sample `_first` read is already in `work`)."""
         reader = threading.Thread(target=self._read, name=name + "-stdin")
         reader.daemon = True  # blocked on stdin when the op ends: the process exit ends it
         reader.start()

@@ -3,6 +3,11 @@ share: work items routed over the taking-part hosts, one long-running agent op p
 connection, fed on stdin as it finishes them (at most PREFETCH x --in-flight outstanding: a faster server
 finishes more and so is fed more), every result journalled (journal.py), progress and summary.
 
+One agent start per host: `start_hosts` starts the op on every unit's head before the run's checks; each
+agent first answers the op's own probe (a `probed` event: does this host take part, with what) and then
+waits for its first work item. The command checks the answers (and refuses the run, `end_hosts`: the
+streams closed unsent, every op ends having created nothing), then `run_job` feeds the same ops.
+
 Fates of a sample: done (verified on its host); failed once -> retried on another host; failed twice
 -> recorded failed; returned (its host's server died, its host was lost, its disk reserve was reached)
 -> back to the queue, no attempt counted. A job is resumed by running the same command again: the
@@ -29,6 +34,7 @@ from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
 from patchctl.core.options import CaptureOptions
 from patchctl.core.session import Run, host_error
+from patchctl.host.protocol import OPS, ProtocolError
 
 ATTEMPTS = 2  # a sample whose dump fails validation is retried once, on another host where there is one
 PREFETCH = 2  # samples outstanding per host, as a multiple of --in-flight: its queue never runs dry
@@ -45,8 +51,9 @@ class Item:
 class Lane:
     """One taking-part host (a unit's head): its stream of samples and what it holds."""
     host: Host
-    info: dict
+    info: dict  # its op's probe answer
     stream: "Stream | None" = None
+    op: "HostOp | None" = None  # its agent's op, started by start_hosts
     outstanding: dict[str, Item] = field(default_factory=dict)
     active: bool = True
     closed: bool = False
@@ -92,6 +99,134 @@ class Stream:
                 chunk = b"".join(self._items)
                 self._items.clear()
             yield chunk
+
+
+class HostOp:
+    """One unit head's long-running agent op (`capture` or `regenerate`), started before the run's checks
+    (`start_hosts`). Its agent answers the op's probe first (a `probed` event, checked against the op's
+    `probed` type in protocol.OPS) and then waits on stdin for its first work item; once the job runs, its
+    other events go to the job (`on_event`). `answered` is set at the probe's answer (or the op's end
+    without one); `ended` when the command ended (`result` or `failure`)."""
+
+    def __init__(self, run: Run, host: Host, request: dict, slots: threading.Semaphore | None = None):
+        self.run, self.host, self.request = run, host, request
+        self.stream = Stream()
+        self.facts: dict | None = None  # the probe's answer
+        self.error: PatchctlError | None = None  # the probe's answer was out of protocol
+        self.result: dict | None = None
+        self.failure: BaseException | None = None
+        self.on_event = None  # the job's, once it feeds this host
+        self.answered = threading.Event()
+        self.ended = threading.Event()
+        self._slots = slots  # --forks: hosts probed at once
+        self._slot_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"{request['op']} {host.name}", daemon=True)
+
+    def start(self) -> "HostOp":
+        self._thread.start()
+        return self
+
+    def _free_slot(self) -> None:
+        with self._slot_lock:
+            if self._slots is not None:
+                self._slots.release()
+                self._slots = None
+
+    def _run(self) -> None:
+        try:
+            if self._slots is not None:
+                self._slots.acquire()
+            self.result = remote.call(self.run.session(self.host).transport, self.request, on_event=self._event,
+                                      silence=self.run.silence, stream=self.stream)
+        except BaseException as e:  # noqa: BLE001 - the command reads it (start_hosts, the job's drive)
+            self.failure = e
+        finally:
+            self.stream.close()
+            self._free_slot()
+            self.ended.set()
+            self.answered.set()
+
+    def _event(self, ev: dict) -> None:
+        if ev.get("event") == "probed" and not self.answered.is_set():
+            try:
+                if ev.get("error"):
+                    err = ev["error"]
+                    raise remote.AgentFailure(err.get("kind") or "attention", err.get("message") or "probe failed")
+                OPS[self.request["op"]].probed.from_wire(ev.get("facts") or {})
+                self.facts = ev.get("facts") or {}
+            except ProtocolError as e:
+                self.error = remote.AgentLost(f"the agent on {self.host.name} answered its probe out of protocol ({e})")
+            except PatchctlError as e:
+                self.error = e
+            if not (self.facts or {}).get("ready"):
+                self.stream.close()  # it takes no part: its op ends now
+            self._free_slot()
+            self.answered.set()
+            return
+        handler = self.on_event
+        if handler is not None:
+            handler(ev)
+
+    def why_not(self) -> str | None:
+        """Why this host does not take part (its probe's reason, or how its op failed), or None when it does."""
+        if self.facts is not None and self.facts.get("ready"):
+            return None
+        if self.facts is not None:
+            return self.facts.get("why") or "not ready"
+        e = self.error or self.failure
+        if isinstance(e, PatchctlError):
+            return host_error(e)[1]
+        if e is not None:
+            return f"{e.__class__.__name__}: {e}"
+        return "its agent answered no probe"
+
+    def wait(self) -> dict:
+        """The op's answer, or its failure raised."""
+        self.ended.wait()
+        if self.failure is not None:
+            raise self.failure
+        return self.result
+
+
+def start_hosts(run: Run, request_of) -> tuple[list[Lane], dict[str, str], list[str]]:
+    """The op (`request_of(session)`: its request) started on every unit's head, each answering its probe
+    first (at most --forks probing at once); once every head answered: (the taking-part hosts as lanes,
+    their ops waiting for work; {host: why it does not take part}; the hosts whose server is down).
+    Interrupted, every op started is ended (nothing sent, nothing created)."""
+    slots = threading.BoundedSemaphore(max(1, run.forks))
+    ops: list[HostOp] = []
+    try:
+        for u in run.units():
+            ops.append(HostOp(run, u[0], request_of(run.session(u[0])), slots).start())
+        for op in ops:
+            while not op.answered.wait(0.2):  # in short waits: ^C lands here
+                pass
+    except BaseException:
+        end_hosts(run, ops)
+        raise
+    lanes, skipped, down = [], {}, []
+    for op in ops:
+        why = op.why_not()
+        if why is None:
+            lanes.append(Lane(op.host, op.facts, stream=op.stream, op=op))
+        else:
+            skipped[op.host.name] = why
+            if (op.facts or {}).get("server_down"):
+                down.append(op.host.name)
+    return lanes, skipped, down
+
+
+def end_hosts(run: Run, items) -> None:
+    """End these ops (HostOps or lanes) unsent: their streams close, each agent ends having created nothing;
+    waited for up to the connect timeout (what is still running then goes with the run's sessions)."""
+    ops = [getattr(x, "op", x) for x in items]
+    for op in ops:
+        if op is not None:
+            op.stream.close()
+    deadline = time.monotonic() + run.connect_timeout
+    for op in ops:
+        if op is not None:
+            op.ended.wait(max(0.0, deadline - time.monotonic()))
 
 
 def default_name(path) -> str:
@@ -152,11 +287,13 @@ class CaptureRun:
         return {"rec": "done", "id": sid, "host": lane.host.name, "path": ev["path"], "sha256": ev["sha256"],
                 "bytes": ev["bytes"], "tokens": ev["tokens"]}
 
-    def host_request(self, s) -> dict:
-        """The long-running agent op each taking-part host runs (s: its HostSession)."""
+    @classmethod
+    def host_request(cls, opts: CaptureOptions, name: str, s) -> dict:
+        """The long-running agent op each unit's head runs (s: its HostSession), started before the run's
+        checks (start_hosts): its probe, then the work."""
         host = s.host
-        return s.request("capture", capture_run=self.name, in_flight=self.opts.in_flight, keep_free=self.opts.keep_free,
-                         request_timeout=self.opts.request_timeout, capture_layers=host.server.capture_layers,
+        return s.request("capture", capture_run=name, in_flight=opts.in_flight, keep_free=opts.keep_free,
+                         request_timeout=opts.request_timeout, capture_layers=host.server.capture_layers,
                          hidden_size=host.server.hidden_size,
                          # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
                          pool_from_bytes=int(os.environ.get("PATCHCTL_CAPTURE_POOL_FROM_BYTES") or 0) or None)
@@ -252,11 +389,9 @@ class CaptureRun:
 
     # one host ------------------------------------------------------------------------------------
     def drive(self, lane: Lane) -> None:
-        s = self.run.session(lane.host)
-        req = self.host_request(s)
+        """Until the host's op (started by start_hosts, fed from go) ends: its end accounted."""
         try:
-            lane.result = remote.call(s.transport, req, on_event=lambda ev: self.on_event(lane, ev),
-                                      silence=self.run.silence, stream=lane.stream)
+            lane.result = lane.op.wait()
         except PatchctlError as e:
             outcome, msg = host_error(e)
             with self.lock:
@@ -278,7 +413,10 @@ class CaptureRun:
         self.max_fail = parse_max_fail(self.opts.max_fail, len(lanes))  # of the taking-part hosts
         self.pending.extend(Item(s) for s in todo)
         self.running = len(lanes)
-        threads = [threading.Thread(target=self.drive, args=(l,), name=f"capture {l.host.name}", daemon=True) for l in lanes]
+        for l in lanes:  # the ops run already (start_hosts); from now on their events are the job's
+            l.started = time.monotonic()
+            l.op.on_event = (lambda lane: lambda ev: self.on_event(lane, ev))(l)
+        threads = [threading.Thread(target=self.drive, args=(l,), name=f"drive {l.host.name}", daemon=True) for l in lanes]
         with self.lock:
             self._fill_all()
         for t in threads:
@@ -308,8 +446,9 @@ def restart_hint(app: App, down: list[str]) -> str:
 
 def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
             skipped: dict[str, str], down: list[str], job: type = None, tokenizer_check: dict | None = None) -> int:
-    """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass);
-    `tokenizer_check`: what check_tokenizer made of the dataset, for the summary."""
+    """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass) on the
+    lanes start_hosts gave (their ops wait for work); `tokenizer_check`: what check_tokenizer made of the
+    dataset, for the summary."""
     journal = Journal(directory)
     done = journal.state().done
     todo = [s for s in ds.samples if s.id not in done]
@@ -324,13 +463,13 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
                     "command": cr.resume_command()})
     if resumed:
         app.info(progress.resuming(name, resumed, len(todo)))
-    for l in lanes:
-        l.stream = Stream()
     interrupted = False
     with progress:
         try:
             if todo:
                 cr.go(lanes, todo)
+            else:  # nothing left: the ops end unsent
+                end_hosts(run, lanes)
         except KeyboardInterrupt:
             interrupted = True
     final = journal.state()

@@ -29,13 +29,13 @@ from patchctl.commands.capture.journal import (Journal, RunState, captures_root,
                                                status_table, tally, write_run_info)
 from patchctl.commands.capture.messages import content_problem, role_of
 from patchctl.commands.capture.progress import Progress, eta
-from patchctl.commands.capture.fleetjob import CaptureRun, Lane, default_name, run_job
+from patchctl.commands.capture.fleetjob import CaptureRun, Lane, default_name, end_hosts, run_job, start_hosts
 from patchctl.core.console import table
-from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import write_atomic
 from patchctl.core.options import CaptureOptions
 from patchctl.core.report import private_dir
-from patchctl.core.session import Run, host_error
+from patchctl.core.session import Run
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "tool": "tool"}
@@ -244,10 +244,10 @@ class RegenerateRun(CaptureRun):
     def done_record(self, lane: Lane, sid: str, ev: dict) -> dict:
         return {"rec": "done", "id": sid, "host": lane.host.name, "turns": ev["turns"], "tokens": ev["tokens"]}
 
-    def host_request(self, s) -> dict:
-        a = self.opts
-        return s.request("regenerate", in_flight=a.in_flight, request_timeout=a.request_timeout,
-                         max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+    @classmethod
+    def host_request(cls, opts: CaptureOptions, name: str, s) -> dict:
+        return s.request("regenerate", in_flight=opts.in_flight, request_timeout=opts.request_timeout,
+                         max_new_tokens=opts.max_new_tokens, temperature=opts.temperature)
 
     def resume_command(self) -> str:
         a = self.opts
@@ -266,22 +266,6 @@ class RegenerateRun(CaptureRun):
 def regen_dir(name: str, create: bool = False) -> Path:
     root = captures_root().parent / "regenerations"
     return private_dir(root, check_run_name(name), tighten_root=True) if create else root / name
-
-
-def _probe(run: Run) -> tuple[list[Lane], dict[str, str]]:
-    def one(h):
-        try:
-            return h, run.session(h).call("regenerate_probe"), None
-        except PatchctlError as e:
-            return h, None, host_error(e)[1]
-
-    lanes, skipped = [], {}
-    for h, r, err in run.parallel(one, [u[0] for u in run.units()]):
-        if err or not r["ready"]:
-            skipped[h.name] = err or r["why"]
-        else:
-            lanes.append(Lane(h, r))
-    return lanes, skipped
 
 
 def run_regenerate(app, opts: CaptureOptions) -> int:
@@ -306,24 +290,30 @@ def run_regenerate(app, opts: CaptureOptions) -> int:
     opts = dataclasses.replace(opts, out=out)  # as resolved: the output and the resume command name this path
     run = Run(app, opts, "capture regenerate")
     try:
-        lanes, skipped = _probe(run)
-        for host, why in skipped.items():
-            app.info(f"{host}: does not take part: {why}")
-        if not lanes:
-            raise BadInput("no host takes part in the regeneration (each needs its server running and healthy): nothing sent")
-        models = {(l.info.get("tokenizer") or {}).get("digest") or l.info.get("model_path") for l in lanes}
-        if len(models) > 1:
-            raise BadInput("the taking-part servers serve different models (tokenizers: " + "; ".join(
-                f"{l.host.name} {(l.info.get('tokenizer') or {}).get('digest') or l.info.get('model_path')}" for l in lanes)
-                + "): regenerate against one model (--limit): nothing sent")
-        directory = regen_dir(name, create=True)
-        info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "out": str(out),
-                          "conversations": {"path": str(src.path), "sha256": src.sha256, "count": len(src.samples)},
-                          "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature,
-                          "hosts": {l.host.name: {"model_path": l.info.get("model_path"),
-                                                  "tokenizer": l.info.get("tokenizer")} for l in lanes}}
-        write_run_info(directory, info)
-        return run_job(app, opts, run, name, "", src, directory, lanes, skipped, [], job=RegenerateRun)
+        # one agent per unit head: its regenerate op answers the probe, then waits for the first conversation
+        lanes, skipped, down = start_hosts(run, lambda s: RegenerateRun.host_request(opts, name, s))
+        try:
+            for host, why in skipped.items():
+                app.info(f"{host}: does not take part: {why}")
+            if not lanes:
+                raise BadInput("no host takes part in the regeneration (each needs its server running and healthy): "
+                               "nothing sent")
+            models = {(l.info.get("tokenizer") or {}).get("digest") or l.info.get("model_path") for l in lanes}
+            if len(models) > 1:
+                raise BadInput("the taking-part servers serve different models (tokenizers: " + "; ".join(
+                    f"{l.host.name} {(l.info.get('tokenizer') or {}).get('digest') or l.info.get('model_path')}"
+                    for l in lanes) + "): regenerate against one model (--limit): nothing sent")
+            directory = regen_dir(name, create=True)
+            info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "out": str(out),
+                              "conversations": {"path": str(src.path), "sha256": src.sha256, "count": len(src.samples)},
+                              "max_new_tokens": opts.max_new_tokens, "temperature": opts.temperature,
+                              "hosts": {l.host.name: {"model_path": l.info.get("model_path"),
+                                                      "tokenizer": l.info.get("tokenizer")} for l in lanes}}
+            write_run_info(directory, info)
+        except BaseException:  # refused (or interrupted) before anything was sent: every op ends unsent
+            end_hosts(run, lanes)
+            raise
+        return run_job(app, opts, run, name, "", src, directory, lanes, skipped, down, job=RegenerateRun)
     finally:
         run.close()
 

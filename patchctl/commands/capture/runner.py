@@ -1,10 +1,11 @@
 """`patchctl capture run`: every sample of a dataset through the fleet's verified capture servers, once.
 
-    validate the dataset (nothing sent on bad input) -> probe each unit's head (a verified capture
-    series, its server, the model's facts) -> check the dataset against the models -> one long-running
-    agent op per taking-part host over its SSH connection, fed samples on stdin as it finishes them
-    (at most 2 x --in-flight outstanding: a faster server finishes more and so is fed more) -> every
-    result journalled (journal.py) -> summary.
+    validate the dataset (nothing sent on bad input) -> one long-running agent op (`capture`) started on
+    each unit's head over its SSH connection, which first answers its probe (a verified capture series,
+    its server, the model's facts) and waits -> the answers checked against each other and the dataset
+    (refused: every op ends unsent, nothing created on any host) -> the taking-part hosts' ops fed samples
+    on stdin as they finish them (at most 2 x --in-flight outstanding: a faster server finishes more and
+    so is fed more) -> every result journalled (journal.py) -> summary. One agent start per host.
 
 Fates of a sample: done (verified on its host); failed once -> retried on another host; failed twice
 -> recorded failed; returned (its host's server died, its host was lost, its disk reserve was reached)
@@ -20,35 +21,14 @@ import time
 
 from patchctl.commands.capture import dataset as datasets
 from patchctl.commands.capture import provenance
-from patchctl.commands.capture.fleetjob import Lane, default_name, restart_hint, run_job
+from patchctl.commands.capture.fleetjob import (CaptureRun, Lane, default_name, end_hosts, restart_hint, run_job,
+                                                start_hosts)
 from patchctl.commands.capture.journal import check_run_name, run_dir, write_run_info
 from patchctl.core.console import App
-from patchctl.core.errors import BadInput, PatchctlError
+from patchctl.core.errors import BadInput
 from patchctl.host.capture import run_prefix
-from patchctl.core.inventory import Host
 from patchctl.core.options import CaptureOptions
-from patchctl.core.session import Run, host_error
-
-
-def _probe(run: Run, units: list[list[Host]]) -> tuple[list[Lane], dict[str, str], list[str]]:
-    """Each unit's head says whether it takes part; (lanes, {host: why not}, hosts whose server is down)."""
-    def one(h: Host):
-        try:
-            r = run.session(h).call("capture_probe", capture_layers=h.server.capture_layers,
-                                    hidden_size=h.server.hidden_size)
-            return h, r, None
-        except PatchctlError as e:
-            return h, None, host_error(e)[1]
-
-    lanes, skipped, down = [], {}, []
-    for h, r, err in run.parallel(one, [u[0] for u in units]):
-        if err or not r["ready"]:
-            skipped[h.name] = err or r["why"]
-            if r and r.get("server_down"):
-                down.append(h.name)
-        else:
-            lanes.append(Lane(h, r))
-    return lanes, skipped, down
+from patchctl.core.session import Run
 
 
 def run_capture(app: App, opts: CaptureOptions) -> int:
@@ -64,36 +44,49 @@ def run_capture(app: App, opts: CaptureOptions) -> int:
                        f"{before['dataset']['sha256'][:12]}…); {opts.dataset} differs: resume with that file, or "
                        f"start another run with --name")
     try:
-        lanes, skipped, down = _probe(run, run.units())
-        for host, why in skipped.items():
-            app.info(f"{host}: does not take part: {why}"
-                     + (f"; bring its server back: {restart_hint(app, [host])}" if host in down else ""))
-        if not lanes:
-            raise BadInput("no host takes part in the capture (each needs a capture series deployed and verified, "
-                           "its server running): nothing sent"
-                           + (f"; servers down on {', '.join(down)}: {restart_hint(app, down)}" if down else ""))
-        prefixes = {run_prefix(l.info["rid_prefix"], name) for l in lanes}
-        if len(prefixes) > 1 or (before and before["prefix"] not in prefixes):
-            raise BadInput(f"the taking-part hosts' series dump different rid prefixes ({', '.join(sorted(prefixes))}"
-                           + (f"; the run was started with {before['prefix']}" if before else "") +
-                           "): one run needs one prefix (SGLANG_HIDDEN_DUMP_RID_PREFIX): nothing sent")
-        prefix = prefixes.pop()
-        app.info(datasets.check_against_model(ds, {l.host.name: l.info for l in lanes},
-                                              length_check=not opts.no_length_check))
-        tokenizer_check = provenance.check_tokenizer(ds.path, ds.sha256, {l.host.name: l.info.get("tokenizer") for l in lanes},
-                                                     opts.allow_tokenizer_mismatch, app.info)
-        directory = run_dir(name, create=True)
-        info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                          "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}
-        for l in lanes:
-            info["hosts"][l.host.name] = dict({k: l.info.get(k) for k in (
-                "model_path", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
-                "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect",
-                "model_config", "special_tokens")},
-                run_dir=f"{l.info['dump_dir']}/captures/{name}")
-        info["tokenizer_check"] = tokenizer_check  # this invocation's (a resume may be checked otherwise)
-        write_run_info(directory, info)
+        # one agent per unit head: its capture op answers the probe, then waits for the first sample
+        lanes, skipped, down = start_hosts(run, lambda s: CaptureRun.host_request(opts, name, s))
+        try:
+            prefix, directory, tokenizer_check = _check(app, opts, name, ds, before, lanes, skipped, down)
+        except BaseException:  # refused (or interrupted) before anything was sent: every op ends, nothing created
+            end_hosts(run, lanes)
+            raise
         return run_job(app, opts, run, name, prefix, ds, directory, lanes, skipped, down,
                        tokenizer_check=tokenizer_check)
     finally:
         run.close()
+
+
+def _check(app: App, opts: CaptureOptions, name: str, ds, before: dict | None, lanes: list[Lane],
+           skipped: dict[str, str], down: list[str]) -> tuple[str, object, dict | None]:
+    """The hosts' probe answers checked against each other, the dataset and the run so far (BadInput: exit 2,
+    nothing sent); then the run's directory and run.json. (the run's rid prefix, its directory, the tokenizer check)"""
+    for host, why in skipped.items():
+        app.info(f"{host}: does not take part: {why}"
+                 + (f"; bring its server back: {restart_hint(app, [host])}" if host in down else ""))
+    if not lanes:
+        raise BadInput("no host takes part in the capture (each needs a capture series deployed and verified, "
+                       "its server running): nothing sent"
+                       + (f"; servers down on {', '.join(down)}: {restart_hint(app, down)}" if down else ""))
+    prefixes = {run_prefix(l.info["rid_prefix"], name) for l in lanes}
+    if len(prefixes) > 1 or (before and before["prefix"] not in prefixes):
+        raise BadInput(f"the taking-part hosts' series dump different rid prefixes ({', '.join(sorted(prefixes))}"
+                       + (f"; the run was started with {before['prefix']}" if before else "") +
+                       "): one run needs one prefix (SGLANG_HIDDEN_DUMP_RID_PREFIX): nothing sent")
+    prefix = prefixes.pop()
+    app.info(datasets.check_against_model(ds, {l.host.name: l.info for l in lanes},
+                                          length_check=not opts.no_length_check))
+    tokenizer_check = provenance.check_tokenizer(ds.path, ds.sha256, {l.host.name: l.info.get("tokenizer") for l in lanes},
+                                                 opts.allow_tokenizer_mismatch, app.info)
+    directory = run_dir(name, create=True)
+    info = before or {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "dataset": datasets.dataset_info(ds), "prefix": prefix, "hosts": {}}
+    for l in lanes:
+        info["hosts"][l.host.name] = dict({k: l.info.get(k) for k in (
+            "model_path", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
+            "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect",
+            "model_config", "special_tokens")},
+            run_dir=f"{l.info['dump_dir']}/captures/{name}")
+    info["tokenizer_check"] = tokenizer_check  # this invocation's (a resume may be checked otherwise)
+    write_run_info(directory, info)
+    return prefix, directory, tokenizer_check
