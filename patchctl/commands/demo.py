@@ -251,6 +251,14 @@ def main() -> int:
         return 2
     d = DemoHost.from_inventory()
     setup(d)
+    from patchctl.host.drafter import read_record
+
+    if read_record(str(d.state)):  # an earlier demo's step 8 left its drafter serving: a server never captures and drafts
+        say("0. an earlier demo left its trained drafter serving on the demo host: taken away first")
+        rc = patchctl("drafter", "rollback", "--to", "none", "--limit", "local")
+        if rc != 0:
+            print(f"drafter rollback failed with exit {rc}")
+            return rc
     say("1. the series and what apply would do")
     patchctl("series")
     patchctl("plan", "hidden-dump", "--limit", "local")
