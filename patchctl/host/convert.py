@@ -211,7 +211,7 @@ class Converter(object):
         t0 = time.time()
         pool = _pool(self.workers)
         # the workers leave their files' fsync to these threads and go on to their next dump: each worker's
-        # CPU phases and the disk's flushes overlap (one fsync in flight per worker at most, on average)
+        # CPU phases and the disk's flushes overlap (as many fsyncs in flight as workers, at most)
         syncer = ThreadPoolExecutor(self.workers) if pool is not None else None
         pending = {}  # future -> (item, rel, partial): conversions in the workers, then their fsyncs here
         try:
