@@ -100,34 +100,19 @@ def read_dump(fd, size):
     return view[:got]
 
 
-class Digest(object):
-    """The sha256 of a whole buffer, computed on a thread of its own (OVERLAP) while the caller converts it:
-    hashlib releases the GIL. `hexdigest()` waits for it; call it before the buffer may change."""
+class Digest(_Hasher):
+    """The sha256 of a whole buffer, computed on the helper thread (OVERLAP) while the caller converts it.
+    `hexdigest()` waits for it and ends the helper; call it before the buffer may change."""
 
     def __init__(self, view):
-        self.h = hashlib.sha256()
-        self.error = None
-        self.thread = None
-        if OVERLAP:
-            self.thread = threading.Thread(target=self._run, args=(view,), name="ckpt-digest")
-            self.thread.daemon = True
-            self.thread.start()
-        else:
-            self.h.update(view)
-
-    def _run(self, view):
-        try:
-            self.h.update(view)
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            self.error = e
+        _Hasher.__init__(self)
+        self.feed(view)
 
     def hexdigest(self):
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            raise self.error
-        return self.h.hexdigest()
+        try:
+            return _Hasher.hexdigest(self)
+        finally:
+            self.close()
 
 
 def _pread_into(fd, view, offset):
