@@ -585,7 +585,7 @@ def test_collect_from_a_local_host_and_through_sudo(tmp_path, become):
     rundir.mkdir(parents=True)
     ds = tmp_path / "d.jsonl"
     ds.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": list(range(4 + i))}) + "\n" for i in range(3)))
-    write_run_info(rundir, {"name": "loc", "prefix": "patchctl-cap-loc-", "dataset": {
+    write_run_info(rundir, {"name": "loc", "prefix": "patchctl-cap-loc", "dataset": {
         "path": str(ds), "sha256": hashlib.sha256(ds.read_bytes()).hexdigest(), "samples": 3, "tokens": 15,
         "loss_mask": False}, "hosts": {"here": {"model_path": "/m", "hidden_size": 8}}})
     j = Journal(rundir)

@@ -72,7 +72,7 @@ class SharedRun:
         j.close()
         ds = base / "d.jsonl"
         ds.write_text("".join(lines))
-        write_run_info(rundir, {"name": "sh", "prefix": "patchctl-cap-sh-", "dataset": {
+        write_run_info(rundir, {"name": "sh", "prefix": "patchctl-cap-sh", "dataset": {
             "path": str(ds), "sha256": hashlib.sha256(ds.read_bytes()).hexdigest(), "samples": len(lines),
             "tokens": sum(r["tokens"] for r in self.journal.values()), "loss_mask": False}, "hosts": facts})
         self.inventory = base / "inventory.toml"

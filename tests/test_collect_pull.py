@@ -62,7 +62,7 @@ def lay_run(f, name: str, sizes: list[int], state: Path | None = None) -> dict:
     rundir.mkdir(parents=True)
     ds = f.base / f"{name}.jsonl"
     ds.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": [1]}) + "\n" for i in range(len(sizes))))
-    write_run_info(rundir, {"name": name, "prefix": f"patchctl-cap-{name}-", "dataset": {
+    write_run_info(rundir, {"name": name, "prefix": f"patchctl-cap-{name}", "dataset": {
         "path": str(ds), "sha256": hashlib.sha256(ds.read_bytes()).hexdigest(), "samples": len(sizes),
         "tokens": len(sizes), "loss_mask": False}, "hosts": {h.name: {}}})
     j = Journal(rundir)

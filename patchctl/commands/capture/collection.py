@@ -228,7 +228,8 @@ def prepare_to(out: Path, name: str, fmt: str, st: RunState) -> dict[str, dict]:
 def run_dataset(info: dict):
     """The run's dataset, for its loss masks; None when it has none (every mask all ones)."""
     if (info.get("dataset") or {}).get("loss_mask"):
-        return open_run_dataset(info["dataset"], info.get("prefix") or "")
+        # the rids were "<prefix>-<id>" (fleetjob.work_line): file names judged as the runner judged them
+        return open_run_dataset(info["dataset"], f"{info['prefix']}-" if info.get("prefix") else "")
     return None
 
 
