@@ -28,17 +28,18 @@ class Streamed(object):
         """Work on one sample until its event is sent (or hand it back)."""
         raise NotImplementedError
 
+    def _samples(self):
+        """The samples on stdin, one JSON line each, blank lines skipped (OSError, ValueError: a broken stream)."""
+        for line in self.stdin:
+            if line.strip():
+                yield json.loads(line.decode("utf-8"))
+
     def _first(self):
         """The first sample, read here before any thread starts, or None when the stream ends without one (the
         controller refused the run after the probes, stopped it, or had no work for this host). An op that
         creates anything on the host does so only once this returns a sample: that is the go."""
         try:
-            while True:
-                line = self.stdin.readline()
-                if not line:
-                    return None
-                if line.strip():
-                    return json.loads(line.decode("utf-8"))
+            return next(self._samples(), None)
         except (OSError, ValueError):
             return None  # a broken stream is the controller gone: nothing started, nothing to finish
 
@@ -61,10 +62,7 @@ class Streamed(object):
 
     def _read(self):
         try:
-            for line in self.stdin:
-                if not line.strip():
-                    continue
-                sample = json.loads(line.decode("utf-8"))
+            for sample in self._samples():
                 with self.lock:
                     self.work.append(sample)
                     self.work_ready.notify()
