@@ -514,9 +514,19 @@ def main(argv: list[str] | None = None) -> int:
         verbose=args.verbose,
         command_prefix=_command_prefix(args),
     )
+    return dispatch(app, args)
+
+
+def command_key(args: argparse.Namespace) -> str:
+    """The COMMANDS key of parsed arguments: `apply`, `capture run`, ..."""
     nested = {"capture": "capture_command", "drafter": "drafter_command"}.get(args.command)
-    key = f"{args.command} {getattr(args, nested)}" if nested else args.command
-    module, func, opts_cls = COMMANDS[key]
+    return f"{args.command} {getattr(args, nested)}" if nested else args.command
+
+
+def dispatch(app: App, args: argparse.Namespace) -> int:
+    """Run the command of parsed arguments: its module's function, errors mapped to exit codes and said on
+    stderr. The CLI's `main` and patchctl.fabric's tasks both come here."""
+    module, func, opts_cls = COMMANDS[command_key(args)]
     try:
         return int(getattr(importlib.import_module(module), func)(app, options(opts_cls, args) if opts_cls else args) or 0)
     except PatchctlError as e:

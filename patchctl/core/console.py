@@ -38,6 +38,9 @@ class App:
     out: Console = field(default_factory=lambda: make_console(sys.stdout))
     err: Console = field(default_factory=lambda: make_console(sys.stderr, highlight=False))
     masker: Masker = field(default_factory=Masker)  # env values kept out of every output and log
+    # the inventory already loaded (patchctl.fabric: the file's hosts and `fab -H`'s); None: a fleet command's
+    # Run reads the file at inventory_path
+    inventory: object = None
 
     def cmd(self, *words: str) -> str:
         """A patchctl command line the user can paste (same inventory and patches as this run)."""

@@ -296,12 +296,24 @@ def find_inventory(environ=None) -> tuple[Path, str]:
                    f"at {user} (an example with the demo host: {shipped})")
 
 
-def load_inventory(path: Path) -> Inventory:
-    """The inventory at `path`, every key checked: a bad one is BadInput naming its file and line."""
-    path = Path(path)
-    text, data = _read_toml(path)
+def load_inventory(path: Path | None, extra_hosts: dict[str, dict] | None = None) -> Inventory:
+    """The inventory at `path`, every key checked: a bad one is BadInput naming its file and line.
+    `extra_hosts`: host tables (name -> the keys a [hosts.NAME] table takes), checked as the file's own and over
+    its [defaults]: a host the file has gets these keys over its table's, another one is added after the
+    file's hosts (patchctl.fabric: the settings of a `fab -H` Connection); `path` None: no file (built-in
+    defaults)."""
+    if path is None:
+        path, text, data = Path("<no inventory>"), "", {}
+    else:
+        path = Path(path)
+        text, data = _read_toml(path)
     L = _Loader(path, text)
     L.check_keys(data, _TOP_KEYS, ())
+    if extra_hosts:
+        hosts = dict(L.want_table(data.get("hosts", {}), ("hosts",)))
+        for name, table in extra_hosts.items():
+            hosts[name] = {**L.want_table(hosts.get(name, {}), ("hosts", name)), **table}
+        data = dict(data, hosts=hosts)
 
     # [defaults] and [defaults.server] -----------------------------------------------------------
     defaults = L.want_table(data.get("defaults", {}), ("defaults",))

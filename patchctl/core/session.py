@@ -257,7 +257,7 @@ class Run:
         self.app = app
         self.opts = opts
         self.command = command
-        self.inventory: Inventory = load_inventory(app.inventory_path)
+        self.inventory: Inventory = app.inventory if app.inventory is not None else load_inventory(app.inventory_path)
         app.masker = Masker.from_inventory(self.inventory, extra_public=public_env)
         self.hosts = self.inventory.select(opts.limit)
         if not self.hosts:
