@@ -107,7 +107,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return cli.build_parser().parse_args(argv)
+            return _PARSER.parse_args(argv)
     except SystemExit as e:
         lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("patchctl: ")]
         raise Exit("\n".join(lines) or None, code=e.code if isinstance(e.code, int) else EXIT_BAD_INPUT) from None
@@ -298,7 +298,7 @@ def _make_task(task: str, command: str) -> Task:
                for f in flags]
     body.__signature__ = inspect.Signature(params)
     *outer, last = command.split()
-    parent = _subparser(cli.build_parser(), outer)
+    parent = _subparser(_PARSER, outer)
     choices = next(a for a in parent._actions if isinstance(a, argparse._SubParsersAction))
     short = next(a.help for a in choices._choices_actions if a.dest == last)
     first, more = f"{short[:1].upper()}{short[1:]}.", choices.choices[last].description or ""
@@ -310,12 +310,8 @@ def _make_task(task: str, command: str) -> Task:
                 help={f.param: f.help for f in flags}, pre=[Task(open_batch)], post=[Task(run_batch)])
 
 
-def _all_flags() -> dict[str, list[Flag]]:
-    parser = cli.build_parser()
-    return {task: _flags(_subparser(parser, command.split())) for task, command in TASKS.items()}
-
-
-_FLAGS = _all_flags()
+_PARSER = cli.build_parser()  # the CLI's; built once (10 ms), read for every task's flags and help
+_FLAGS = {task: _flags(_subparser(_PARSER, command.split())) for task, command in TASKS.items()}
 _TASKS = {task: _make_task(task, command) for task, command in TASKS.items()}
 
 
