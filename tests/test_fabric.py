@@ -144,6 +144,8 @@ def test_bad_input_gets_the_clis_errors_and_exit_codes_nothing_touched(fleet2, f
     p = fab(f, fabdir, "-H", hosts(f), "apply", "--series", "no-such-series", *fab_flags(f))
     assert p.returncode == cli.returncode == 2, p.stdout + p.stderr
     assert patchctl_lines(p.stderr) == patchctl_lines(cli.stderr) != [], (p.stderr, cli.stderr)
+    p = fab(f, fabdir, "apply", "--series", "no-such-series", *fab_flags(f))  # no -H: the inventory's hosts
+    assert p.returncode == 2 and patchctl_lines(p.stderr) == patchctl_lines(cli.stderr), p.stderr
     # a bad value: the CLI parser's own refusal, one line, exit 2
     cli = f.patchctl("apply", "hidden-dump", "--canary", "two")
     p = fab(f, fabdir, "-H", hosts(f), "apply", "--series", "hidden-dump", "--canary", "two", *fab_flags(f))

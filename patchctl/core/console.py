@@ -41,6 +41,7 @@ class App:
     # the inventory already loaded (patchctl.fabric: the file's hosts and `fab -H`'s); None: a fleet command's
     # Run reads the file at inventory_path
     inventory: object = None
+    command_line: str | None = None  # what the lock holder and run log say ran (None: `patchctl` + argv)
 
     def cmd(self, *words: str) -> str:
         """A patchctl command line the user can paste (same inventory and patches as this run)."""

@@ -263,7 +263,7 @@ class Run:
         if not self.hosts:
             raise BadInput("no hosts selected", file=str(app.inventory_path))
         self.run_id = new_run_id()
-        self.holder = holder_info(self.run_id, " ".join(["patchctl"] + sys.argv[1:]))
+        self.holder = holder_info(self.run_id, app.command_line or " ".join(["patchctl"] + sys.argv[1:]))
         self.accept_new_host_keys = opts.accept_new_host_keys
         self.connect_timeout = env_seconds("PATCHCTL_CONNECT_TIMEOUT", 10.0)
         self.silence = env_seconds("PATCHCTL_SILENCE_S", 30.0)

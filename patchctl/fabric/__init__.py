@@ -233,7 +233,9 @@ def run_command(command: str, contexts: list, given: dict) -> int:
     task = next(t for t, c in TASKS.items() if c == command)
     args = _parse(_argv(command, _FLAGS[task], given))
     conns = [c for c in contexts if isinstance(c, Connection)]
-    app_kw = dict(patches_dir=args.patches or cli._default_patches_dir(), json=args.json, verbose=args.verbose)
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "fab"
+    app_kw = dict(patches_dir=args.patches or cli._default_patches_dir(), json=args.json, verbose=args.verbose,
+                  command_line=shlex.join(["fab" if program == "__main__.py" else program, *sys.argv[1:]]))
     if not conns:  # no -H: exactly the CLI
         app = App(inventory_path=args.inventory, command_prefix=cli._command_prefix(args), **app_kw)
         code = cli.dispatch(app, args)
