@@ -247,3 +247,27 @@ def test_recovery_commands_name_the_hosts_as_h_did_and_run_as_they_are_printed(t
                   ["capture", "run", "d"]):
         task = app.cmd(*words).split()[3]
         assert task in ns.task_names, task
+
+
+def test_a_gateway_connection_is_the_hosts_gateway_from_a_teams_own_code(fleet2, monkeypatch, capsys):
+    """fleet() from Python, the way a team's task calls it: host1 through a gateway Connection to host0
+    (`user@host:port`), with patchctl's own transport: one connection on each, strict host keys on both."""
+    from fabric import Connection
+    from invoke import Exit
+
+    from patchctl.fabric import fleet
+
+    f = fleet2
+    g, t = f.hosts[0].ssh, f.hosts[1].ssh
+    monkeypatch.setenv("XDG_STATE_HOME", str(f.base / "xdg-state"))
+    c0, c1 = g.count_connections(), t.count_connections()
+    via = Connection(t.name, gateway=Connection(f"root@{g.address}:{g.port}"))
+    assert fleet("status", [via], inventory=str(f.inventory), patches=str(f.patches), json=True) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert [(s["host"], s["state"]) for s in st] == [("host1", "clean")], st
+    assert (g.count_connections() - c0, t.count_connections() - c1) == (1, 1)
+    # a ProxyCommand string is not a gateway patchctl takes from Fabric: refused, exit 2, nothing reached
+    with pytest.raises(Exit) as e:
+        fleet("status", [Connection(t.name, gateway="nc %h %p")], inventory=str(f.inventory))
+    assert e.value.code == 2 and "ProxyCommand" in capsys.readouterr().err
+    assert (g.count_connections() - c0, t.count_connections() - c1) == (1, 1)
