@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,17 @@ def test_bad_input_gets_the_clis_errors_and_exit_codes_nothing_touched(fleet2, f
     assert p.returncode == cli.returncode != 0, (p.stdout + p.stderr, cli.stdout + cli.stderr)
     assert "dead (127.0.1.2:%d): cannot connect" % dead_port in p.stdout + p.stderr, p.stdout + p.stderr
     assert snapshot(f) == before
+    # a host that takes the TCP connection and never speaks SSH: Fabric's -t is the connect timeout, as the CLI's
+    # PATCHCTL_CONNECT_TIMEOUT (the message says which)
+    with socket.socket() as silent:
+        silent.bind(("127.0.1.2", 0))
+        silent.listen()
+        inv.write_text(f.inventory.read_text() + f'\n[hosts.dead]\naddress = "127.0.1.2"\nport = {silent.getsockname()[1]}\n')
+        cli = subprocess.run([sys.executable, "-m", "patchctl", *flags, "status", "--limit", "dead"],
+                             capture_output=True, text=True, env=f.env({"PATCHCTL_CONNECT_TIMEOUT": "2"}))
+        p = fab(f, fabdir, "-t", "2", "-H", "dead", "status", *flags)
+    assert p.returncode == cli.returncode == 3, (p.stdout + p.stderr, cli.stdout + cli.stderr)
+    assert "within 2s" in cli.stderr and "within 2s" in p.stderr, (p.stderr, cli.stderr)
     assert [(s["series"], s["lock"]) for s in status(f)] == [(None, None)] * 2
 
 

@@ -262,8 +262,9 @@ def run_command(command: str, contexts: list, given: dict) -> int:
 
 @contextlib.contextmanager
 def _connect_timeout(conns: list[Connection]):
-    """Fabric's connect timeout (-t, timeouts.connect) as PATCHCTL_CONNECT_TIMEOUT, where that is not set."""
-    t = conns[0].connect_timeout if conns else None
+    """Fabric's connect timeout (-t, connect_kwargs' timeout, timeouts.connect, ssh_config's ConnectTimeout) as
+    PATCHCTL_CONNECT_TIMEOUT for the run, where that is not set."""
+    t = (conns[0].connect_kwargs.get("timeout") or conns[0].connect_timeout) if conns else None
     if t is None or os.environ.get("PATCHCTL_CONNECT_TIMEOUT"):
         yield
         return
