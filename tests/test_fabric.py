@@ -206,6 +206,10 @@ def test_a_fab_host_outside_the_inventory_rides_on_its_connections_settings(flee
     st = json.loads(p.stdout)
     assert [(s["host"], s["state"]) for s in st] == [(h.ssh.address, "clean")], st
     assert f"inventory: {team / 'inventory.toml'} (from the current directory" in p.stderr
+    # the port from Fabric's own configuration (its FABRIC_ environment prefix) instead of the -H word
+    p = fab(f, team, "-H", h.ssh.address, "-i", str(h.ssh.identity_file), "status", "--json", "--patches",
+            str(f.patches), env={"FABRIC_PORT": str(h.ssh.port)})
+    assert p.returncode == 0 and json.loads(p.stdout)[0]["state"] == "clean", p.stdout + p.stderr
     # without the key (-i): patchctl's transport is the one connecting, with the Connection's settings only
     p = fab(f, team, "-H", word, "status", "--patches", str(f.patches), env={"HOME": str(tmp_path)})
     assert p.returncode == 3, p.stdout + p.stderr

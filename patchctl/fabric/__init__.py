@@ -117,13 +117,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _shorthand(conn: Connection) -> tuple[str, str, dict]:
     """(inventory name, the -H word, the host-table keys the Connection sets itself): its user and port where not
-    Fabric's defaults (the -H word's user@ and :port, a Connection's arguments, ~/.ssh/config's), -i's or
-    connect_kwargs' key, a gateway Connection from Fabric's config or arguments."""
+    Fabric's built-in defaults (the local user, 22): the -H word's user@ and :port, a Connection's arguments, the
+    `user`/`port` of Fabric's config files and FABRIC_* variables, ~/.ssh/config's; -i's or connect_kwargs' key;
+    a gateway Connection from Fabric's config or arguments."""
     name = conn.original_host
     table: dict = {}
-    if conn.user != conn.config.user:
+    if conn.user != getpass.getuser():
         table["user"] = conn.user
-    if conn.port != conn.config.port:
+    if int(conn.port) != 22:
         table["port"] = int(conn.port)
     keys = conn.connect_kwargs.get("key_filename")
     if isinstance(keys, (str, os.PathLike)):
