@@ -174,6 +174,10 @@ def server_cell(srv: dict) -> str:
 def config_change_words(cc: dict) -> str:
     """What server.config_change found, in a line: the command line before and after, the env names."""
     parts = []
+    if cc.get("container"):
+        c = cc["container"]
+        parts.append(f"container {c.get('name')!r} (id {(c.get('id') or '?')[:12]}) is not the one patchctl deployed "
+                     f"nor the one it replaced (recreated by hand?); it does not run the deployed tree")
     if cc.get("argv"):
         was, now = cc["argv"]
         parts.append(f"runs `{shlex.join(was)}`, the inventory says `{shlex.join(now)}`")

@@ -54,6 +54,7 @@ from .pull import pull_raw
 from .server import build_server_config, config_change, http_request, manager_for
 from .smoke import model_arch_of
 from .state import TreeState
+from .docker import Containers, is_container_manager
 from .tree import locate_tree, tree_version
 
 
@@ -101,7 +102,11 @@ class Agent(DeployOps):
     @property
     def tree(self):
         if self._tree is None:
-            root = locate_tree(self.req.get("sglang_root", "auto"))
+            srv = self.req.get("server") or {}
+            if is_container_manager(srv.get("manager")):  # patchctl's copy of the container's sglang/
+                root = Containers(self.state_dir, srv).tree(self.req.get("sglang_root", "auto"), self.read_only)
+            else:
+                root = locate_tree(self.req.get("sglang_root", "auto"))
             self._tree = TreeState(self.state_dir, root, create=not self.read_only)
         return self._tree
 
