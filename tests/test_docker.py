@@ -351,3 +351,75 @@ def test_docker_not_permitted_for_the_user_the_agent_runs_as(lonely):
     _refused(f, h, before, p, "may not use docker: permission denied", "become = \"sudo\"", "docker group")
     assert [p.name for p in state.iterdir()] in ([], ["agent.lock"])  # no tree copy, no record, no journal
     shutil.rmtree(state)
+
+
+# --- the rest of the product in containers: capture run, on-host collect, drafters ---------------------------
+
+def test_a_capture_run_and_an_on_host_collect_from_a_container_and_a_bare_host(df, tmp_path):
+    f = df
+    d0, p1 = f.hosts
+    assert f.patchctl("apply", "hidden-dump").returncode == 0
+    ds = tmp_path / "ds.jsonl"
+    with open(ds, "w") as fh:
+        for i in range(24):
+            fh.write(json.dumps({"id": f"c-{i:03d}", "input_ids": [(11 * i + j) % 480 + 12 for j in range(8 + i % 9)]}) + "\n")
+    p = f.patchctl("capture", "run", str(ds), "--name", "dk", "--in-flight", "2", "--keep-free", "0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "24/24 samples done and verified" in p.stderr
+    journal = [json.loads(l) for l in open(f.base / "xdg-state" / "patchctl" / "captures" / "dk" / "journal.jsonl")]
+    hosts = {r["host"] for r in journal if r["rec"] == "done"}
+    assert hosts == {d0.name, p1.name}, hosts  # the container wrote its dumps where the host agent verified them
+    shared, dest = tmp_path / "shared", tmp_path / "collected"
+    p = f.patchctl("capture", "collect", "dk", "--format", "specforge", "--on-host", str(shared), "--to", str(dest))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len(list(shared.rglob("*.ckpt"))) == 24
+    summary = json.loads((dest / "index.json").read_text())
+    assert (summary["samples"], summary["state"]) == (24, "done"), summary
+
+
+@pytest.fixture(scope="module")
+def drafts(dfleet):
+    from draft_util import fit_good_draft, write_draft_dir
+
+    f, model = dfleet, dfleet.hosts[0].dir / "model"
+    ids = [1, 3, 4]  # a Llama-convention target: capture layers [2, 4, 5]
+    good = fit_good_draft(f.base / "good", target_model_dir=model, layer_ids=ids)
+    bad = write_draft_dir(f.base / "untrained", target_model_dir=model, layer_ids=ids, seed=1)
+    prompts = f.base / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 + 3 for j in range(12)]}) + "\n"
+                               for i in range(6)))
+    return good, bad, prompts
+
+
+def test_a_drafter_served_from_a_container_passes_its_canary_and_an_untrained_one_is_rolled_back(df, drafts):
+    f, h = df, df.hosts[0]
+    good, bad, prompts = drafts
+    name = f.container(h)
+    before = origin_facts(f, h)
+
+    def deploy(draft):
+        return f.patchctl("--json", "drafter", "deploy", str(draft), "--prompts", str(prompts), "--max-new-tokens",
+                          "24", "--limit", h.name)
+
+    p = deploy(good)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = inspect(name)
+    argv = (doc["Config"]["Entrypoint"] or []) + doc["Config"]["Cmd"]
+    assert "--speculative-draft-model-path" in argv
+    store = [m for m in doc["Mounts"] if m["Destination"] == str(h.state / "drafters")]
+    assert len(store) == 1 and not store[0]["RW"]  # the content-addressed store, read-only in the container
+    _, st = f.json("status", "--limit", h.name)
+    dr = st[0]["drafter"]
+    assert dr["status"] == "verified" and dr["acceptance"]["new"]["accept_length"] > 2.0, dr
+    good_id = doc["Id"]
+    p = deploy(bad)
+    assert p.returncode == 1, p.stdout + p.stderr
+    back = inspect(name)
+    assert back["Config"]["Cmd"] == doc["Config"]["Cmd"] and f.healthy(h)  # the fitted drafter's config again
+    assert back["Id"] != good_id or back["Config"]["Labels"]["io.patchctl.config"] == doc["Config"]["Labels"]["io.patchctl.config"]
+    _, st = f.json("status", "--limit", h.name)
+    assert st[0]["drafter"]["digest"] == dr["digest"] and st[0]["drafter"]["status"] == "verified"
+    # no drafter: the operator's own container again, as it was
+    p = f.patchctl("drafter", "rollback", "--to", "none", "--limit", h.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert_origin_back(f, h, before)
