@@ -3,7 +3,7 @@
 Real parts: the real dockerd .ci/run starts (`--bridge=none`, containers on `--network host`), images made
 here from Debian packages (tests/docker_util.py), real OpenSSH servers on 127.0.1.N, the stand-in server
 running *inside* the containers with the pristine 0.5.23 tree baked into the image. What a GPU would do is
-the stand-in's (DESIGN.md); nothing of Docker is mocked.
+the stand-in's (the SGLang stand-in, docs/design.md); nothing of Docker is mocked.
 """
 
 from __future__ import annotations

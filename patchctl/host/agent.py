@@ -207,6 +207,10 @@ class Agent(DeployOps):
     def _server_status(self, mgr, cfg, probe_health=True):
         cur = mgr.current_config()
         out = {"running": bool(cur.get("running")), "series": cur.get("series"), "port": cfg["port"], "manager": cfg["manager"]}
+        if is_container_manager(cfg["manager"]):  # which container serves under the name, from what image
+            out["container"] = {"name": cfg.get("container"), "id": cur.get("container_id"), "image": cur.get("image_id"),
+                                "serving": "missing" if cur.get("missing") else "foreign" if cur.get("foreign") else
+                                "origin" if cur.get("origin") else "patchctl"}
         if out["running"]:
             pid = mgr.running_pid()[0]
             out["pid"] = pid
