@@ -423,3 +423,28 @@ def test_a_drafter_served_from_a_container_passes_its_canary_and_an_untrained_on
     p = f.patchctl("drafter", "rollback", "--to", "none", "--limit", h.name)
     assert p.returncode == 0, p.stdout + p.stderr
     assert_origin_back(f, h, before)
+
+
+def test_a_verified_container_deploy_becomes_an_image_to_roll_out(df):
+    f, (h, bare) = df, df.hosts
+    assert f.patchctl("apply", "hidden-dump", "--limit", h.name).returncode == 0
+    p, res = f.json("image", "--limit", h.name, "--repo", "patchctl-test-derived")
+    tag = res[0]["tag"]
+    try:
+        assert tag.startswith("patchctl-test-derived:hidden-dump-2.1.0-"), res
+        doc = json.loads(docker("image", "inspect", tag).stdout)[0]
+        was = inspect(f.container(h) + PARKED)
+        assert doc["Config"]["Labels"]["io.patchctl.base"] == was["Image"] and doc["Parent"] in ("", was["Image"])
+        base = json.loads(docker("image", "inspect", was["Image"]).stdout)[0]
+        assert doc["Config"]["Cmd"] == base["Config"]["Cmd"] and doc["Config"]["Env"] == base["Config"]["Env"]
+        # the image carries the patched tree in its own files, byte for byte the tree the host serves
+        cid = docker("create", tag).stdout.decode().strip()
+        try:
+            assert file_in(cid, f"{IN_ROOT}/sglang/srt/hidden_dump.py") == \
+                (h.state / "containers" / f.container(h) / "tree/sglang/srt/hidden_dump.py").read_bytes()
+        finally:
+            docker("rm", "-f", cid)
+    finally:
+        docker("rmi", "-f", tag, check=False)
+    p = f.patchctl("image", "--limit", bare.name)  # a bare host has no image to make
+    assert p.returncode == 2 and "not a container" in p.stdout + p.stderr, p.stdout + p.stderr

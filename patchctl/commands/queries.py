@@ -302,6 +302,20 @@ def run_unlock(app: App, opts: QueryOptions) -> int:
     return _simple(app, opts, "unlock", per_host, render)
 
 
+def run_image(app: App, opts: QueryOptions) -> int:
+    def per_host(s: HostSession):
+        r = s.call("container_image", repo=opts.repo)
+        return dict(r, message=f"{r['tag']} ({r['image'][:19]}): {r['series']} {r['version']} over {r['base'][:19]}")
+
+    def render(data):
+        t = table("image", "host", "image")
+        for d in data:
+            t.add_row(d["host"], d.get("message") or d.get("error", ""))
+        return t
+
+    return _simple(app, opts, "image", per_host, render)
+
+
 def run_plan(app: App, opts: QueryOptions) -> int:
     series = load_series(app.patches_dir, opts.series)
     sreq = series.to_request()

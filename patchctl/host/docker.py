@@ -184,6 +184,20 @@ class Engine(object):
     def remove(self, cid):
         self.call("DELETE", "/containers/%s?force=1&v=1" % _q(cid), want=(204, 404))
 
+    def put_archive(self, cid, path, fileobj):
+        """A tar stream unpacked at path inside the container (created or stopped)."""
+        conn = _UnixHTTP(self.socket, 600)
+        try:
+            data = fileobj.read()
+            conn.request("PUT", API + "/containers/%s/archive?path=%s" % (_q(cid), _q(path)), body=data,
+                         headers={"Content-Type": "application/x-tar"})
+            resp = conn.getresponse()
+            msg = resp.read().decode(errors="replace")
+            if resp.status != 200:
+                raise EngineError(resp.status, "PUT archive %s: HTTP %d: %s" % (path, resp.status, msg.strip()))
+        finally:
+            conn.close()
+
     def create(self, name, body):
         return self.call("POST", "/containers/create?name=%s" % _q(name), body)[1]["Id"]
 
@@ -308,6 +322,10 @@ class Containers(object):
         doc = self.origin_doc()
         root = self.container_root(doc, setting)
         if read_only:
+            pid = (doc.get("State") or {}).get("Pid")
+            seen = "/proc/%d/root%s" % (pid, root) if pid else None
+            if seen and os.access(os.path.join(seen, "sglang"), os.R_OK | os.X_OK):
+                return seen  # the running container's own files, read where they are (root may: no copy)
             tmp = tempfile.mkdtemp(prefix="patchctl-look-")
             import atexit
 
@@ -579,3 +597,58 @@ def create_body(origin, argv, env, mounts, labels):
 def origin_argv(state_dir, srv):
     """The command the operator's container runs (its entrypoint and command), the base every deploy adds to."""
     return argv_of(Containers(state_dir, srv).origin_doc())
+
+
+def tree_digest(pkg):
+    """sha256 over a package directory: every path, its mode and its bytes, in sorted order (no __pycache__)."""
+    h = hashlib.sha256()
+    for d, dirs, files in os.walk(pkg):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        for name in sorted(files):
+            p = os.path.join(d, name)
+            h.update(("%s\0%o\0" % (os.path.relpath(p, pkg), os.lstat(p).st_mode)).encode())
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def derive_image(c, manifest, repo=None):
+    """The Kubernetes step (docs/design.md "SGLang in containers"): a new image = the operator's image with the
+    deployed sglang/ over its own, tagged `<repo>:<series>-<version>-<digest12>`, for a team to push to its
+    registry and roll out. A container is created from the image (never started), the tree copied into it
+    through the archive endpoint, committed with the image's own config, and removed."""
+    rec = c.origin()
+    if not rec:
+        raise AgentError("bad_input", "container %r: patchctl has not deployed here (no record of the operator's "
+                         "container)" % c.name)
+    pkg = os.path.join(c.tree_root, "sglang")
+    for rel, f in manifest.files.items():
+        if f.applied is None:  # the archive endpoint adds and replaces files; it cannot take one away
+            raise AgentError("bad_input", "%s %s removes %s: an image layer made by copying cannot remove it" % (
+                manifest.series, manifest.version, rel))
+    digest = tree_digest(pkg)
+    base = c.engine.image(rec["image"])
+    if base is None:
+        raise AgentError("bad_input", "the operator's image %s is no longer on this host" % rec["image"])
+    repo = repo or "patchctl/%s" % c.name
+    tag = "%s-%s-%s" % (manifest.series, manifest.version, digest[:12])
+    body = dict((k, v) for k, v in (base.get("Config") or {}).items() if v is not None)
+    body["Image"] = rec["image"]
+    body["Labels"] = dict(body.get("Labels") or {}, **{
+        "io.patchctl.series": manifest.series, "io.patchctl.version": manifest.version,
+        "io.patchctl.tree": digest, "io.patchctl.base": rec["image"]})
+    cid = c.engine.create("%s.patchctl-image-%d" % (c.name, os.getpid()), body)
+    try:
+        buf = tempfile.TemporaryFile()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(pkg, arcname="sglang", filter=lambda ti: None if "__pycache__" in ti.name.split("/") else ti)
+        buf.seek(0)
+        c.engine.put_archive(cid, rec["sglang_root"], buf)
+        _, made = c.engine.call("POST", "/commit?container=%s&repo=%s&tag=%s&comment=%s" % (
+            _q(cid), _q(repo), _q(tag), _q("patchctl: %s %s over %s" % (manifest.series, manifest.version,
+                                                                       rec["image"][:19]))), body)
+    finally:
+        c.engine.remove(cid)
+    event("container_image", container=c.name, image=made["Id"][:19], tag="%s:%s" % (repo, tag))
+    return {"image": made["Id"], "tag": "%s:%s" % (repo, tag), "base": rec["image"], "series": manifest.series,
+            "version": manifest.version, "tree_digest": digest}
