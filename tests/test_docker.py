@@ -448,3 +448,20 @@ def test_a_verified_container_deploy_becomes_an_image_to_roll_out(df):
         docker("rmi", "-f", tag, check=False)
     p = f.patchctl("image", "--limit", bare.name)  # a bare host has no image to make
     assert p.returncode == 2 and "not a container" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+def test_a_container_the_operator_replaced_after_a_rollback_is_learnt_anew(df):
+    f, h = df, df.hosts[0]
+    name = f.container(h)
+    assert f.patchctl("apply", "hidden-dump", "--limit", h.name).returncode == 0
+    assert f.patchctl("rollback", "--limit", h.name).returncode == 0
+    first = json.loads((h.state / "containers" / name / "origin.json").read_text())["id"]
+    # the operator moves to a new container (say, a newer image): patchctl's clean copy of the old one is stale
+    docker("rm", "-f", name)
+    new = run_server_container(name, h.dir / "model", h.server_port, env={"NEW_CONTAINER": "1"})
+    wait_for(lambda: f.healthy(h), 120, what="new container ready")
+    p = f.patchctl("apply", "hidden-dump", "--limit", h.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads((h.state / "containers" / name / "origin.json").read_text())
+    assert rec["id"] == new != first
+    assert "NEW_CONTAINER=1" in inspect(name)["Config"]["Env"]

@@ -236,6 +236,7 @@ class Containers(object):
         if not self.name:
             raise AgentError("bad_input", "manager = %r needs container = \"<name>\" in [server]" % srv.get("manager"))
         self.engine = Engine(srv.get("manager") or "docker", srv.get("socket"))
+        self.state_dir = state_dir
         self.dir = os.path.join(state_dir, "containers", self.name)
         self.origin_path = os.path.join(self.dir, "origin.json")
         self.tree_root = os.path.join(self.dir, "tree")
@@ -318,8 +319,13 @@ class Containers(object):
         """The host directory that contains the sglang/ every series is applied to. Made once, from the origin,
         as patchctl's own file; a read-only look at a host not yet deployed gets a temporary copy instead."""
         if os.path.isdir(os.path.join(self.tree_root, "sglang")):
-            return self.tree_root
-        doc = self.origin_doc()
+            if not self._replaced():
+                return self.tree_root
+            if not read_only:  # patchctl's own clean copy of a container that is gone: learnt anew
+                shutil.rmtree(self.tree_root)
+                os.unlink(self.origin_path)
+                event("container_tree", container=self.name, copied="(the container it came from is gone)")
+        doc = self.origin_doc() if not self._replaced() else self.named() or self.origin_doc()
         root = self.container_root(doc, setting)
         if read_only:
             pid = (doc.get("State") or {}).get("Pid")
@@ -340,6 +346,19 @@ class Containers(object):
         os.rename(work, self.tree_root)
         event("container_tree", container=self.name, copied=root)
         return self.tree_root
+
+    def _replaced(self):
+        """The operator's container patchctl copied the tree from is gone (replaced, say by a newer image),
+        no series is applied to the copy and nothing of patchctl's serves: the copy is stale, not state."""
+        rec = self.origin()
+        if not rec or self.engine.inspect(rec["id"]) is not None:
+            return False
+        from .state import TreeState
+
+        if TreeState(self.state_dir, self.tree_root, create=False).manifest():
+            return False
+        named = self.named()
+        return named is None or self.kind_of(named) == "foreign"
 
     def _extract(self, cid, root, dest):
         path = root.rstrip("/") + "/sglang"
@@ -391,8 +410,15 @@ class DockerManager(object):
     def server_user(self):
         """The container's user, whom the dump directory must belong to (None: root or unknown)."""
         doc = self.c.named()
-        user = ((doc or {}).get("Config") or {}).get("User") or ""
-        return user.split(":")[0] or None if user not in ("0", "root") else None
+        user = (((doc or {}).get("Config") or {}).get("User") or "").split(":")[0]
+        if user in ("", "0", "root"):
+            return None
+        import pwd
+
+        try:
+            return pwd.getpwnam(user).pw_name  # the dump directory is chowned to it on the host
+        except KeyError:
+            return None  # a user of the image only: the directory stays the agent's
 
     def _origin_cfg(self, doc, running):
         return dict(self.cfg, argv=argv_of(doc), env={}, extra_args=[], series=None, profile=None,
