@@ -40,6 +40,7 @@ COMMANDS = {
     "smoke": ("patchctl.commands.deploy", "run_smoke", DeployOptions),
     "history": ("patchctl.commands.queries", "run_history", QueryOptions),
     "unlock": ("patchctl.commands.queries", "run_unlock", QueryOptions),
+    "image": ("patchctl.commands.queries", "run_image", QueryOptions),
     "restart": ("patchctl.commands.service", "run_restart", DeployOptions),
     "start": ("patchctl.commands.service", "run_start", DeployOptions),
     "stop": ("patchctl.commands.service", "run_stop", DeployOptions),
@@ -258,6 +259,16 @@ def _unlock_command(cmd: Commands) -> None:
     limit_arg(sp)
     hostkeys_args(sp)
     sp.add_argument("--force", action="store_true", help="release even if the holder may still be alive")
+
+
+def _image_command(cmd: Commands) -> None:
+    sp = cmd("image", "a container host's verified series as an image, to push and roll out (Kubernetes: LWS, RBG)",
+             "On each selected docker/podman host: the operator's image with the deployed, verified sglang/ laid over\n"
+             "its own, committed as REPO:<series>-<version>-<tree digest> on that host (nothing else changes).\n"
+             "Push it to your registry and roll it out; see docs/design.md \"SGLang in containers\".")
+    limit_arg(sp)
+    hostkeys_args(sp)
+    sp.add_argument("--repo", default=None, metavar="NAME", help="the image's repository (default patchctl/<container>)")
 
 
 def _capture_regenerate(cmd: Commands) -> None:
@@ -490,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd = Commands(sub, common)
     for add in (_series_command, _check_command, _authoring_command, _trace_command, _inventory_command,
                 _plan_command, _apply_command, _service_command, _rollback_command, _status_command, _smoke_command,
-                _history_command, _unlock_command, _capture_command, _drafter_command):
+                _history_command, _unlock_command, _image_command, _capture_command, _drafter_command):
         add(cmd)
     return p
 

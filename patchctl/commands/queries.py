@@ -160,7 +160,7 @@ def uptime_text(seconds) -> str:
 def server_cell(srv: dict) -> str:
     """running, pid 1234, up 2h5m, healthy, capture hidden-dump | DOWN."""
     if not srv.get("running"):
-        return "DOWN (not running)"
+        return "DOWN (not running)" + (f", {container_words(srv['container'])}" if srv.get("container") else "")
     parts = ["running"]
     if srv.get("pid"):
         parts.append(f"pid {srv['pid']}, up {uptime_text(srv.get('uptime_s'))}")
@@ -168,12 +168,30 @@ def server_cell(srv: dict) -> str:
         parts.append(srv["health"])
     if srv.get("series"):
         parts.append(f"capture {srv['series']}")
+    c = srv.get("container")
+    if c:
+        parts.append(container_words(c))
     return ", ".join(parts)
+
+
+CONTAINER_SERVING = {"patchctl": "patchctl's, from the operator's", "origin": "the operator's own",
+                     "foreign": "NOT patchctl's nor the operator's first", "missing": "missing"}
+
+
+def container_words(c: dict) -> str:
+    """container sglang (patchctl's, from the operator's; image sha256:1a2b3c4d5e6f)."""
+    image = (c.get("image") or "")[:19]
+    return f"container {c.get('name')} ({CONTAINER_SERVING.get(c.get('serving'), c.get('serving'))}" + \
+        (f"; image {image})" if image else ")")
 
 
 def config_change_words(cc: dict) -> str:
     """What server.config_change found, in a line: the command line before and after, the env names."""
     parts = []
+    if cc.get("container"):
+        c = cc["container"]
+        parts.append(f"container {c.get('name')!r} (id {(c.get('id') or '?')[:12]}) is not the one patchctl deployed "
+                     f"nor the one it replaced (recreated by hand?); it does not run the deployed tree")
     if cc.get("argv"):
         was, now = cc["argv"]
         parts.append(f"runs `{shlex.join(was)}`, the inventory says `{shlex.join(now)}`")
@@ -282,6 +300,20 @@ def run_unlock(app: App, opts: QueryOptions) -> int:
         return t
 
     return _simple(app, opts, "unlock", per_host, render)
+
+
+def run_image(app: App, opts: QueryOptions) -> int:
+    def per_host(s: HostSession):
+        r = s.call("container_image", repo=opts.repo)
+        return dict(r, message=f"{r['tag']} ({r['image'][:19]}): {r['series']} {r['version']} over {r['base'][:19]}")
+
+    def render(data):
+        t = table("image", "host", "image")
+        for d in data:
+            t.add_row(d["host"], d.get("message") or d.get("error", ""))
+        return t
+
+    return _simple(app, opts, "image", per_host, render)
 
 
 def run_plan(app: App, opts: QueryOptions) -> int:
@@ -477,6 +509,9 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
         + (f" — {config_change_words(cc)}" if cc else ""))
     if not (same and not cc) and not srv.get("running"):
         restart += " (server not running now)"
+    if srv.get("container") and restart != "no":
+        restart += (f"; {container_words(srv['container'])} now: patchctl runs a container made from the operator's "
+                    "(same image, settings and mounts, the patched tree mounted read-only), the operator's is parked")
     return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
             "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")), "config_change": cc,
             "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),

@@ -24,7 +24,7 @@ from patchctl.host.protocol import ServerSpec
 
 CONNECTIONS = ("ssh", "local")
 BECOME_METHODS = ("sudo",)  # `become = ""` in a host table: none (overrides [defaults])
-MANAGERS = ("process", "systemd")
+MANAGERS = ("process", "systemd", "docker", "podman")
 
 # `python = "controller"` on a `connection = "local"` host: the interpreter running patchctl.
 CONTROLLER_PYTHON = "controller"
@@ -50,12 +50,15 @@ class ServerConfig:
     hidden_size: int | None = None
     # [server.speculative]: algorithm, num_steps, eagle_topk, num_draft_tokens, args (host/drafter.py fills defaults)
     speculative: dict | None = None
+    container: str | None = None  # docker|podman: the container that serves SGLang (host/docker.py)
+    socket: str | None = None  # docker|podman: the engine's API socket; None: /var/run/docker.sock or podman's
 
     def to_spec(self) -> ServerSpec:
         """What the host's agent is told of this server (every request carries it)."""
         return ServerSpec(manager=self.manager, command=self.command, host=self.host, port=self.port, env=dict(self.env),
                           log=self.log, start_timeout=self.start_timeout, stop_timeout=self.stop_timeout,
-                          unit=self.unit, layer_outputs=self.layer_outputs, speculative=self.speculative)
+                          unit=self.unit, layer_outputs=self.layer_outputs, speculative=self.speculative,
+                          container=self.container, socket=self.socket)
 
 
 @dataclass
@@ -180,7 +183,7 @@ _HOST_KEYS = (
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
     "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
-    "unit", "capture_layers", "layer_outputs", "hidden_size", "speculative",
+    "unit", "container", "socket", "capture_layers", "layer_outputs", "hidden_size", "speculative",
 )
 _SERVERS_KEYS = ("nodes",)
 
@@ -551,7 +554,21 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
         _, p = pick("manager")
         L.fail(hp + ("unit",), "manager = \"systemd\" needs unit = \"<name>.service\"",
                line_of=hp if hserver else p)
+    if s.manager in ("docker", "podman") and not s.container:
+        _, p = pick("manager")
+        L.fail(hp + ("container",), f"manager = \"{s.manager}\" needs container = \"<name>\" (the container that "
+               "serves SGLang, as `docker ps` names it)", line_of=hp if hserver else p)
     return s
+
+
+_CONTAINER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")  # what docker and podman accept as a name
+
+
+def _container_name(L: _Loader, v, p) -> str:
+    name = L.want_str(v, p, nonempty=True)
+    if not _CONTAINER_NAME.match(name) or name.endswith(".patchctl-parked"):
+        L.fail(p, f"{name!r} is not a container name (letters, digits, '_', '.', '-'; first a letter or digit)")
+    return name
 
 
 def _env_names(L: _Loader, names, p) -> None:
@@ -605,6 +622,8 @@ _SERVER_FIELDS = (
     ("env", _server_env),
     ("public_env", _public_env),
     ("unit", lambda L, v, p: L.want_str(v, p)),
+    ("container", lambda L, v, p: _container_name(L, v, p)),
+    ("socket", lambda L, v, p: L.want_str(v, p, nonempty=True)),
     ("capture_layers", _layer_ids),
     ("layer_outputs", _layer_ids),
     ("hidden_size", _positive),

@@ -42,12 +42,13 @@ class DeployOptions(RunOptions):
 
 @dataclass(frozen=True)
 class QueryOptions(RunOptions):
-    """status, history, plan, unlock: read-only (unlock: the lock only)."""
+    """status, history, plan, unlock, image: read-only (unlock: the lock only; image: a new image, nothing else)."""
 
     series: str | None = None  # plan
     diff: bool = False  # plan --diff
     last: int | None = None  # history --last
     force: bool = False  # unlock --force
+    repo: str | None = None  # image --repo
 
 
 @dataclass(frozen=True)

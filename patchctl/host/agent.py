@@ -54,6 +54,7 @@ from .pull import pull_raw
 from .server import build_server_config, config_change, http_request, manager_for
 from .smoke import model_arch_of
 from .state import TreeState
+from .docker import Containers, derive_image, is_container_manager
 from .tree import locate_tree, tree_version
 
 
@@ -101,7 +102,11 @@ class Agent(DeployOps):
     @property
     def tree(self):
         if self._tree is None:
-            root = locate_tree(self.req.get("sglang_root", "auto"))
+            srv = self.req.get("server") or {}
+            if is_container_manager(srv.get("manager")):  # patchctl's copy of the container's sglang/
+                root = Containers(self.state_dir, srv).tree(self.req.get("sglang_root", "auto"), self.read_only)
+            else:
+                root = locate_tree(self.req.get("sglang_root", "auto"))
             self._tree = TreeState(self.state_dir, root, create=not self.read_only)
         return self._tree
 
@@ -202,6 +207,10 @@ class Agent(DeployOps):
     def _server_status(self, mgr, cfg, probe_health=True):
         cur = mgr.current_config()
         out = {"running": bool(cur.get("running")), "series": cur.get("series"), "port": cfg["port"], "manager": cfg["manager"]}
+        if is_container_manager(cfg["manager"]):  # which container serves under the name, from what image
+            out["container"] = {"name": cfg.get("container"), "id": cur.get("container_id"), "image": cur.get("image_id"),
+                                "serving": "missing" if cur.get("missing") else "foreign" if cur.get("foreign") else
+                                "origin" if cur.get("origin") else "patchctl"}
         if out["running"]:
             pid = mgr.running_pid()[0]
             out["pid"] = pid
@@ -242,6 +251,18 @@ class Agent(DeployOps):
             f["config_change"] = self._config_change(mgr, m.profile.to_wire() if m and m.profile else None)
         f["history_tail"] = [h.to_wire() for h in self.tree.history()[-3:]]
         return f
+
+    @handles("container_image")
+    def op_container_image(self):
+        """A container host's verified series as an image: the operator's image, the patched sglang/ over its own."""
+        srv = self.req.get("server") or {}
+        if not is_container_manager(srv.get("manager")):
+            raise AgentError("bad_input", "this host's server is not a container (manager = %r)" % srv.get("manager"))
+        m = self.tree.manifest()
+        if not m or m.status != "verified":
+            raise AgentError("bad_input", "no verified series on this host's container (%s): apply one first" % (
+                "%s %s is %s" % (m.series, m.version, m.status) if m else "clean"))
+        return derive_image(Containers(self.state_dir, srv), m, self.req.get("repo"))
 
     @handles("pull_raw")
     def op_pull_raw(self):

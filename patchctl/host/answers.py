@@ -67,6 +67,18 @@ class HistoryAnswer(Result):
 
 
 @dataclass
+class ImageAnswer(Result):
+    """`container_image` (docker.derive_image): the operator's image with the deployed tree as one more layer."""
+
+    image: str = None  # the new image's id
+    tag: str = None  # repo:tag it was given
+    base: str = None  # the operator's image id it was made from
+    series: str = None
+    version: str = None
+    tree_digest: str = None  # sha256 over the sglang/ package laid into it
+
+
+@dataclass
 class UnlockAnswer(Result):
     unlocked: Holder = None  # the holder released; None: nothing was locked
     NESTED = {"unlocked": Holder}

@@ -103,6 +103,7 @@ class DeployOps(object):
         server_before = mgr.current_config() if self.req.get("restart") else None
         if self.req.get("restart"):
             self._check_dump_space(series.get("smoke") or {})
+            _can_restart(mgr)
         if self._already_applied(m, series):
             change = self._apply_config_change(m, series, server_before)
             if change:
@@ -493,6 +494,8 @@ class DeployOps(object):
 
     def _rollback_to(self, state, m, restart, reason):
         t = self.tree
+        if restart and m and m.server is not None:
+            _can_restart(manager_for(self.state_dir, dict(m.server)))
         drift = t.drift(m) if m else []
         saved = None
         if drift:
@@ -555,6 +558,14 @@ class DeployOps(object):
             out["smoke"] = smoke(self.state_dir, cfg, self.run_id + "-prev")
             out["server"] += ", smoke of %s passed" % state.series
         return out
+
+
+def _can_restart(mgr):
+    """Before any file changes: a server patchctl could not restart afterwards (a container it did not make holds
+    the name) refuses the whole step, so the files and the record of what ran before stay as they are."""
+    check = getattr(mgr, "check_restartable", None)
+    if check:
+        check()
 
 
 def _originals(m):

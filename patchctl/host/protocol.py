@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 # Re-exported: `protocol` is where both sides import the contract from (`from .protocol import X`,
 # `from patchctl.host.protocol import X`); the types live in the modules named in the docstring.
 from .answers import (AcceptAnswer, ApplyAnswer, ArtifactProbeAnswer, ArtifactReceiveAnswer,  # noqa: F401
-                      CaptureAnswer, CaptureProbeAnswer, ConvertAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
+                      CaptureAnswer, CaptureProbeAnswer, ConvertAnswer, ImageAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
                       DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullRawAnswer,
                       ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServerSteps, ServiceAnswer,
                       SmokeAnswer, StatusAnswer, StreamedAnswer, TokenizerAnswer, UnlockAnswer)
@@ -188,6 +188,7 @@ OPS = {
     "release": Op({"record": None}, [AGENT]),
     "finalize": Op({}, [AGENT]),
     "unlock": Op({"expect_run_id": None}, [AGENT], answer=UnlockAnswer),
+    "container_image": Op({"repo": None}, [AGENT], answer=ImageAnswer),
     "capture": Op({"capture_run": None, "in_flight": None, "keep_free": None, "request_timeout": None,
                    "pool_from_bytes": None, "capture_layers": None, "hidden_size": None}, [AGENT_NOW], streamed=True,
                   answer=CaptureAnswer, probed=CaptureProbeAnswer),
@@ -275,8 +276,13 @@ EVENTS = {
     "undo_pending": ("series", "run_id"),
     "recovered": ("op", "run_id", "action", "files"),
     "hand_edits_saved": ("dir", "files"),
-    "server_stop": ("pid", "pgid", "unit"),
-    "server_start": ("pid", "argv", "unit"),
+    "server_stop": ("pid", "pgid", "unit", "container", "id"),
+    "server_start": ("pid", "argv", "unit", "container", "id", "origin"),
+    # a container host (host/docker.py): the tree copied out once, the origin parked, patchctl's made
+    "container_tree": ("container", "copied"),
+    "container_parked": ("container", "id", "parked_as"),
+    "container_created": ("container", "id", "image"),
+    "container_image": ("container", "image", "tag"),
     "server_ready": ("seconds",),
     "dump_dir_created": ("path", "user"),
     "smoke_passed": ("prompts", "tokens", "bytes", "seconds", "dump_dir", "layers", "hidden_size", "expected",

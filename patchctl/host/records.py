@@ -100,6 +100,8 @@ class ServerSpec(Record):
     unit: str = None
     layer_outputs: list = None
     speculative: dict = None  # [server.speculative]: how the server speculates with a deployed drafter (host/drafter.py)
+    container: str = None  # manager docker|podman: the container that serves (host/docker.py)
+    socket: str = None  # docker|podman: the engine's API socket (None: its default)
 
 
 @dataclass

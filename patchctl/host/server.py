@@ -22,6 +22,7 @@ import threading
 import time
 
 from .atomic import write_atomic
+from .docker import DockerManager, is_container_manager, origin_argv
 from .drafter import draft_dir, refusal_with_capture, speculative_args
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail, now, pid_alive, proc_cmdline, proc_start_time, read_json, write_json
@@ -60,6 +61,9 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
     if "{sglang_root}" in srv["command"]:
         values["sglang_root"] = locate_tree(req.get("sglang_root", "auto"))
     argv = render_command(srv["command"], values) if srv.get("command") else []
+    container = is_container_manager(srv.get("manager"))
+    if container and not argv:
+        argv = origin_argv(state_dir, srv)  # the container's own command, as the operator runs it
     env = dict((k, expand_placeholders(str(v), values)) for k, v in (srv.get("env") or {}).items())
     series = None
     extra = []
@@ -81,7 +85,9 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
             "start_timeout": float(srv.get("start_timeout") or 1800),
             "stop_timeout": float(srv.get("stop_timeout") or 60),
             "series": series, "profile": profile, "capture_layers": capture_layers,
-            "drafter": drafter and drafter["digest"]}
+            "drafter": drafter and drafter["digest"],
+            **({"container": srv.get("container"), "socket": srv.get("socket"),
+                "sglang_root": req.get("sglang_root", "auto")} if container else {})}
 
 
 def config_change(running, wanted):
@@ -92,6 +98,9 @@ def config_change(running, wanted):
     if not running or not running.get("running"):
         return None
     out = {}
+    if running.get("foreign"):
+        out["container"] = {"name": running.get("container"), "id": running.get("container_id"),
+                            "image": running.get("image_id"), "origin": running.get("origin_id")}
     if running.get("manager") == "systemd" and wanted.get("manager") == "systemd":
         if list(running.get("extra_args") or []) != list(wanted.get("extra_args") or []):
             out["argv"] = [running.get("extra_args") or [], wanted.get("extra_args") or []]
@@ -428,6 +437,8 @@ def prepare_dump_dir(cfg, mgr):
 
 
 def manager_for(state_dir, cfg):
+    if is_container_manager(cfg.get("manager")):
+        return DockerManager(state_dir, cfg)
     if cfg.get("manager") == "systemd":
         return SystemdManager(state_dir, cfg)
     return ProcessManager(state_dir, cfg)
@@ -474,6 +485,10 @@ def http_request(host, port, method, path, body=None, timeout=30.0):
     return box["result"]
 
 
+def _tail(mgr, cfg):
+    return mgr.log_tail() if hasattr(mgr, "log_tail") else log_tail(cfg["log"])
+
+
 def wait_ready(mgr, cfg):
     """Poll /health_generate until 200; stop at once if the process died; the budget is start_timeout."""
     t0 = time.time()
@@ -482,7 +497,7 @@ def wait_ready(mgr, cfg):
     while True:
         if not mgr.alive():
             raise AgentError("failed", "server exited during start-up after %.1fs" % (time.time() - t0),
-                             log_tail=log_tail(cfg["log"]))
+                             log_tail=_tail(mgr, cfg))
         try:
             status, _ = http_request(cfg["host"], cfg["port"], "GET", HEALTH_PATH, timeout=min(30.0, max(1.0, deadline - time.time())))
             last = "HTTP %d" % status
@@ -493,7 +508,7 @@ def wait_ready(mgr, cfg):
             last = str(e) or e.__class__.__name__
         if time.time() >= deadline:
             raise AgentError("failed", "server not ready after %.0fs (start_timeout); last answer: %s" % (cfg["start_timeout"], last),
-                             log_tail=log_tail(cfg["log"]))
+                             log_tail=_tail(mgr, cfg))
         heartbeat(step="wait_ready", elapsed=round(time.time() - t0, 1), last=last)
         time.sleep(0.2)
 

@@ -1,0 +1,680 @@
+"""SGLang in a container: the Docker Engine API (or Podman's Docker-compatible one) over the daemon's unix
+socket, the container the operator runs (the *origin*), and the container patchctl runs in its place.
+
+How a deploy stays undoable exactly (docs/design.md "SGLang in containers"):
+- The origin is never changed on disk. patchctl copies its `sglang/` package out once (the Engine API's
+  archive endpoint) to `<state_dir>/containers/<name>/tree/sglang`: the tree every series is applied to,
+  with the usual journal, backups and manifest, on the host, where no recreated container can take them.
+- A series' flags and env, a drafter's flags, a patched tree: only a new container can carry them. patchctl
+  creates it with the origin's own Config and HostConfig as `docker inspect` reports them (same image id,
+  GPUs, IPC, shm, ports, volumes, restart policy) plus the changed command and env and three bind mounts:
+  the patched package read-only over the origin's, the capture's dump directory and the draft store
+  (read-only), each at the same path as on the host. It takes the origin's name; the origin is stopped,
+  renamed `<name>.patchctl-parked` and its restart policy set to "no" while parked (so a reboot starts only
+  what serves), all recorded in `containers/<name>/origin.json`.
+- Back to the state before the first deploy is the origin itself: patchctl's container removed, the origin
+  renamed back, its restart policy restored, started. Same container id, same image, same config, same bytes.
+- `docker restart` of patchctl's container keeps its mounts: still deployed. A container recreated by hand
+  (`docker rm` + `docker run` from the image) is neither patchctl's nor the origin: `status` says so.
+
+Standard library only, Python 3.8 syntax.
+"""
+
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import socket
+import struct
+import tarfile
+import tempfile
+
+from .events import AgentError, event
+from .osutil import now, read_json, write_json
+
+MANAGERS = ("docker", "podman")
+DEFAULT_SOCKETS = {"docker": "/var/run/docker.sock", "podman": "/run/podman/podman.sock"}
+LABEL = "io.patchctl.managed"
+LABEL_ORIGIN = "io.patchctl.origin"
+LABEL_CONFIG = "io.patchctl.config"
+PARKED = ".patchctl-parked"
+API = "/v1.41"  # Docker 20.10 and every later daemon; Podman's compatible API answers it too
+# the tail of the in-container find_spec: the directory that contains sglang/ (see tree.locate_tree)
+FIND_TREE = ("import importlib.util,os,sys\n"
+             "s=importlib.util.find_spec('sglang')\n"
+             "p=(os.path.dirname(s.origin) if s and s.origin and s.origin not in ('namespace','built-in') else "
+             "(list(s.submodule_search_locations)[0] if s and s.submodule_search_locations else None))\n"
+             "print(os.path.dirname(os.path.realpath(p)) if p else '')\n")
+
+
+def is_container_manager(manager):
+    return manager in MANAGERS
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path, timeout):
+        http.client.HTTPConnection.__init__(self, "localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self._path)
+        self.sock = s
+
+
+def _demux(data):
+    """The Engine API's multiplexed stream (8-byte frame headers: stream, 0, 0, 0, size) -> (stdout, stderr)."""
+    out, err, i = [], [], 0
+    while i + 8 <= len(data):
+        kind, size = data[i], struct.unpack(">I", data[i + 4:i + 8])[0]
+        (err if kind == 2 else out).append(data[i + 8:i + 8 + size])
+        i += 8 + size
+    if i < len(data) and not out and not err:  # a TTY container's logs are not framed
+        return data, b""
+    return b"".join(out), b"".join(err)
+
+
+class Engine(object):
+    """The container engine of one host, reached through its unix socket."""
+
+    def __init__(self, manager="docker", socket_path=None):
+        self.manager = manager
+        self.socket = socket_path or DEFAULT_SOCKETS.get(manager, DEFAULT_SOCKETS["docker"])
+
+    def _fail_reach(self, e):
+        if isinstance(e, PermissionError):
+            raise AgentError("bad_input", "uid %d may not use %s: permission denied on %s. Give this host become = "
+                             "\"sudo\" in the inventory, or add the SSH user to the %s group" % (
+                                 os.geteuid(), self.manager, self.socket, self.manager))
+        raise AgentError("bad_input", "%s is not installed or its daemon is not running on this host: no answer on "
+                         "%s (%s). Install and start it, or set [server] socket to where its API listens" % (
+                             self.manager, self.socket, e.__class__.__name__ if not str(e) else e))
+
+    def call(self, method, path, body=None, timeout=120.0, want=(200, 201, 204, 304), raw=False):
+        """(status, decoded JSON or raw bytes). A status outside `want` raises, with the daemon's message."""
+        conn = _UnixHTTP(self.socket, timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            try:
+                conn.request(method, API + path, body=data, headers=headers)
+                resp = conn.getresponse()
+                payload = resp.read()
+            except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+                self._fail_reach(e)
+            if resp.status not in want:
+                try:
+                    msg = json.loads(payload.decode() or "{}").get("message") or payload.decode(errors="replace")
+                except ValueError:
+                    msg = payload.decode(errors="replace")
+                raise EngineError(resp.status, "%s %s: HTTP %d: %s" % (method, path.split("?")[0], resp.status, msg.strip()))
+            if raw:
+                return resp.status, payload
+            try:
+                return resp.status, json.loads(payload.decode() or "null")
+            except ValueError:
+                return resp.status, payload.decode(errors="replace")
+        finally:
+            conn.close()
+
+    def stream(self, path, timeout=600.0):
+        """A GET whose body is read by the caller (an archive); returns (connection, response)."""
+        conn = _UnixHTTP(self.socket, timeout)
+        try:
+            conn.request("GET", API + path)
+            resp = conn.getresponse()
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            conn.close()
+            self._fail_reach(e)
+        if resp.status != 200:
+            msg = resp.read().decode(errors="replace")
+            conn.close()
+            raise EngineError(resp.status, "GET %s: HTTP %d: %s" % (path.split("?")[0], resp.status, msg.strip()))
+        return conn, resp
+
+    def inspect(self, ref):
+        """The container's `docker inspect` document, or None when there is no such container."""
+        try:
+            return self.call("GET", "/containers/%s/json" % _q(ref))[1]
+        except EngineError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def image(self, ref):
+        try:
+            return self.call("GET", "/images/%s/json" % _q(ref))[1]
+        except EngineError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def exec(self, cid, argv, timeout=120.0):
+        """(exit code, stdout, stderr) of argv run in the running container."""
+        _, made = self.call("POST", "/containers/%s/exec" % _q(cid), {
+            "Cmd": list(argv), "AttachStdout": True, "AttachStderr": True, "Tty": False})
+        _, out = self.call("POST", "/exec/%s/start" % made["Id"], {"Detach": False, "Tty": False}, timeout=timeout,
+                           raw=True)
+        _, info = self.call("GET", "/exec/%s/json" % made["Id"])
+        stdout, stderr = _demux(out)
+        return info.get("ExitCode"), stdout.decode(errors="replace"), stderr.decode(errors="replace")
+
+    def logs(self, cid, lines=30):
+        try:
+            _, data = self.call("GET", "/containers/%s/logs?stdout=1&stderr=1&tail=%d" % (_q(cid), lines), raw=True)
+        except (EngineError, AgentError):
+            return ""
+        out, err = _demux(data)
+        return (out + err).decode(errors="replace")
+
+    def start(self, cid):
+        self.call("POST", "/containers/%s/start" % _q(cid))
+
+    def stop(self, cid, seconds):
+        self.call("POST", "/containers/%s/stop?t=%d" % (_q(cid), int(seconds)), timeout=seconds + 60)
+
+    def rename(self, cid, name):
+        self.call("POST", "/containers/%s/rename?name=%s" % (_q(cid), _q(name)))
+
+    def set_restart(self, cid, policy):
+        self.call("POST", "/containers/%s/update" % _q(cid), {"RestartPolicy": policy})
+
+    def remove(self, cid):
+        self.call("DELETE", "/containers/%s?force=1&v=1" % _q(cid), want=(204, 404))
+
+    def put_archive(self, cid, path, fileobj):
+        """A tar stream unpacked at path inside the container (created or stopped)."""
+        conn = _UnixHTTP(self.socket, 600)
+        try:
+            data = fileobj.read()
+            conn.request("PUT", API + "/containers/%s/archive?path=%s" % (_q(cid), _q(path)), body=data,
+                         headers={"Content-Type": "application/x-tar"})
+            resp = conn.getresponse()
+            msg = resp.read().decode(errors="replace")
+            if resp.status != 200:
+                raise EngineError(resp.status, "PUT archive %s: HTTP %d: %s" % (path, resp.status, msg.strip()))
+        finally:
+            conn.close()
+
+    def create(self, name, body):
+        return self.call("POST", "/containers/create?name=%s" % _q(name), body)[1]["Id"]
+
+
+class EngineError(AgentError):
+    def __init__(self, status, msg):
+        AgentError.__init__(self, "failed", msg)
+        self.status = status
+
+
+def _q(s):
+    import urllib.parse
+
+    return urllib.parse.quote(str(s), safe="")
+
+
+def argv_of(doc):
+    """The server's whole command line in a container: entrypoint, then command."""
+    c = doc.get("Config") or {}
+    return list(c.get("Entrypoint") or []) + list(c.get("Cmd") or [])
+
+
+def env_of(doc):
+    out = {}
+    for item in (doc.get("Config") or {}).get("Env") or []:
+        k, _, v = item.partition("=")
+        out[k] = v
+    return out
+
+
+class Containers(object):
+    """What patchctl knows of one host's container: the engine, the inventory's name, `containers/<name>/`."""
+
+    def __init__(self, state_dir, srv):
+        self.name = srv.get("container")
+        if not self.name:
+            raise AgentError("bad_input", "manager = %r needs container = \"<name>\" in [server]" % srv.get("manager"))
+        self.engine = Engine(srv.get("manager") or "docker", srv.get("socket"))
+        self.state_dir = state_dir
+        self.dir = os.path.join(state_dir, "containers", self.name)
+        self.origin_path = os.path.join(self.dir, "origin.json")
+        self.tree_root = os.path.join(self.dir, "tree")
+
+    # the origin ---------------------------------------------------------
+    def origin(self):
+        """origin.json: the operator's container as first seen (inspect document, restart policy, tree path)."""
+        return read_json(self.origin_path)
+
+    def named(self):
+        return self.engine.inspect(self.name)
+
+    def origin_doc(self):
+        """The origin's inspect document now (found by id wherever it is parked), else the recorded one."""
+        rec = self.origin()
+        if rec:
+            return self.engine.inspect(rec["id"]) or rec["inspect"]
+        doc = self.named()
+        if doc is None:
+            raise AgentError("bad_input", "no container named %r on this host (%s ps -a lists them); set [server] "
+                             "container to the one that serves SGLang" % (self.name, self.engine.manager))
+        if ((doc.get("Config") or {}).get("Labels") or {}).get(LABEL):
+            raise AgentError("attention", "container %r was made by patchctl, but this host has no record of the "
+                             "container it replaced (%s is missing)" % (self.name, self.origin_path))
+        return doc
+
+    def kind_of(self, doc):
+        """'ours' (made by this patchctl state), 'origin', or 'foreign' (neither: recreated by hand?)."""
+        if doc is None:
+            return None
+        rec = self.origin()
+        labels = (doc.get("Config") or {}).get("Labels") or {}
+        if rec and doc["Id"] == rec["id"]:
+            return "origin"
+        ours = read_json(self.server_path()) or {}
+        if labels.get(LABEL) and ours.get("container_id") == doc["Id"]:
+            return "ours"
+        if not rec and not labels.get(LABEL):
+            return "origin"  # the first look at the operator's container
+        return "foreign"
+
+    def server_path(self):
+        return os.path.join(self.dir, "server.json")
+
+    def record_origin(self, doc, pkg_dir):
+        if self.origin():
+            return
+        if not os.path.isdir(self.dir):
+            os.makedirs(self.dir, 0o700)
+        write_json(self.origin_path, {"id": doc["Id"], "name": self.name, "image": doc.get("Image"),
+                                      "restart": (doc.get("HostConfig") or {}).get("RestartPolicy") or {"Name": "no"},
+                                      "sglang_root": pkg_dir, "inspect": doc, "seen_at": now()})
+
+    # the tree -----------------------------------------------------------
+    def container_root(self, doc, setting):
+        """The directory inside the container that contains sglang/: the inventory's, or its own Python's answer."""
+        if setting and setting != "auto":
+            return setting.rstrip("/") or "/"
+        rec = self.origin()
+        if rec and rec.get("sglang_root"):
+            return rec["sglang_root"]
+        if not (doc.get("State") or {}).get("Running"):
+            raise AgentError("bad_input", "container %r is not running (%s): patchctl finds SGLang through the "
+                             "container's own Python; start it (%s start %s) or set sglang_root to the directory "
+                             "inside the container that contains sglang/" % (
+                                 self.name, (doc.get("State") or {}).get("Status"), self.engine.manager, self.name))
+        py = container_python(doc)
+        code, out, err = self.engine.exec(doc["Id"], [py, "-c", FIND_TREE])
+        if code != 0:
+            why = (err or out).strip().splitlines()[-1:] or ["exit %s" % code]
+            raise AgentError("bad_input", "container %r: cannot run %s in it to find SGLang (%s). The image %s needs "
+                             "the Python that runs the server; or set sglang_root" % (
+                                 self.name, py, why[0][:200], (doc.get("Config") or {}).get("Image")))
+        root = out.strip()
+        if not root:
+            raise AgentError("bad_input", "container %r: sglang is not installed for %s in it" % (self.name, py))
+        return root
+
+    def tree(self, setting, read_only):
+        """The host directory that contains the sglang/ every series is applied to. Made once, from the origin,
+        as patchctl's own file; a read-only look at a host not yet deployed gets a temporary copy instead."""
+        if os.path.isdir(os.path.join(self.tree_root, "sglang")):
+            if not self._replaced():
+                return self.tree_root
+            if not read_only:  # patchctl's own clean copy of a container that is gone: learnt anew
+                shutil.rmtree(self.tree_root)
+                os.unlink(self.origin_path)
+                event("container_tree", container=self.name, copied="(the container it came from is gone)")
+        doc = self.origin_doc() if not self._replaced() else self.named() or self.origin_doc()
+        root = self.container_root(doc, setting)
+        if read_only:
+            pid = (doc.get("State") or {}).get("Pid")
+            seen = "/proc/%d/root%s" % (pid, root) if pid else None
+            if seen and os.access(os.path.join(seen, "sglang"), os.R_OK | os.X_OK):
+                return seen  # the running container's own files, read where they are (root may: no copy)
+            tmp = tempfile.mkdtemp(prefix="patchctl-look-")
+            import atexit
+
+            atexit.register(shutil.rmtree, tmp, True)
+            self._extract(doc["Id"], root, tmp)
+            return tmp
+        self.record_origin(doc, root)
+        work = self.tree_root + ".partial"
+        shutil.rmtree(work, ignore_errors=True)  # patchctl's own half copy from a cut run
+        os.makedirs(work, 0o700)
+        self._extract(doc["Id"], root, work)
+        os.rename(work, self.tree_root)
+        event("container_tree", container=self.name, copied=root)
+        return self.tree_root
+
+    def _replaced(self):
+        """The operator's container patchctl copied the tree from is gone (replaced, say by a newer image),
+        no series is applied to the copy and nothing of patchctl's serves: the copy is stale, not state."""
+        rec = self.origin()
+        if not rec or self.engine.inspect(rec["id"]) is not None:
+            return False
+        from .state import TreeState
+
+        if TreeState(self.state_dir, self.tree_root, create=False).manifest():
+            return False
+        named = self.named()
+        return named is None or self.kind_of(named) == "foreign"
+
+    def _extract(self, cid, root, dest):
+        path = root.rstrip("/") + "/sglang"
+        try:
+            conn, resp = self.engine.stream("/containers/%s/archive?path=%s" % (_q(cid), _q(path)))
+        except EngineError as e:
+            if e.status == 404:
+                raise AgentError("bad_input", "container %r has no %s (sglang_root)" % (self.name, path))
+            raise
+        try:
+            with tarfile.open(fileobj=resp, mode="r|") as tar:
+                for m in tar:
+                    if m.name != "sglang" and not m.name.startswith("sglang/") or ".." in m.name.split("/"):
+                        raise AgentError("failed", "container %r: unexpected entry %r in %s" % (self.name, m.name, path))
+                    if m.isdev():
+                        continue
+                    tar.extract(m, dest, set_attrs=True)
+        finally:
+            conn.close()
+
+    def in_container_tree(self):
+        rec = self.origin() or {}
+        return rec.get("sglang_root")
+
+
+def container_python(doc):
+    """The Python the server runs: the command's first word when it is a Python, else python3."""
+    argv = argv_of(doc)
+    if argv and os.path.basename(argv[0]).startswith("python"):
+        return argv[0]
+    return "python3"
+
+
+def config_digest(cfg):
+    keep = dict((k, cfg.get(k)) for k in ("argv", "env", "mounts"))
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class DockerManager(object):
+    """The server is a container: the origin as it was, or one patchctl creates from it (see the module doc)."""
+
+    def __init__(self, state_dir, cfg):
+        self.state_dir = state_dir
+        self.cfg = cfg
+        self.c = Containers(state_dir, cfg)
+        self.engine = self.c.engine
+        self._started = None
+
+    def server_user(self):
+        """The container's user, whom the dump directory must belong to (None: root or unknown)."""
+        doc = self.c.named()
+        user = (((doc or {}).get("Config") or {}).get("User") or "").split(":")[0]
+        if user in ("", "0", "root"):
+            return None
+        import pwd
+
+        try:
+            return pwd.getpwnam(user).pw_name  # the dump directory is chowned to it on the host
+        except KeyError:
+            return None  # a user of the image only: the directory stays the agent's
+
+    def _origin_cfg(self, doc, running):
+        return dict(self.cfg, argv=argv_of(doc), env={}, extra_args=[], series=None, profile=None,
+                    capture_layers=None, drafter=None, mounts=[], origin=True, container_id=doc["Id"],
+                    image_id=doc.get("Image"), running=running)
+
+    def current_config(self):
+        """What serves under the container's name: patchctl's container (its recorded config), the origin
+        (its own command), or a container neither made (recreated by hand: `foreign`, with what differs)."""
+        doc = self.c.named()
+        if doc is None:
+            rec = self.c.origin()
+            parked = rec and self.engine.inspect(rec["id"])
+            if parked:
+                return self._origin_cfg(parked, False)
+            return dict(self.cfg, running=False, missing=True, container_id=None)
+        running = bool((doc.get("State") or {}).get("Running"))
+        kind = self.c.kind_of(doc)
+        if kind == "ours":
+            rec = read_json(self.c.server_path())
+            return dict(rec["config"], running=running, container_id=doc["Id"], image_id=doc.get("Image"))
+        if kind == "origin":
+            return self._origin_cfg(doc, running)
+        rec = self.c.origin() or {}
+        return dict(self.cfg, argv=argv_of(doc), env={}, running=running, foreign=True, container_id=doc["Id"],
+                    image_id=doc.get("Image"), series=None, profile=None, drafter=None,
+                    origin_id=rec.get("id"), mounts=[m.get("Source") for m in doc.get("Mounts") or []])
+
+    def running_pid(self):
+        doc = self.c.named()
+        pid = ((doc or {}).get("State") or {}).get("Pid") or None
+        return pid, None
+
+    def alive(self):
+        if self._started:
+            doc = self.engine.inspect(self._started["id"])
+            st = (doc or {}).get("State") or {}
+            # a crash under a restart policy: running again, but RestartCount moved
+            return bool(st.get("Running")) and doc.get("RestartCount", 0) == self._started["restarts"]
+        doc = self.c.named()
+        return bool(((doc or {}).get("State") or {}).get("Running"))
+
+    def log_tail(self, lines=30):
+        cid = (self._started or {}).get("id") or self.c.name
+        return self.engine.logs(cid, lines)
+
+    def check_restartable(self):
+        """Refuse (attention) when the container under the name is neither patchctl's nor the origin."""
+        doc = self.c.named()
+        if doc is not None and self.c.kind_of(doc) == "foreign":
+            self._refuse_foreign(doc)
+
+    def stop(self):
+        doc = self.c.named()
+        if not doc or not (doc.get("State") or {}).get("Running"):
+            return {"stopped": None}
+        if self.c.kind_of(doc) == "foreign":
+            self._refuse_foreign(doc)
+        event("server_stop", container=self.c.name, id=doc["Id"][:12])
+        self.engine.stop(doc["Id"], self.cfg.get("stop_timeout") or 60)
+        return {"stopped": self.c.name}
+
+    def _refuse_foreign(self, doc):
+        raise AgentError("attention", "container %r (id %s, image %s) is neither the one patchctl deployed nor the "
+                         "one it replaced (recreated by hand?): patchctl does not stop or remove a container it "
+                         "did not make. Remove or rename it (%s rm -f %s), then run this again" % (
+                             self.c.name, doc["Id"][:12], (doc.get("Config") or {}).get("Image"),
+                             self.engine.manager, self.c.name))
+
+    def start(self, cfg):
+        cfg = dict(cfg)
+        cfg.pop("running", None)
+        self.cfg = cfg
+        origin = self.c.origin_doc()
+        if cfg.get("origin") or self._is_origin_config(cfg, origin):
+            return self._serve_origin(origin)
+        return self._serve_ours(cfg, origin)
+
+    def _is_origin_config(self, cfg, origin):
+        return (list(cfg.get("argv") or []) == argv_of(origin) and not cfg.get("env") and not cfg.get("drafter")
+                and not self.tree_mount(cfg))
+
+    def tree_mount(self, cfg):
+        """The patched package over the origin's, when a series is applied to patchctl's copy."""
+        from .state import TreeState
+
+        root = self.c.tree_root
+        if not os.path.isdir(os.path.join(root, "sglang")):
+            return None
+        if not TreeState(self.state_dir, root, create=False).manifest():
+            return None
+        inside = self.c.in_container_tree()
+        return {"Source": os.path.join(root, "sglang"), "Target": inside.rstrip("/") + "/sglang", "ro": True}
+
+    def _mounts(self, cfg):
+        out = []
+        tree = self.tree_mount(cfg)
+        if tree:
+            out.append(tree)
+        profile = cfg.get("profile") or {}
+        dump = (cfg.get("env") or {}).get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
+        if dump:
+            out.append({"Source": dump, "Target": dump, "ro": False})
+        if cfg.get("drafter"):
+            store = os.path.join(self.state_dir, "drafters")
+            out.append({"Source": store, "Target": store, "ro": True})
+        return out
+
+    def _serve_origin(self, origin):
+        """The operator's own container serving again, as it was: patchctl's removed, the name given back."""
+        rec = self.c.origin()
+        named = self.c.named()
+        if named and named["Id"] != origin["Id"]:
+            if self.c.kind_of(named) != "ours":
+                raise AgentError("attention", "container %r is not patchctl's nor the one it replaced (id %s): not "
+                                 "removing it" % (self.c.name, named["Id"][:12]))
+            self.engine.remove(named["Id"])
+        if origin.get("Name", "").lstrip("/") != self.c.name:
+            self.engine.rename(origin["Id"], self.c.name)
+        if rec and rec.get("restart"):
+            self.engine.set_restart(origin["Id"], rec["restart"])
+        event("server_start", container=self.c.name, id=origin["Id"][:12], origin=True)
+        self.engine.start(origin["Id"])
+        doc = self.engine.inspect(origin["Id"])
+        self._started = {"id": origin["Id"], "restarts": doc.get("RestartCount", 0)}
+        write_json(self.c.server_path(), {"config": self._origin_cfg(origin, True), "container_id": None,
+                                          "origin_serving": True, "started_at": now()})
+        return {"container": self.c.name, "id": origin["Id"], "pid": (doc.get("State") or {}).get("Pid")}
+
+    def _park(self, origin):
+        """The origin stopped, renamed, its restart policy "no" until it serves again."""
+        if not self.c.origin():
+            root = self.c.in_container_tree()
+            if not root and (origin.get("State") or {}).get("Running"):
+                root = self.c.container_root(origin, self.cfg.get("sglang_root"))
+            self.c.record_origin(origin, root or "")
+        if (origin.get("State") or {}).get("Running"):
+            self.engine.stop(origin["Id"], self.cfg.get("stop_timeout") or 60)
+        if ((origin.get("HostConfig") or {}).get("RestartPolicy") or {}).get("Name") not in (None, "", "no"):
+            self.engine.set_restart(origin["Id"], {"Name": "no", "MaximumRetryCount": 0})
+        if origin.get("Name", "").lstrip("/") == self.c.name:
+            self.engine.rename(origin["Id"], self.c.name + PARKED)
+        event("container_parked", container=self.c.name, id=origin["Id"][:12], parked_as=self.c.name + PARKED)
+
+    def _serve_ours(self, cfg, origin):
+        mounts = self._mounts(cfg)
+        cfg["mounts"] = mounts
+        digest = config_digest(cfg)
+        named = self.c.named()
+        if named and named["Id"] != origin["Id"]:
+            if self.c.kind_of(named) != "ours":
+                raise AgentError("attention", "container %r is not patchctl's nor the one it replaced (id %s, image "
+                                 "%s): not replacing it. Remove or rename it, or roll this host back" % (
+                                     self.c.name, named["Id"][:12], (named.get("Config") or {}).get("Image")))
+            if (named["Config"].get("Labels") or {}).get(LABEL_CONFIG) == digest:
+                return self._run(named["Id"], cfg)  # the same config: the same container, started again
+            self.engine.remove(named["Id"])
+        self._park(self.engine.inspect(origin["Id"]) or origin)
+        body = create_body(origin, cfg["argv"], cfg.get("env") or {}, mounts,
+                           {LABEL: "1", LABEL_ORIGIN: origin["Id"], LABEL_CONFIG: digest})
+        cid = self.engine.create(self.c.name, body)
+        event("container_created", container=self.c.name, id=cid[:12], image=origin.get("Image"))
+        return self._run(cid, cfg)
+
+    def _run(self, cid, cfg):
+        write_json(self.c.server_path(), {"config": cfg, "container_id": cid, "started_at": now()})
+        self.engine.start(cid)
+        doc = self.engine.inspect(cid)
+        self._started = {"id": cid, "restarts": doc.get("RestartCount", 0)}
+        event("server_start", container=self.c.name, id=cid[:12], argv=cfg["argv"])
+        return {"container": self.c.name, "id": cid, "pid": (doc.get("State") or {}).get("Pid")}
+
+
+def create_body(origin, argv, env, mounts, labels):
+    """The origin's own Config and HostConfig (as inspect reports them) with another command, env and mounts."""
+    c = origin.get("Config") or {}
+    keep = ("Hostname", "Domainname", "User", "AttachStdin", "AttachStdout", "AttachStderr", "ExposedPorts", "Tty",
+            "OpenStdin", "StdinOnce", "WorkingDir", "Volumes", "StopSignal", "StopTimeout", "Healthcheck", "Shell")
+    body = dict((k, c[k]) for k in keep if c.get(k) is not None)
+    entry = list(c.get("Entrypoint") or [])
+    if entry and argv[:len(entry)] == entry:
+        body["Entrypoint"], body["Cmd"] = entry, argv[len(entry):]
+    else:
+        body["Entrypoint"], body["Cmd"] = argv[:1], argv[1:]
+    have = env_of(origin)
+    have.update(env)
+    body["Env"] = ["%s=%s" % kv for kv in have.items()]
+    body["Image"] = origin.get("Image")  # the image id: the same image, even if its tag moved since
+    body["Labels"] = dict(c.get("Labels") or {}, **labels)
+    host = json.loads(json.dumps(origin.get("HostConfig") or {}))
+    host["Binds"] = list(host.get("Binds") or []) + ["%s:%s:%s" % (m["Source"], m["Target"], "ro" if m["ro"] else "rw")
+                                                      for m in mounts]
+    body["HostConfig"] = host
+    nets = ((origin.get("NetworkSettings") or {}).get("Networks") or {})
+    mode = host.get("NetworkMode") or "default"
+    if nets and mode not in ("host", "none") and not mode.startswith("container:"):
+        body["NetworkingConfig"] = {"EndpointsConfig": dict(
+            (n, {"Aliases": v.get("Aliases"), "IPAMConfig": v.get("IPAMConfig")}) for n, v in nets.items())}
+    return body
+
+
+def origin_argv(state_dir, srv):
+    """The command the operator's container runs (its entrypoint and command), the base every deploy adds to."""
+    return argv_of(Containers(state_dir, srv).origin_doc())
+
+
+def tree_digest(pkg):
+    """sha256 over a package directory: every path, its mode and its bytes, in sorted order (no __pycache__)."""
+    h = hashlib.sha256()
+    for d, dirs, files in os.walk(pkg):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        for name in sorted(files):
+            p = os.path.join(d, name)
+            h.update(("%s\0%o\0" % (os.path.relpath(p, pkg), os.lstat(p).st_mode)).encode())
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def derive_image(c, manifest, repo=None):
+    """The Kubernetes step (docs/design.md "SGLang in containers"): a new image = the operator's image with the
+    deployed sglang/ over its own, tagged `<repo>:<series>-<version>-<digest12>`, for a team to push to its
+    registry and roll out. A container is created from the image (never started), the tree copied into it
+    through the archive endpoint, committed with the image's own config, and removed."""
+    rec = c.origin()
+    if not rec:
+        raise AgentError("bad_input", "container %r: patchctl has not deployed here (no record of the operator's "
+                         "container)" % c.name)
+    pkg = os.path.join(c.tree_root, "sglang")
+    for rel, f in manifest.files.items():
+        if f.applied is None:  # the archive endpoint adds and replaces files; it cannot take one away
+            raise AgentError("bad_input", "%s %s removes %s: an image layer made by copying cannot remove it" % (
+                manifest.series, manifest.version, rel))
+    digest = tree_digest(pkg)
+    base = c.engine.image(rec["image"])
+    if base is None:
+        raise AgentError("bad_input", "the operator's image %s is no longer on this host" % rec["image"])
+    repo = repo or "patchctl/%s" % c.name
+    tag = "%s-%s-%s" % (manifest.series, manifest.version, digest[:12])
+    body = dict((k, v) for k, v in (base.get("Config") or {}).items() if v is not None)
+    body["Image"] = rec["image"]
+    body["Labels"] = dict(body.get("Labels") or {}, **{
+        "io.patchctl.series": manifest.series, "io.patchctl.version": manifest.version,
+        "io.patchctl.tree": digest, "io.patchctl.base": rec["image"]})
+    cid = c.engine.create("%s.patchctl-image-%d" % (c.name, os.getpid()), body)
+    try:
+        buf = tempfile.TemporaryFile()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(pkg, arcname="sglang", filter=lambda ti: None if "__pycache__" in ti.name.split("/") else ti)
+        buf.seek(0)
+        c.engine.put_archive(cid, rec["sglang_root"], buf)
+        _, made = c.engine.call("POST", "/commit?container=%s&repo=%s&tag=%s&comment=%s" % (
+            _q(cid), _q(repo), _q(tag), _q("patchctl: %s %s over %s" % (manifest.series, manifest.version,
+                                                                       rec["image"][:19]))), body)
+    finally:
+        c.engine.remove(cid)
+    event("container_image", container=c.name, image=made["Id"][:19], tag="%s:%s" % (repo, tag))
+    return {"image": made["Id"], "tag": "%s:%s" % (repo, tag), "base": rec["image"], "series": manifest.series,
+            "version": manifest.version, "tree_digest": digest}
