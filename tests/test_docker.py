@@ -164,6 +164,11 @@ def test_deploy_into_a_container_keeps_every_setting_survives_docker_restart_and
     assert_origin_back(f, h, before)
     hist = f.json("history", "--limit", h.name)[1][0]["history"]
     assert [e["op"] for e in hist][-2:] == ["deploy", "rollback"]
+    # each entry says which container served after it, from which image
+    dep, rb = hist[-2]["container"], hist[-1]["container"]
+    assert (dep["serving"], dep["id"], dep["image"]) == ("patchctl", ours["Id"], was["Image"]), dep
+    assert (rb["serving"], rb["id"], rb["image"]) == ("origin", was["Id"], was["Image"]), rb
+    assert "container " + name in f.patchctl("history", "--limit", h.name).stdout
 
 
 def test_a_container_recreated_from_the_pristine_image_is_reported_not_deployed(df):

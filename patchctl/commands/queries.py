@@ -229,7 +229,11 @@ def _history_rows(d: dict) -> list[tuple[str, ...]]:
         label = f"{what.get('series') or ''} {what.get('version') or ''}".strip()
         if h.get("drafter"):  # a drafter deploy or rollback: the drafter it left serving
             label = f"drafter {h['drafter']['digest'][:12]}"
-        rows.append((str(h.get("id", "")), str(h.get("time", "")), str(h.get("op", "")), label, str(h.get("outcome", "")),
+        outcome = str(h.get("outcome", ""))
+        c = h.get("container")
+        if c:  # a container host: which container served after the step, from which image
+            outcome += f" [{container_words(dict(c, id=None))} {(c.get('id') or '')[:12]}]".replace(" ]", "]")
+        rows.append((str(h.get("id", "")), str(h.get("time", "")), str(h.get("op", "")), label, outcome,
                      str(h.get("reason") or ""), str(h.get("run_id", ""))))
     return rows
 

@@ -104,10 +104,13 @@ class Agent(DeployOps):
         if self._tree is None:
             srv = self.req.get("server") or {}
             if is_container_manager(srv.get("manager")):  # patchctl's copy of the container's sglang/
-                root = Containers(self.state_dir, srv).tree(self.req.get("sglang_root", "auto"), self.read_only)
+                containers = Containers(self.state_dir, srv)
+                root = containers.tree(self.req.get("sglang_root", "auto"), self.read_only)
             else:
-                root = locate_tree(self.req.get("sglang_root", "auto"))
+                containers, root = None, locate_tree(self.req.get("sglang_root", "auto"))
             self._tree = TreeState(self.state_dir, root, create=not self.read_only)
+            if containers:
+                self._tree.annotate = containers.serving
         return self._tree
 
     def take_locks(self):

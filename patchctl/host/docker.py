@@ -242,6 +242,18 @@ class Containers(object):
         self.tree_root = os.path.join(self.dir, "tree")
 
     # the origin ---------------------------------------------------------
+    def serving(self):
+        """What serves under the name now, for the history: name, id, image id, and whose it is."""
+        try:
+            doc = self.named()
+        except AgentError:
+            return None
+        if doc is None:
+            return {"name": self.name, "serving": "missing"}
+        return {"name": self.name, "id": doc["Id"], "image": doc.get("Image"), "serving": {
+            "ours": "patchctl", "origin": "origin", "foreign": "foreign"}[self.kind_of(doc)],
+            "running": bool((doc.get("State") or {}).get("Running"))}
+
     def origin(self):
         """origin.json: the operator's container as first seen (inspect document, restart policy, tree path)."""
         return read_json(self.origin_path)

@@ -198,6 +198,7 @@ class HistoryEntry(Record):
     files: list = None
     server: object = None  # rollback: what became of the server (words)
     drafter: dict = None  # drafter-deploy / drafter-rollback: the drafter deployed or returned to (drafter.summary)
+    container: dict = None  # a container host: what served under the name after the step (host/docker.py)
     NESTED = {"state": Snapshot, "holder": Holder, "from_": SeriesRef, "to": SeriesRef}
     RENAMED = {"from_": "from"}
 

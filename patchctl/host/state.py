@@ -90,6 +90,8 @@ def makedirs_like_parent(d):
 
 
 class TreeState(object):
+    annotate = None  # a container host's agent: () -> what serves now, recorded in each history entry
+
     def __init__(self, state_dir, root, create=True):
         """`create`: make the tree's directories and tree.json; False (a read-only op) reads what is
         there, and a tree never deployed to reads as clean (no manifest, lock, journal or history)."""
@@ -162,6 +164,8 @@ class TreeState(object):
             entry.id = "%s-%04d" % (time.strftime("%Y%m%dT%H%M%S"), self._history_lines() + 1)
         if entry.time is None:
             entry.time = now()
+        if entry.container is None and self.annotate is not None:
+            entry.container = self.annotate()
         with open(self.history_path, "a") as f:
             f.write(json.dumps(entry.to_wire(), sort_keys=True) + "\n")
             f.flush()
