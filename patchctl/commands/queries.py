@@ -12,12 +12,10 @@ The steps that change hosts (apply, rollback, smoke) are in `deploy`.
 
 from __future__ import annotations
 
-import os
 import shlex
-import sys
 
 from patchctl.core.console import App, table
-from patchctl.core.inventory import CONTROLLER_PYTHON, Host
+from patchctl.core.inventory import Host
 from patchctl.core.options import QueryOptions
 from patchctl.core.preflight import Reachability
 from patchctl.core.redact import MASK
@@ -328,7 +326,7 @@ def run_plan(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
         r = s.call("probe", series=sreq, capture_layers=s.host.server.capture_layers)
         d = plan_host(series, s.host, r)
-        d["restart_config"] = restart_preview(s, series, r) if d["restart"] != "no" else None
+        d["restart_config"] = r.get("launch") if d["restart"] != "no" else None  # as the host renders it
         arch = d.get("model_arch")
         if arch:
             v = reach.verdict(arch)
@@ -358,41 +356,6 @@ def file_diffs(series: Series) -> dict[str, str]:
             path = pf.path
             out.setdefault(path, []).append(str(pf) if len(series.patches) == 1 else f"# {p.file}\n{pf}")
     return {path: "".join(parts) for path, parts in out.items()}
-
-
-def restart_preview(s: HostSession, series: Series, probe: dict) -> dict:
-    """The server command line and env a restart would run, rendered as the agent renders them
-    (placeholders as single shell words, then split into argv; the series' flags and env added).
-    A `~` in a remote host's paths is left for the host (its login user's home)."""
-    h, srv = s.host, s.host.server
-    local = h.connection == "local"
-
-    def here(path: str) -> str:
-        return os.path.abspath(os.path.expanduser(path)) if local or not path.startswith("~") else path
-
-    python = sys.executable if h.python == CONTROLLER_PYTHON else h.python
-    values = {"python": here(python) if python.startswith("~") else python, "port": srv.port, "host": srv.host,
-              "state_dir": here(h.state_dir)}
-    if "{sglang_root}" in srv.command:
-        values["sglang_root"] = probe.get("root") or h.sglang_root
-    try:
-        argv = shlex.split(srv.command.format(**{k: shlex.quote(str(v)) for k, v in values.items()})) if srv.command else []
-    except (KeyError, IndexError, ValueError) as e:
-        argv = [f"<server command {srv.command!r}: unknown placeholder {e}>"]
-
-    def fill(text: str) -> str:
-        for k, v in values.items():
-            text = text.replace("{" + k + "}", str(v))
-        return text
-
-    extra = list(series.smoke.server_args)
-    layers = srv.capture_layers or (list(series.smoke.layers) if series.smoke.layers else None)
-    if layers:
-        extra += [series.smoke.layers_arg] + [str(x) for x in layers]
-    env = {k: fill(str(v)) for k, v in srv.env.items()}
-    env.update({k: fill(str(v)) for k, v in series.smoke.env.items()})
-    return {"manager": srv.manager, "unit": srv.unit, "argv": argv + extra, "env": env, "log": here(srv.log),
-            "host_expands_home": any("~" in str(x) for x in [*argv, *env.values()])}
 
 
 def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
@@ -435,8 +398,9 @@ def _plan_rows(d: dict, m) -> list[tuple[str, str]]:
         rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
         if rc["manager"] == "systemd":
             rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
-        if rc["host_expands_home"]:
-            rows.append(("", "(~ is the home directory of the login user on the host)"))
+        if rc.get("container"):
+            rows.append(("container", f"{rc['manager']}: a container made from {rc['container']}'s own config with the "
+                                      "command and env above, the patched tree mounted read-only"))
     rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
     return rows
 

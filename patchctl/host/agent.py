@@ -200,7 +200,8 @@ class Agent(DeployOps):
         mgr, cfg = self.base_manager()
         f["server"] = self._server_status(mgr, cfg)
         if self.req.get("series"):
-            f["config_change"] = self._config_change(mgr, (self.req["series"].get("smoke") or None))
+            f["launch"] = self._wanted(self.req["series"].get("smoke") or None)
+            f["config_change"] = config_change(mgr.current_config(), f["launch"]) if f["launch"] else None
         f["free_bytes"] = shutil.disk_usage(existing_ancestor(self.state_dir)).free
         f["model_arch"] = model_arch_of(cfg["argv"])
         if self.req.get("series"):
@@ -226,15 +227,19 @@ class Agent(DeployOps):
                 out["health"] = "unreachable: %s" % e
         return out
 
-    def _config_change(self, mgr, profile):
-        """How the running server differs from what the inventory, this profile (the deployed series') and
-        the deployed drafter would start now (server.config_change), or None."""
+    def _wanted(self, profile):
+        """The config the inventory, this profile (the deployed series') and the deployed drafter would start
+        now, or None when it cannot start at all (apply's checks say why)."""
         layers = self.req.get("capture_layers") or (profile or {}).get("layers")
         try:
-            wanted = self.server_cfg(profile, layers)
-        except AgentError:  # a configuration that cannot start at all: apply's checks say why
+            return self.server_cfg(profile, layers)
+        except AgentError:
             return None
-        return config_change(mgr.current_config(), wanted)
+
+    def _config_change(self, mgr, profile):
+        """How the running server differs from what would start now (server.config_change), or None."""
+        wanted = self._wanted(profile)
+        return config_change(mgr.current_config(), wanted) if wanted else None
 
     @handles("status")
     def op_status(self):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .records import HistoryEntry, Holder, Journal, Manifest, SeriesRef, Snapshot
+from .records import HistoryEntry, Holder, Journal, LaunchConfig, Manifest, SeriesRef, Snapshot
 from .wire import Record
 
 
@@ -49,7 +49,8 @@ class ProbeAnswer(Facts):
     free_bytes: int = None
     model_arch: str = None
     capture_refusals: list = None
-    NESTED = dict(Facts.NESTED, journal=Journal)
+    launch: LaunchConfig = None  # with a series: the config a restart would start (plan prints it)
+    NESTED = dict(Facts.NESTED, journal=Journal, launch=LaunchConfig)
 
 
 @dataclass

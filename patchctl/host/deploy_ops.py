@@ -20,7 +20,7 @@ from . import applier
 from .dispatch import handles
 from .events import AgentError, ControllerGone, event
 from .osutil import existing_ancestor, expand, now, sha256_bytes, sha256_file, write_json
-from .records import FileRecord, HistoryEntry, Manifest, Meta, PatchRef, Profile, SeriesRef
+from .records import FileRecord, HistoryEntry, Manifest, Meta, PatchRef, Profile, SeriesRef, launch_config
 from .server import config_change, manager_for, prepare_dump_dir, wait_ready
 from .smoke import smoke
 from .state import file_meta, new_file_meta
@@ -295,8 +295,7 @@ class DeployOps(object):
     def _restart(self, then):
         """`then`: a one-node deploy's next step in the same command ("smoke" or "finalize")."""
         if self.req.get("config"):  # an exact earlier config (multi-node rollback)
-            cfg = dict(self.req["config"])
-            cfg.pop("running", None)
+            cfg = dict(launch_config(self.req["config"]), running=None)
         else:
             cfg = self.server_cfg(self.req.get("profile"), self.req.get("capture_layers"))
         mgr = manager_for(self.state_dir, cfg)
@@ -409,7 +408,7 @@ class DeployOps(object):
     @handles("wait_ready")
     def op_wait_ready(self):
         if self.req.get("config"):
-            cfg = dict(self.req["config"])
+            cfg = launch_config(self.req["config"])
         else:
             cfg = self.server_cfg(self.req.get("profile"), self.req.get("capture_layers"))
         mgr = manager_for(self.state_dir, cfg)
@@ -530,7 +529,7 @@ class DeployOps(object):
         before = m.server if m else None
         if restart == "stop":  # a multi-node unit: the controller restarts the nodes in order
             if before is not None:
-                mgr = manager_for(self.state_dir, dict(before))
+                mgr = manager_for(self.state_dir, launch_config(before))
                 out["stop"] = mgr.stop()
             out["server_before"] = before
         elif restart:
@@ -545,8 +544,7 @@ class DeployOps(object):
         """Restart exactly the config in force before the deploy; prove it healthy (and smoke the old series)."""
         if before is None:
             return {"server": "not restarted (the deploy being undone did not restart it)"}
-        cfg = dict(before)
-        cfg.pop("running", None)
+        cfg = dict(launch_config(before), running=None)
         mgr = manager_for(self.state_dir, cfg)
         mgr.stop()
         if not before.get("running"):

@@ -32,6 +32,7 @@ import tempfile
 
 from .events import AgentError, event
 from .osutil import now, read_json, write_json
+from .records import launch_config
 
 MANAGERS = ("docker", "podman")
 DEFAULT_SOCKETS = {"docker": "/var/run/docker.sock", "podman": "/run/podman/podman.sock"}
@@ -451,7 +452,7 @@ class DockerManager(object):
         kind = self.c.kind_of(doc)
         if kind == "ours":
             rec = read_json(self.c.server_path())
-            return dict(rec["config"], running=running, container_id=doc["Id"], image_id=doc.get("Image"))
+            return dict(launch_config(rec["config"]), running=running, container_id=doc["Id"], image_id=doc.get("Image"))
         if kind == "origin":
             return self._origin_cfg(doc, running)
         rec = self.c.origin() or {}
@@ -556,7 +557,7 @@ class DockerManager(object):
         self.engine.start(origin["Id"])
         doc = self.engine.inspect(origin["Id"])
         self._started = {"id": origin["Id"], "restarts": doc.get("RestartCount", 0)}
-        write_json(self.c.server_path(), {"config": self._origin_cfg(origin, True), "container_id": None,
+        write_json(self.c.server_path(), {"config": launch_config(self._origin_cfg(origin, True)), "container_id": None,
                                           "origin_serving": True, "started_at": now()})
         return {"container": self.c.name, "id": origin["Id"], "pid": (doc.get("State") or {}).get("Pid")}
 
@@ -596,7 +597,7 @@ class DockerManager(object):
         return self._run(cid, cfg)
 
     def _run(self, cid, cfg):
-        write_json(self.c.server_path(), {"config": cfg, "container_id": cid, "started_at": now()})
+        write_json(self.c.server_path(), {"config": launch_config(cfg), "container_id": cid, "started_at": now()})
         self.engine.start(cid)
         doc = self.engine.inspect(cid)
         self._started = {"id": cid, "restarts": doc.get("RestartCount", 0)}

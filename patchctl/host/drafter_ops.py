@@ -15,6 +15,7 @@ from .drafter import DEFAULTS, draft_dir, faking_env, read_record, summary, writ
 from .events import AgentError, event
 from .osutil import now
 from .protocol import HistoryEntry
+from .records import launch_config
 from .server import build_server_config, manager_for, wait_ready
 
 def _history(agent, op, outcome, rec, reason=None):
@@ -108,14 +109,14 @@ def _back(agent, rec, to, reason):
     state_dir = agent.state_dir
     target = rec.get("previous") if to == "previous" else None
     if to == "previous" and rec.get("server_before") is not None:
-        cfg = dict(rec["server_before"])
+        cfg = launch_config(rec["server_before"])
     else:
         _m, profile = agent._deployed()
         cfg = build_server_config(agent.req, profile, None, drafter=target)
         cfg["running"] = True
     write_record(state_dir, target)
     cfg_run = dict(cfg)
-    running = cfg_run.pop("running", True)
+    running = cfg_run.pop("running", None) is not False  # a config recorded without it ran
     mgr = manager_for(state_dir, cfg_run)
     out = {"changed": True, "to": summary(target), "from": summary(rec), "stop": mgr.stop()}
     if not running:

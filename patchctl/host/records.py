@@ -105,6 +105,50 @@ class ServerSpec(Record):
 
 
 @dataclass
+class LaunchConfig(Record):
+    """A server's launch configuration, the one shape of it: what `server.build_server_config` renders from the
+    inventory's `ServerSpec` plus the deployed series' capture profile or drafter, what a manager starts, what
+    `server.json` records of the server patchctl started, what a manifest keeps as the config in force before
+    a deploy (`server_before`) and a rollback starts again exactly, and what `current_config` reports of the
+    server found running. Held as its wire form (a dict) by the code that reads it; every record that enters or
+    leaves the host's files goes through `launch_config()`, so a config of any other shape is refused."""
+
+    manager: str = "process"  # process | systemd | docker | podman
+    argv: list = field(default_factory=list)  # the whole command line (a container's: entrypoint + command)
+    extra_args: list = field(default_factory=list)  # the flags the profile or drafter added to the inventory's
+    env: dict = field(default_factory=dict)  # the inventory's env plus the profile's (a process: beside its own)
+    log: str = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    unit: str = None  # systemd
+    dropin: str = None  # systemd: the drop-in patchctl wrote (None: none)
+    start_timeout: float = 1800.0
+    stop_timeout: float = 60.0
+    series: str = None  # the capture series whose profile this is
+    profile: dict = None  # that profile (series.toml [smoke])
+    capture_layers: list = None
+    drafter: str = None  # the digest of the drafter it speculates with
+    container: str = None  # docker | podman: the name that serves
+    socket: str = None
+    sglang_root: str = None  # docker | podman: the directory inside the container that contains sglang/
+    mounts: list = None  # docker | podman: the bind mounts patchctl added ({Source, Target, ro})
+    # what was found serving (current_config), never part of what is started:
+    running: bool = None
+    adopted_pid: int = None  # a process patchctl did not start, found on the port
+    origin: bool = None  # docker | podman: the operator's own container
+    container_id: str = None
+    image_id: str = None
+    foreign: bool = None  # a container under the name that is neither patchctl's nor the operator's first
+    missing: bool = None  # no container under the name
+    origin_id: str = None
+
+
+def launch_config(data):
+    """A launch config checked against its one shape (ProtocolError for any other), as its wire form."""
+    return None if data is None else LaunchConfig.from_wire(data).to_wire()
+
+
+@dataclass
 class Holder(Record):
     """Who holds a tree's lock (`lock.json`): the run, and where its process is."""
 

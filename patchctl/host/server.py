@@ -26,6 +26,7 @@ from .docker import DockerManager, is_container_manager, origin_argv
 from .drafter import draft_dir, refusal_with_capture, speculative_args
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail, now, pid_alive, proc_cmdline, proc_start_time, read_json, write_json
+from .records import LaunchConfig, launch_config
 from .tree import locate_tree
 
 HEALTH_PATH = "/health_generate"
@@ -79,15 +80,14 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
         if refused:
             raise AgentError("bad_input", refused)
         extra = extra + speculative_args(srv.get("speculative"), draft_dir(state_dir, drafter["digest"]))
-    return {"manager": srv.get("manager", "process"), "argv": argv + extra, "extra_args": extra, "env": env,
-            "log": expand(srv.get("log") or os.path.join(state_dir, "server.log")),
-            "host": srv["host"], "port": int(srv["port"]), "unit": srv.get("unit"),
-            "start_timeout": float(srv.get("start_timeout") or 1800),
-            "stop_timeout": float(srv.get("stop_timeout") or 60),
-            "series": series, "profile": profile, "capture_layers": capture_layers,
-            "drafter": drafter and drafter["digest"],
-            **({"container": srv.get("container"), "socket": srv.get("socket"),
-                "sglang_root": req.get("sglang_root", "auto")} if container else {})}
+    return LaunchConfig(
+        manager=srv.get("manager", "process"), argv=argv + extra, extra_args=extra, env=env,
+        log=expand(srv.get("log") or os.path.join(state_dir, "server.log")), host=srv["host"], port=int(srv["port"]),
+        unit=srv.get("unit"), start_timeout=float(srv.get("start_timeout") or 1800),
+        stop_timeout=float(srv.get("stop_timeout") or 60), series=series, profile=profile,
+        capture_layers=capture_layers, drafter=drafter and drafter["digest"],
+        container=srv.get("container") if container else None, socket=srv.get("socket") if container else None,
+        sglang_root=req.get("sglang_root", "auto") if container else None).to_wire()
 
 
 def config_change(running, wanted):
@@ -218,7 +218,7 @@ class ProcessManager(object):
         """The config in force now, for a later rollback: what we started, or what runs on the port."""
         pid, rec = self.running_pid()
         if rec:
-            return dict(rec["config"], running=True)
+            return dict(launch_config(rec["config"]), running=True)
         if pid:
             argv = proc_cmdline(pid) or []
             env = {}
@@ -299,7 +299,7 @@ class ProcessManager(object):
                                         env=env, cwd=os.path.expanduser("~"), start_new_session=True, close_fds=True)
             except OSError as e:
                 raise AgentError("failed", "cannot start server %s: %s" % (cfg["argv"][0] if cfg["argv"] else "?", e))
-        rec = {"config": dict((k, v) for k, v in cfg.items() if k not in ("running",)), "pid": proc.pid,
+        rec = {"config": launch_config(dict((k, v) for k, v in cfg.items() if k not in ("running",))), "pid": proc.pid,
                "pgid": proc.pid, "start_time": proc_start_time(proc.pid), "started_at": now()}
         write_json(self.path, rec)
         event("server_start", pid=proc.pid, argv=cfg["argv"])
@@ -355,7 +355,7 @@ class SystemdManager(object):
             dropin = None
         rec = read_json(server_state_path(self.state_dir)) or {}
         if rec.get("config") and rec["config"].get("dropin") == dropin and dropin is not None:
-            cfg = dict(rec["config"])
+            cfg = launch_config(rec["config"])
         else:
             cfg = dict(self.cfg, argv=[], extra_args=[], env={}, series=None, profile=None, capture_layers=None)
         cfg["dropin"] = dropin
@@ -397,7 +397,7 @@ class SystemdManager(object):
             os.unlink(self.dropin)  # patchctl's own file: the unit as it was before any deploy
         self._ctl("daemon-reload")
         self._ctl("restart", self.unit)
-        write_json(server_state_path(self.state_dir), {"config": cfg, "started_at": now()})
+        write_json(server_state_path(self.state_dir), {"config": launch_config(cfg), "started_at": now()})
         event("server_start", unit=self.unit)
         self.cfg = cfg
         return {"unit": self.unit}
