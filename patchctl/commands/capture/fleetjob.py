@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from patchctl.core import remote
-from patchctl.commands.capture.journal import Journal
+from patchctl.commands.capture.journal import CAPTURE_COUNTS, Journal
 from patchctl.commands.capture.progress import Progress
 from patchctl.core.console import App
 from patchctl.core.rollout import parse_max_fail
@@ -288,11 +288,13 @@ class CaptureRun:
                 "bytes": ev["bytes"], "tokens": ev["tokens"]}
 
     @classmethod
-    def host_request(cls, opts: CaptureOptions, name: str, s) -> dict:
+    def host_request(cls, opts: CaptureOptions, name: str, s, stale: list[str] = ()) -> dict:
         """The long-running agent op each unit's head runs (s: its HostSession), started before the run's
-        checks (start_hosts): its probe, then the work."""
+        checks (start_hosts): its probe, then the work. `stale`: the rids earlier invocations sent this host
+        and it never verified (its agent removes their files at its first sample)."""
         host = s.host
         return s.request("capture", capture_run=name, in_flight=opts.in_flight, keep_free=opts.keep_free,
+                         stale=list(stale) or None,
                          request_timeout=opts.request_timeout, capture_layers=host.server.capture_layers,
                          hidden_size=host.server.hidden_size,
                          # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
@@ -334,6 +336,9 @@ class CaptureRun:
     # results from the hosts ------------------------------------------------------------------
     def on_event(self, lane: Lane, ev: dict) -> None:
         kind = ev.get("event")
+        if kind == "stale_swept":  # the host holds nothing an earlier invocation left: the journal forgets it
+            self.journal.append({"rec": "swept", "host": lane.host.name, "removed": ev.get("removed")})
+            return
         if kind not in ("sample_done", "sample_failed", "sample_returned", "host_stopped"):
             return
         with self.lock:
@@ -445,15 +450,18 @@ def restart_hint(app: App, down: list[str]) -> str:
 
 
 def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
-            skipped: dict[str, str], down: list[str], job: type = None, tokenizer_check: dict | None = None) -> int:
+            skipped: dict[str, str], down: list[str], job: type = None, tokenizer_check: dict | None = None,
+            state=None) -> int:
     """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass) on the
     lanes start_hosts gave (their ops wait for work); `tokenizer_check`: what check_tokenizer made of the
-    dataset, for the summary."""
+    dataset, for the summary; `state`: the journal's light fold (Journal.state(counts)) when the caller has it."""
     journal = Journal(directory)
-    done = journal.state().done
+    job = job or CaptureRun
+    counts = CAPTURE_COUNTS if job is CaptureRun else {"tokens": lambda r: int(r.get("tokens") or 0)}
+    done = (state if state is not None else journal.state(counts)).done  # light: the done ids and their hosts
     todo = [s for s in ds.samples if s.id not in done]
     resumed = len(ds.samples) - len(todo)
-    job = job or CaptureRun
+    del done, state
     progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
                                 hosts=[l.host.name for l in lanes], log_dir=opts.log_dir)
     progress.tokenizer_check = tokenizer_check
@@ -472,13 +480,15 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
                 end_hosts(run, lanes)
         except KeyboardInterrupt:
             interrupted = True
-    final = journal.state()
+    final = journal.state(counts)
     failed = dict(final.failed)
     pending = sum(1 for s in ds.samples if s.id not in final.done and s.id not in failed)
     code = 130 if interrupted or cr.stopping == "Ctrl-C" else (0 if not pending and not failed else 1)
     journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
                     "done": len(final.done), "failed": len(failed), "pending": pending})
     journal.close()
+    if job is CaptureRun:  # `capture status` reads this while the journal stays as it is now
+        journal.write_summary(final)
     output = cr.finish()
     down = down + [l.host.name for l in lanes if l.server_down]
     progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,

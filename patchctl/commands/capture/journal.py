@@ -20,8 +20,18 @@ Records (every one has "rec" and "t"):
     {"rec": "run",    "event": "start"|"end", ...}              one invocation's start and end; a start
                                                                 names the "command" that resumes the run
 
+    {"rec": "swept",  "host"}                                   that host's agent removed what earlier
+                                                                (killed) invocations left of the run there
+
 A sample is done once a "done" record exists for it (the first one counts; a later one for the same id
 is a duplicate the summary reports). Everything else about it is derived from the last record.
+
+The journal is read a line at a time (`records()` is a generator; no list of every record), and folded
+(`state()`) into what the caller needs: `state()` keeps every first "done" record (collect reads them);
+`state(counts=...)` keeps only the done ids with their host and sums `counts` per host (status, resume:
+a few dozen bytes per sample). Each `capture run` invocation ends by writing `summary.json`, the light
+fold of the whole journal with the journal's size: `capture status` of a run whose journal has not
+grown since reads that, not the journal (a killed invocation's journal is folded).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,11 +84,23 @@ class RunState:
     hosts: dict[str, dict] = field(default_factory=dict)      # host -> last "host" record
     invocations: int = 0
     last_start: dict | None = None  # the last invocation's "run" start record
+    # id -> {host: invocation} for samples sent to a host that has not verified them and not swept since:
+    # what a killed invocation may have left in that host's dump directory (`stale(host)`)
+    sent_to: dict[str, dict[str, int]] = field(default_factory=dict)
+    per_host: dict[str, dict] | None = None  # state(counts=...): host -> {"done": n, key: sum, ...}
+    done_count: int | None = None  # a summary's: the number of done samples (its `done` holds no ids)
 
     def in_flight(self) -> set[str]:
         """Sent and neither done nor finally failed nor returned since (for a crashed invocation:
         what may have been sent twice)."""
         return {i for i in self.last_sent if i not in self.done and i not in self.failed}
+
+    def n_done(self) -> int:
+        return self.done_count if self.done_count is not None else len(self.done)
+
+    def stale(self, host: str) -> list[str]:
+        """The ids an earlier invocation sent to `host` that it never verified there (and has not swept since)."""
+        return [sid for sid, hosts in self.sent_to.items() if host in hosts]
 
 
 @dataclass
@@ -107,11 +130,17 @@ def tally(info: dict, st: RunState, total: int, blank: dict, counts: dict) -> Ta
 
     for host in info.get("hosts") or {}:
         h(host)
-    for r in st.done.values():
-        x = h(r.get("host"))
-        x["done"] += 1
-        for key, of in counts.items():
-            x[key] += of(r)
+    if st.per_host is not None:  # a light fold: the sums are its own
+        for host, sums in st.per_host.items():
+            x = h(host)
+            for key in ["done", *counts]:
+                x[key] += sums.get(key, 0)
+    else:
+        for r in st.done.values():
+            x = h(r.get("host"))
+            x["done"] += 1
+            for key, of in counts.items():
+                x[key] += of(r)
     for r in st.failed.values():
         h(r.get("host"))["failed"] += 1
     in_flight = st.in_flight()
@@ -119,8 +148,8 @@ def tally(info: dict, st: RunState, total: int, blank: dict, counts: dict) -> Ta
         h(st.last_sent[sid].get("host"))["in_flight"] += 1
     for host, r in st.hosts.items():
         h(host).update(state=r.get("state"), reason=r.get("reason"))
-    pending = max(0, total - len(st.done) - len(st.failed))
-    return Tally(hosts, len(st.done), len(st.failed), pending, len(in_flight), pending == 0 and not st.failed,
+    pending = max(0, total - st.n_done() - len(st.failed))
+    return Tally(hosts, st.n_done(), len(st.failed), pending, len(in_flight), pending == 0 and not st.failed,
                  [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()])
 
 
@@ -221,48 +250,130 @@ class Journal:
             self._dirty.clear()
 
     # reading -------------------------------------------------------------------------------
-    def records(self) -> list[dict]:
+    def records(self, offset: int = 0):
+        """The journal's records, a line at a time (from byte `offset`, a line's start); a torn line is skipped."""
         try:
-            raw = self.path.read_bytes()
+            f = open(self.path, "rb")
         except FileNotFoundError:
-            return []
-        out = []
-        for line in raw.split(b"\n"):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a torn line from a crash: the record was never acted on
-            if isinstance(rec, dict) and "rec" in rec:
-                out.append(rec)
-        return out
+            return
+        with f:
+            if offset:
+                f.seek(offset)
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn line from a crash: the record was never acted on
+                if isinstance(rec, dict) and "rec" in rec:
+                    yield rec
 
-    def state(self) -> RunState:
+    def state(self, counts: dict | None = None) -> RunState:
+        """The journal folded, read once. `counts` (key -> its value in one "done" record): a light fold,
+        `done` maps each done id to its host only and `per_host` sums each key over the first "done"
+        records; a duplicate then names its first's host (its path: `first_paths`)."""
         st = RunState()
+        light = counts is not None
+        if light:
+            st.per_host = {}
+        invocation = 0
+        done, failed, last_sent, sent_to = st.done, st.failed, st.last_sent, st.sent_to
         for r in self.records():
             kind, sid = r["rec"], r.get("id")
             if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
-                st.last_sent[sid] = r
-                st.failed.pop(sid, None)
+                r.pop("t", None)
+                last_sent[sid] = r
+                failed.pop(sid, None)
+                sent_to.setdefault(sid, {})[sys.intern(str(r.get("host")))] = invocation
             elif kind == "done":
-                if sid in st.done:
+                host = sys.intern(str(r.get("host")))
+                hosts = sent_to.get(sid)
+                if hosts is not None:  # its host holds the verified copy, nothing stale
+                    hosts.pop(host, None)
+                    if not hosts:
+                        del sent_to[sid]
+                if sid in done:
                     st.duplicates.append(r)
                 else:
-                    st.done[sid] = r
-                    st.failed.pop(sid, None)
+                    if light:
+                        done[sid] = host
+                        sums = st.per_host.get(host)
+                        if sums is None:
+                            sums = st.per_host[host] = dict.fromkeys(["done", *counts], 0)
+                        sums["done"] += 1
+                        for key, of in counts.items():
+                            sums[key] += of(r)
+                    else:
+                        r.pop("t", None)
+                        done[sid] = r
+                    failed.pop(sid, None)
+                last_sent.pop(sid, None)
             elif kind == "failed":
                 st.attempts[sid] = st.attempts.get(sid, 0) + 1
-                if r.get("final") and sid not in st.done:
-                    st.failed[sid] = r
-                st.last_sent.pop(sid, None)
+                if r.get("final") and sid not in done:
+                    failed[sid] = r
+                last_sent.pop(sid, None)
             elif kind == "returned":
-                st.last_sent.pop(sid, None)
+                last_sent.pop(sid, None)
+            elif kind == "swept":  # that host removed what earlier invocations left there
+                host = r.get("host")
+                for sid in [i for i, hosts in sent_to.items() if hosts.get(host, invocation) < invocation]:
+                    hosts = sent_to[sid]
+                    del hosts[host]
+                    if not hosts:
+                        del sent_to[sid]
             elif kind == "host":
                 st.hosts[r["host"]] = r
             elif kind == "run" and r.get("event") == "start":
                 st.invocations += 1
+                invocation += 1
                 st.last_start = r
+        return st
+
+    def first_paths(self, ids) -> dict[str, dict]:
+        """The first "done" record of each of these ids (a light fold's duplicates), reading the journal once."""
+        want, out = set(ids), {}
+        if want:
+            for r in self.records():
+                if r["rec"] == "done" and r.get("id") in want and r["id"] not in out:
+                    out[r["id"]] = r
+        return out
+
+    # the summary ---------------------------------------------------------------------------
+    SUMMARY = "summary.json"
+
+    def write_summary(self, st: RunState) -> None:
+        """summary.json: `st`, the light fold of the whole journal as it is now (no done ids), and the
+        journal's size (call it with the journal closed)."""
+        try:
+            size = os.path.getsize(self.path)
+        except FileNotFoundError:
+            return
+        first = self.first_paths(r["id"] for r in st.duplicates)
+        data = {"journal_bytes": size, "done": len(st.done), "per_host": st.per_host, "failed": st.failed,
+                "attempts_used": sum(st.attempts.values()),
+                "in_flight": {sid: st.last_sent[sid] for sid in st.in_flight()},
+                "duplicates": [dict(r, first_host=st.done.get(r["id"]), first_path=(first.get(r["id"]) or {}).get("path"))
+                               for r in st.duplicates],
+                "hosts": st.hosts, "invocations": st.invocations, "last_start": st.last_start,
+                "sent_to": st.sent_to}
+        path = self.dir / self.SUMMARY
+        write_atomic(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), mode=0o600,
+                     tmp=path.with_name(self.SUMMARY + ".tmp"))
+
+    def summary(self) -> RunState | None:
+        """summary.json as a light RunState (its `done` holds no ids: `n_done()`), when the journal has not
+        changed size since it was written; else None (fold the journal)."""
+        try:
+            data = json.loads((self.dir / self.SUMMARY).read_text())
+            if data.get("journal_bytes") != os.path.getsize(self.path):
+                return None
+        except (OSError, ValueError):
+            return None
+        st = RunState(failed=data["failed"], last_sent=data["in_flight"], hosts=data["hosts"],
+                      invocations=data["invocations"], last_start=data["last_start"], sent_to=data["sent_to"],
+                      per_host=data["per_host"], done_count=data["done"], duplicates=data["duplicates"])
         return st
 
 
@@ -281,8 +392,13 @@ def read_run_info(name: str) -> dict:
                        f"{name}` starts one") from None
 
 
-def load_run(name: str) -> tuple[dict, RunState]:
-    """A capture run's run.json and its journal's state (the name checked; no such run: BadInput)."""
+def load_run(name: str, counts: dict | None = None) -> tuple[dict, RunState]:
+    """A capture run's run.json and its journal's state (the name checked; no such run: BadInput);
+    `counts`: a light fold (Journal.state)."""
     check_run_name(name)
     info = read_run_info(name)
-    return info, Journal(run_dir(name)).state()
+    return info, Journal(run_dir(name)).state(counts)
+
+
+# what `capture status` and a resume sum per host over the done samples (the light fold's counts)
+CAPTURE_COUNTS = {"tokens": lambda r: int(r.get("tokens") or 0), "bytes": lambda r: int(r.get("bytes") or 0)}
