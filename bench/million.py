@@ -18,11 +18,14 @@ invocations append it (3 hosts; per sample "sent" then "done" with a path, sha25
 Rows:
   status          `patchctl --json capture status done` (the CLI, in its own process)
   status killed   the same for `half` (after: the journal folded, no summary stands for it)
+  status killed+  after only: the same with the summary.json a running run writes every 30 s, as of 30 s
+                  (6 000 samples at 200/s) before the kill: the summary and the records after it
   resume          `capture run`'s controller work before its first sample goes out on `half`: the dataset
                   validated (load_dataset), the journal folded, the samples not done listed, the first line
                   built (each host's own start is apart: it overlaps, and it is the same in both trees)
-  run end         what the last invocation does after its last sample: the journal folded for the summary
-                  (after: and summary.json written)
+  run end         what the last invocation does after its last sample: before, the journal folded again;
+                  after, summary.json written from the fold the run kept as it wrote (Journal.follow): the
+                  time is the write's (its RSS: the process holding that fold, as the run does)
   collect fold    the journal as `capture collect` folds it (load_run: every first "done" record kept)
 
 The load average is printed before and after; one run of each row (a row at 1M takes seconds to tens).
@@ -121,10 +124,28 @@ from patchctl.commands.capture.journal import Journal, run_dir
 j = Journal(run_dir("done"))
 try:
     from patchctl.commands.capture.journal import CAPTURE_COUNTS
-    j.write_summary(j.state(CAPTURE_COUNTS))
+    live = j.state(CAPTURE_COUNTS)  # the run's live fold (Journal.follow: folded as the records were written)
+    t0 = time.monotonic()
+    j.write_summary(live)
 except ImportError:
     final = j.state()
 print("%.3f" % (time.monotonic() - t0))
+"""
+
+SUMMARY_AT = r"""
+# what a running `capture run` leaves: summary.json as of 30 s before the kill (the last 6 000 samples at 200/s
+# came after it). Written from a copy of the journal cut there, as the run's live fold had it then.
+import os, shutil, sys, tempfile
+from pathlib import Path
+from patchctl.commands.capture.journal import CAPTURE_COUNTS, Journal, run_dir
+d = run_dir("half")
+lines = open(d / "journal.jsonl", "rb").read().splitlines(keepends=True)
+cut = b"".join(lines[:max(1, len(lines) - 2 * 6000)])
+tmp = Path(tempfile.mkdtemp())
+(tmp / "journal.jsonl").write_bytes(cut)
+j = Journal(tmp)
+j.write_summary(j.state(CAPTURE_COUNTS))
+shutil.move(str(tmp / "summary.json"), str(d / "summary.json"))
 """
 
 COLLECT = r"""
@@ -172,12 +193,16 @@ def main() -> int:
                 ("run end", [py, "-c", RUN_END], ("before", "after")),
                 ("status", [py, "-m", "patchctl", "--json", "capture", "status", "done"], ("before", "after")),
                 ("status killed", [py, "-m", "patchctl", "--json", "capture", "status", "half"], ("before", "after")),
+                ("summary at", [py, "-c", SUMMARY_AT], ("after",)),
+                ("status killed+", [py, "-m", "patchctl", "--json", "capture", "status", "half"], ("after",)),
                 ("resume", [py, "-c", RESUME, str(g["dataset"])], ("before", "after")),
                 ("collect fold", [py, "-c", COLLECT], ("before", "after"))):
             cells = {}
             for which in trees_for:
                 wall, rss, out, code = child(trees[which], g["state"], argv)
                 extra = ""
+                if label == "run end" and out.strip():
+                    wall = float(out.split()[0])
                 if label == "resume" and out.strip():
                     v, first, todo = out.split()
                     extra = f" (validation {float(v):.1f}s; first line ready {float(first):.1f}s; {todo} to do)"
@@ -185,17 +210,19 @@ def main() -> int:
                 else:
                     wall_shown = wall
                 cells[which] = (wall_shown, rss, code, extra)
+            if label == "summary at":
+                continue  # set-up of the next row, not a row
             rows.append((n, label, cells))
-            b, a = cells.get("before"), cells.get("after")
-            print(f"  {label:<14} before {b[0]:7.2f}s {b[1] / 1024:8.0f} MB (exit {b[2]}){b[3]}\n"
-                  f"  {'':<14} after  {a[0]:7.2f}s {a[1] / 1024:8.0f} MB (exit {a[2]}){a[3]}", flush=True)
+            for which, c in cells.items():
+                print(f"  {label:<14} {which:<6} {c[0]:7.2f}s {c[1] / 1024:8.0f} MB (exit {c[2]}){c[3]}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print()
     print("| N | row | before: s | before: peak RSS MB | after: s | after: peak RSS MB |")
     print("|---|---|---|---|---|---|")
     for n, label, cells in rows:
-        b, a = cells["before"], cells["after"]
-        print(f"| {n:,} | {label} | {b[0]:.2f} | {b[1] / 1024:.0f} | {a[0]:.2f} | {a[1] / 1024:.0f} |")
+        b, a = cells.get("before"), cells["after"]
+        before = f"{b[0]:.2f} | {b[1] / 1024:.0f}" if b else "– | –"
+        print(f"| {n:,} | {label} | {before} | {a[0]:.2f} | {a[1] / 1024:.0f} |")
     return 0
 
 

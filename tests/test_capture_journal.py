@@ -96,18 +96,30 @@ def test_the_light_fold_counts_per_host_and_names_what_each_host_was_left_holdin
     assert full.done["b"]["path"] == "/r/b" and full.stale("h1") == ["c"]
 
 
-def test_the_summary_stands_for_the_journal_only_while_the_journal_has_not_grown(tmp_path):
+def test_the_summary_and_the_records_after_it_fold_to_what_the_whole_journal_folds_to(tmp_path):
+    counts = journal_mod.CAPTURE_COUNTS
     j = Journal(tmp_path)
-    _run(j, [{"rec": "sent", "id": "a", "host": "h1", "attempt": 1}, {"rec": "sent", "id": "b", "host": "h1", "attempt": 1}])
+    assert j.summary(counts) is None  # none written yet
+    _run(j, [{"rec": "sent", "id": i, "host": "h1", "attempt": 1} for i in ("a", "b", "c", "d")])
     j.append({"rec": "done", "id": "a", "host": "h1", "path": "/r/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    live = j.state(counts)
+    j.follow(live, counts)  # as a run does: what it writes is folded in, the summary written as it goes
+    j.append({"rec": "done", "id": "b", "host": "h1", "path": "/r/b", "sha256": "1" * 64, "bytes": 20, "tokens": 4})
+    j.write_summary(live)
+    # after the summary: c done, a verified again elsewhere (a duplicate of a record before the summary),
+    # e sent, d finally failed, and a torn last line (the controller killed mid-write)
+    j.append({"rec": "done", "id": "c", "host": "h1", "path": "/r/c", "sha256": "2" * 64, "bytes": 30, "tokens": 5})
     j.append({"rec": "done", "id": "a", "host": "h2", "path": "/x/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    j.append({"rec": "sent", "id": "e", "host": "h2", "attempt": 1})
+    j.append({"rec": "failed", "id": "d", "host": "h1", "reason": "bad", "attempt": 2, "final": True})
     j.close()
-    assert j.summary() is None  # none written yet
-    j.write_summary(j.state(journal_mod.CAPTURE_COUNTS))
-    st = j.summary()
-    assert st.n_done() == 1 and st.in_flight() == {"b"} and st.per_host["h1"]["bytes"] == 10
-    assert [(d["host"], d["first_host"], d["first_path"]) for d in st.duplicates] == [("h2", "h1", "/r/a")]
     with open(tmp_path / "journal.jsonl", "ab") as f:
-        f.write(b'{"rec":"done","id":"b"')  # a torn line: the journal changed, the summary no longer stands
-    assert j.summary() is None
-    assert set(j.state(journal_mod.CAPTURE_COUNTS).done) == {"a"}
+        f.write(b'{"rec":"done","id":"e"')
+    got, whole = j.summary(counts), j.state(counts)
+    for st in (got, whole):
+        assert st.n_done() == 3 and st.in_flight() == {"e"} and set(st.failed) == {"d"}
+        assert st.per_host == {"h1": {"done": 3, "tokens": 12, "bytes": 60}}
+        assert [(d["id"], d["host"]) for d in st.duplicates] == [("a", "h2")]
+        assert st.stale("h1") == ["d"] and st.stale("h2") == ["e"]
+    (tmp_path / "journal.jsonl").write_bytes(b"")  # not the journal it was written for
+    assert j.summary(counts) is None

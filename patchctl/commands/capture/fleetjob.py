@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from patchctl.core import remote
-from patchctl.commands.capture.journal import CAPTURE_COUNTS, Journal
+from patchctl.commands.capture.journal import CAPTURE_COUNTS, SUMMARY_EVERY_S, Journal
 from patchctl.commands.capture.progress import Progress
 from patchctl.core.console import App
 from patchctl.core.rollout import parse_max_fail
@@ -251,6 +251,7 @@ class CaptureRun:
         self.stopping: str | None = None
         self.finished = threading.Event()
         self.running = 0  # drive threads not yet ended
+        self.live = None  # the journal's light fold as it is written (run_job), for summary.json as the run goes
 
     # routing -------------------------------------------------------------------------------
     def _pick(self, lane: Lane) -> Item | None:
@@ -427,10 +428,14 @@ class CaptureRun:
         for t in threads:
             t.start()
         interrupts = 0
+        summarized = time.monotonic()
         while not self.finished.is_set():
             try:
                 self.finished.wait(0.2)
                 self.progress.refresh()
+                if self.live is not None and time.monotonic() - summarized >= SUMMARY_EVERY_S:
+                    summarized = time.monotonic()
+                    self.journal.write_summary(self.live)  # `capture status` folds only what follows
             except KeyboardInterrupt:
                 interrupts += 1
                 if interrupts == 1:
@@ -458,14 +463,17 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
     journal = Journal(directory)
     job = job or CaptureRun
     counts = CAPTURE_COUNTS if job is CaptureRun else {"tokens": lambda r: int(r.get("tokens") or 0)}
-    done = (state if state is not None else journal.state(counts)).done  # light: the done ids and their hosts
-    todo = [s for s in ds.samples if s.id not in done]
+    if state is None:
+        state = journal.state(counts)  # light: the done ids and their hosts
+    todo = [s for s in ds.samples if s.id not in state.done]
     resumed = len(ds.samples) - len(todo)
-    del done, state
+    journal.follow(state, counts)  # what this invocation writes is folded in as it is written
     progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
                                 hosts=[l.host.name for l in lanes], log_dir=opts.log_dir)
     progress.tokenizer_check = tokenizer_check
     cr = job(app, opts, run, name, prefix, ds, journal, progress)
+    if job is CaptureRun:
+        cr.live = state
     journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
                     "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped,
                     "command": cr.resume_command()})
@@ -480,7 +488,7 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
                 end_hosts(run, lanes)
         except KeyboardInterrupt:
             interrupted = True
-    final = journal.state(counts)
+    final = state  # the journal's start fold and every record written since: the whole journal, not read again
     failed = dict(final.failed)
     pending = sum(1 for s in ds.samples if s.id not in final.done and s.id not in failed)
     code = 130 if interrupted or cr.stopping == "Ctrl-C" else (0 if not pending and not failed else 1)

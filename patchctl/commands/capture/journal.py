@@ -50,6 +50,7 @@ from patchctl.core.fsutil import write_atomic
 from patchctl.core.report import private_dir
 
 SYNC_EVERY_S = 0.05
+SUMMARY_EVERY_S = 30.0  # a running `capture run` rewrites summary.json this often (status folds only what follows)
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHOWN = 20  # failures listed in human output of `capture status` and `collect` (--json lists all)
 
@@ -187,6 +188,7 @@ class Journal:
         self._dirty = threading.Event()  # written since the last fsync
         self._closing = threading.Event()
         self._syncer: threading.Thread | None = None
+        self._follow: Fold | None = None  # follow(): the fold the records written are added to
 
     # writing -------------------------------------------------------------------------------
     def append(self, rec: dict) -> None:
@@ -199,11 +201,14 @@ class Journal:
         """Records in one write (append's guarantees for each). The fsync is the syncer thread's, never the
         caller's: a capture's event path (which holds the job's lock) does not wait on the disk."""
         now = round(time.time(), 3)
-        data = b"".join((json.dumps(dict({"t": now}, **r), sort_keys=True, separators=(",", ":")) + "\n").encode()
-                        for r in recs)
+        full = [dict({"t": now}, **r) for r in recs]
+        data = b"".join((json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n").encode() for r in full)
         if not data:
             return
         with self._lock:
+            if self._follow is not None:
+                for r in full:
+                    self._follow.add(r)
             if self._fd is None:  # the first record, or the first since close()
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 self._heal_torn_tail()
@@ -273,63 +278,17 @@ class Journal:
         """The journal folded, read once. `counts` (key -> its value in one "done" record): a light fold,
         `done` maps each done id to its host only and `per_host` sums each key over the first "done"
         records; a duplicate then names its first's host (its path: `first_paths`)."""
-        st = RunState()
-        light = counts is not None
-        if light:
-            st.per_host = {}
-        invocation = 0
-        done, failed, last_sent, sent_to = st.done, st.failed, st.last_sent, st.sent_to
+        fold = Fold(counts)
         for r in self.records():
-            kind, sid = r["rec"], r.get("id")
-            if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
-                r.pop("t", None)
-                last_sent[sid] = r
-                failed.pop(sid, None)
-                sent_to.setdefault(sid, {})[sys.intern(str(r.get("host")))] = invocation
-            elif kind == "done":
-                host = sys.intern(str(r.get("host")))
-                hosts = sent_to.get(sid)
-                if hosts is not None:  # its host holds the verified copy, nothing stale
-                    hosts.pop(host, None)
-                    if not hosts:
-                        del sent_to[sid]
-                if sid in done:
-                    st.duplicates.append(r)
-                else:
-                    if light:
-                        done[sid] = host
-                        sums = st.per_host.get(host)
-                        if sums is None:
-                            sums = st.per_host[host] = dict.fromkeys(["done", *counts], 0)
-                        sums["done"] += 1
-                        for key, of in counts.items():
-                            sums[key] += of(r)
-                    else:
-                        r.pop("t", None)
-                        done[sid] = r
-                    failed.pop(sid, None)
-                last_sent.pop(sid, None)
-            elif kind == "failed":
-                st.attempts[sid] = st.attempts.get(sid, 0) + 1
-                if r.get("final") and sid not in done:
-                    failed[sid] = r
-                last_sent.pop(sid, None)
-            elif kind == "returned":
-                last_sent.pop(sid, None)
-            elif kind == "swept":  # that host removed what earlier invocations left there
-                host = r.get("host")
-                for sid in [i for i, hosts in sent_to.items() if hosts.get(host, invocation) < invocation]:
-                    hosts = sent_to[sid]
-                    del hosts[host]
-                    if not hosts:
-                        del sent_to[sid]
-            elif kind == "host":
-                st.hosts[r["host"]] = r
-            elif kind == "run" and r.get("event") == "start":
-                st.invocations += 1
-                invocation += 1
-                st.last_start = r
-        return st
+            fold.add(r)
+        return fold.st
+
+    def follow(self, st: RunState, counts: dict | None = None) -> None:
+        """From now on every record this Journal writes is folded into `st` too (a state() of this journal
+        with the same `counts`): at the invocation's end `st` is the whole journal's, without reading it again."""
+        fold = Fold(counts, st)
+        with self._lock:
+            self._follow = fold
 
     def first_paths(self, ids) -> dict[str, dict]:
         """The first "done" record of each of these ids (a light fold's duplicates), reading the journal once."""
@@ -344,37 +303,124 @@ class Journal:
     SUMMARY = "summary.json"
 
     def write_summary(self, st: RunState) -> None:
-        """summary.json: `st`, the light fold of the whole journal as it is now (no done ids), and the
-        journal's size (call it with the journal closed)."""
-        try:
-            size = os.path.getsize(self.path)
-        except FileNotFoundError:
-            return
-        first = self.first_paths(r["id"] for r in st.duplicates)
-        data = {"journal_bytes": size, "done": len(st.done), "per_host": st.per_host, "failed": st.failed,
-                "attempts_used": sum(st.attempts.values()),
-                "in_flight": {sid: st.last_sent[sid] for sid in st.in_flight()},
-                "duplicates": [dict(r, first_host=st.done.get(r["id"]), first_path=(first.get(r["id"]) or {}).get("path"))
-                               for r in st.duplicates],
+        """summary.json: `st`, the light fold of the whole journal as it is now (no done ids; Journal.follow's
+        state while a run writes, so the two are taken together under the writer's lock), and the journal's
+        size at that moment."""
+        missing = [r["id"] for r in st.duplicates if "first_path" not in r]
+        if missing:  # rare (a sample verified twice): its first record's host and path, from the journal
+            first = self.first_paths(missing)
+            st.duplicates = [r if "first_path" in r else
+                             dict(r, first_host=st.done.get(r["id"]) or (first.get(r["id"]) or {}).get("host"),
+                                  first_path=(first.get(r["id"]) or {}).get("path"))
+                             for r in st.duplicates]
+        with self._lock:
+            try:
+                size = os.fstat(self._fd).st_size if self._fd is not None else os.path.getsize(self.path)
+            except FileNotFoundError:
+                return
+            data = json.dumps({
+                "journal_bytes": size, "done": st.n_done(), "per_host": st.per_host, "failed": st.failed,
+                "in_flight": {sid: st.last_sent[sid] for sid in st.in_flight()}, "duplicates": st.duplicates,
                 "hosts": st.hosts, "invocations": st.invocations, "last_start": st.last_start,
-                "sent_to": st.sent_to}
+                "sent_to": st.sent_to}, sort_keys=True, separators=(",", ":")).encode()
         path = self.dir / self.SUMMARY
-        write_atomic(path, json.dumps(data, sort_keys=True, separators=(",", ":")).encode(), mode=0o600,
-                     tmp=path.with_name(self.SUMMARY + ".tmp"))
+        write_atomic(path, data, mode=0o600, tmp=path.with_name(self.SUMMARY + ".tmp"))
 
-    def summary(self) -> RunState | None:
-        """summary.json as a light RunState (its `done` holds no ids: `n_done()`), when the journal has not
-        changed size since it was written; else None (fold the journal)."""
+    def summary(self, counts: dict) -> RunState | None:
+        """The light fold (`counts`) from summary.json and the journal's records written after it (a run
+        writes it as it goes and at its end), without reading the journal before that point; None when
+        there is none, or the journal is not the one it was written for (fold the journal instead). Its
+        `done` holds only the ids done after the summary (`n_done()` counts them all). A "done" after it
+        counts as new only for a sample sent after it or in flight at it: the runner never sends a done
+        sample, so any other is a duplicate of one done before."""
         try:
             data = json.loads((self.dir / self.SUMMARY).read_text())
-            if data.get("journal_bytes") != os.path.getsize(self.path):
+            offset = int(data["journal_bytes"])
+            if offset > os.path.getsize(self.path):
                 return None
-        except (OSError, ValueError):
+            st = RunState(failed=data["failed"], last_sent=data["in_flight"], hosts=data["hosts"],
+                          invocations=data["invocations"], last_start=data["last_start"], sent_to=data["sent_to"],
+                          per_host=data["per_host"], duplicates=data["duplicates"])
+            before = int(data["done"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        st = RunState(failed=data["failed"], last_sent=data["in_flight"], hosts=data["hosts"],
-                      invocations=data["invocations"], last_start=data["last_start"], sent_to=data["sent_to"],
-                      per_host=data["per_host"], done_count=data["done"], duplicates=data["duplicates"])
+        fold = Fold(counts, st)
+        known, earlier = set(st.last_sent), set()
+        for r in self.records(offset):
+            kind, sid = r["rec"], r.get("id")
+            if kind == "sent":
+                known.add(sid)
+            elif kind == "done" and sid not in known and sid not in st.done:
+                st.done[sid] = None  # done before the summary: this one is the duplicate
+                earlier.add(sid)
+            fold.add(r)
+        for sid in earlier:
+            del st.done[sid]
+        st.done_count = before + len(st.done)
         return st
+
+
+class Fold:
+    """Records added one at a time into a RunState (Journal.state, Journal.follow); `counts`: light (see state)."""
+
+    def __init__(self, counts: dict | None = None, st: RunState | None = None):
+        self.counts = counts
+        self.st = st if st is not None else RunState()
+        if counts is not None and self.st.per_host is None:
+            self.st.per_host = {}
+        self.invocation = self.st.invocations
+
+    def add(self, r: dict) -> None:
+        st, counts = self.st, self.counts
+        kind, sid = r["rec"], r.get("id")
+        if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
+            r.pop("t", None)
+            st.last_sent[sid] = r
+            st.failed.pop(sid, None)
+            st.sent_to.setdefault(sid, {})[sys.intern(str(r.get("host")))] = self.invocation
+        elif kind == "done":
+            host = sys.intern(str(r.get("host")))
+            hosts = st.sent_to.get(sid)
+            if hosts is not None:  # its host holds the verified copy, nothing stale
+                hosts.pop(host, None)
+                if not hosts:
+                    del st.sent_to[sid]
+            if sid in st.done:
+                st.duplicates.append(r)
+            else:
+                if counts is not None:
+                    st.done[sid] = host
+                    sums = st.per_host.get(host)
+                    if sums is None:
+                        sums = st.per_host[host] = dict.fromkeys(["done", *counts], 0)
+                    sums["done"] += 1
+                    for key, of in counts.items():
+                        sums[key] += of(r)
+                else:
+                    r.pop("t", None)
+                    st.done[sid] = r
+                st.failed.pop(sid, None)
+            st.last_sent.pop(sid, None)
+        elif kind == "failed":
+            st.attempts[sid] = st.attempts.get(sid, 0) + 1
+            if r.get("final") and sid not in st.done:
+                st.failed[sid] = r
+            st.last_sent.pop(sid, None)
+        elif kind == "returned":
+            st.last_sent.pop(sid, None)
+        elif kind == "swept":  # that host removed what earlier invocations left there
+            host = r.get("host")
+            for sid in [i for i, hosts in st.sent_to.items() if hosts.get(host, self.invocation) < self.invocation]:
+                hosts = st.sent_to[sid]
+                del hosts[host]
+                if not hosts:
+                    del st.sent_to[sid]
+        elif kind == "host":
+            st.hosts[r["host"]] = r
+        elif kind == "run" and r.get("event") == "start":
+            st.invocations += 1
+            self.invocation += 1
+            st.last_start = r
 
 
 def write_run_info(directory: Path, info: dict) -> None:

@@ -31,18 +31,21 @@ def status_data(name: str, info: dict, st: RunState) -> dict:
 
 
 def load_status(name: str) -> tuple[dict, RunState]:
-    """run.json and the journal's light fold: summary.json when the journal has not grown since the last
-    invocation wrote it (no journal read), else the journal folded a line at a time; each duplicate with
+    """run.json and the journal's light fold: summary.json and the journal's records after it (a run writes
+    it every SUMMARY_EVERY_S and at its end), else the journal folded a line at a time; each duplicate with
     its first "done" record's host and path."""
     check_run_name(name)
     info = read_run_info(name)
     j = Journal(run_dir(name))
-    st = j.summary()
+    st = j.summary(CAPTURE_COUNTS)
     if st is None:
         st = j.state(CAPTURE_COUNTS)
-        first = j.first_paths(r["id"] for r in st.duplicates)
-        st.duplicates = [dict(r, first_host=st.done.get(r["id"]), first_path=(first.get(r["id"]) or {}).get("path"))
-                         for r in st.duplicates]
+    missing = [r["id"] for r in st.duplicates if "first_path" not in r]
+    if missing:  # rare (a sample verified twice): its first record's host and path, from the journal
+        first = j.first_paths(missing)
+        st.duplicates = [r if "first_path" in r else
+                         dict(r, first_host=st.done.get(r["id"]) or (first.get(r["id"]) or {}).get("host"),
+                              first_path=(first.get(r["id"]) or {}).get("path")) for r in st.duplicates]
     return info, st
 
 
