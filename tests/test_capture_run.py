@@ -571,9 +571,13 @@ def test_ctrl_c_stops_sending_lets_in_flight_samples_finish_and_the_run_resumes(
     outcome = {r["id"] for r in recs if r["rec"] in ("done", "failed", "returned")}
     assert {r["id"] for r in recs if r["rec"] == "sent"} <= outcome
     assert len(done_records(recs)) < 600
+    for h in f.hosts:  # the interrupted agents ended cleanly: nothing of the run left in a raw dump directory
+        assert not run_files(h.dumps, "ctrlc"), f"{h.name}: dumps left behind in {h.dumps}"
     p = f.patchctl(*args)
     assert p.returncode == 0, p.stderr
     assert set(done_records(journal(f, "ctrlc"))) == set(samples)
+    for h in f.hosts:
+        assert not run_files(h.dumps, "ctrlc"), f"{h.name}: dumps left behind in {h.dumps}"
 
 
 def test_an_empty_run_name_is_refused_before_anything_is_read(tmp_path):
