@@ -123,3 +123,18 @@ def test_the_summary_and_the_records_after_it_fold_to_what_the_whole_journal_fol
         assert st.stale("h1") == ["d"] and st.stale("h2") == ["e"]
     (tmp_path / "journal.jsonl").write_bytes(b"")  # not the journal it was written for
     assert j.summary(counts) is None
+
+
+def test_a_duplicate_in_a_running_fold_reaches_the_summary_with_its_first_records_host_and_path(tmp_path):
+    counts = journal_mod.CAPTURE_COUNTS
+    j = Journal(tmp_path)
+    live = j.state(counts)
+    j.follow(live, counts)
+    _run(j, [{"rec": "sent", "id": "a", "host": "h1", "attempt": 1}])
+    j.append({"rec": "done", "id": "a", "host": "h1", "path": "/r/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    j.append({"rec": "done", "id": "a", "host": "h2", "path": "/x/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    j.write_summary(live)  # while the journal is open, as a run writes it every SUMMARY_EVERY_S
+    st = j.summary(counts)
+    assert st.n_done() == 1 and st.per_host == {"h1": {"done": 1, "tokens": 3, "bytes": 10}}
+    assert [(d["host"], d["path"], d["first_host"], d["first_path"]) for d in st.duplicates] == [("h2", "/x/a", "h1", "/r/a")]
+    j.close()

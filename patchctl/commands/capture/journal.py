@@ -306,14 +306,13 @@ class Journal:
         """summary.json: `st`, the light fold of the whole journal as it is now (no done ids; Journal.follow's
         state while a run writes, so the two are taken together under the writer's lock), and the journal's
         size at that moment."""
-        missing = [r["id"] for r in st.duplicates if "first_path" not in r]
-        if missing:  # rare (a sample verified twice): its first record's host and path, from the journal
-            first = self.first_paths(missing)
-            st.duplicates = [r if "first_path" in r else
-                             dict(r, first_host=st.done.get(r["id"]) or (first.get(r["id"]) or {}).get("host"),
-                                  first_path=(first.get(r["id"]) or {}).get("path"))
-                             for r in st.duplicates]
-        with self._lock:
+        missing = [r["id"] for r in list(st.duplicates) if "first_path" not in r]
+        first = self.first_paths(missing) if missing else {}  # rare (a sample verified twice): its first record
+        with self._lock:  # (the run's event threads add to st under this lock)
+            for i, r in enumerate(st.duplicates):
+                if "first_path" not in r and r["id"] in first:
+                    st.duplicates[i] = dict(r, first_host=st.done.get(r["id"]) or first[r["id"]].get("host"),
+                                            first_path=first[r["id"]].get("path"))
             try:
                 size = os.fstat(self._fd).st_size if self._fd is not None else os.path.getsize(self.path)
             except FileNotFoundError:
