@@ -72,10 +72,10 @@ def write_dump(path: Path, ids: list[int], hidden: int, k: int, payload: bytes) 
 BEFORE = "f53753e"  # main before issue 30: base64 pieces of 32 MiB inside JSON (op `pull`)
 
 
-def before_tree(dest: Path) -> Path:
-    """main's patchctl at BEFORE, from git (`git archive`), to run side by side with this checkout's."""
+def before_tree(dest: Path, rev: str = BEFORE) -> Path:
+    """main's patchctl at `rev` (BEFORE), from git (`git archive`), to run side by side with this checkout's."""
     dest.mkdir(parents=True)
-    arch = subprocess.run(["git", "-C", str(REPO), "archive", BEFORE, "patchctl"], check=True, capture_output=True).stdout
+    arch = subprocess.run(["git", "-C", str(REPO), "archive", rev, "patchctl"], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=arch, check=True)
     return dest
 
@@ -143,7 +143,7 @@ def bench_pull(args) -> dict:
     from patchctl.commands.capture.journal import Journal, write_run_info
 
     base = Path(tempfile.mkdtemp(prefix="collect-pull-", dir=args.dir))
-    old = before_tree(base / "before")
+    old = before_tree(base / "before", args.before)
     fleet = Fleet(base, args.hosts, _tree(), light=True)
     try:
         run = "pullbench"
@@ -219,7 +219,9 @@ def bench_pull(args) -> dict:
             b, a = summary[f"before {s}"], summary[f"after {s}"]
             summary[f"ratio {s} (after/before)"] = {"host_mb_per_s": round(a["host_mb_per_s"] / b["host_mb_per_s"], 1),
                                                     "cpu_ms_per_mb": round(a["cpu_ms_per_mb"] / b["cpu_ms_per_mb"], 3)}
-        return {"mode": "pull", "before": BEFORE, "after": _head(), "hosts": args.hosts, "files_per_host": args.files,
+        summary["files_per_s_per_host"] = {k: round(v["host_mb_per_s"] / (size / 1e6), 0)
+                                           for k, v in summary.items() if "host_mb_per_s" in v and "ratio" not in k}
+        return {"mode": "pull", "before": args.before, "after": _head(), "hosts": args.hosts, "files_per_host": args.files,
                 "file_mb": round(size / 1e6, 1), "mb_per_collect": round(total / 1e6, 1), "rounds": args.rounds,
                 "cores": os.cpu_count(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "channel": ceilings, "rows": rows,
@@ -255,6 +257,7 @@ def main() -> int:
     p.add_argument("--mb", type=float, default=50)
     p.add_argument("--streams", type=ints, default=[1, 4])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--before", default=BEFORE, help="the commit whose collect is 'before' (issue 41: 31b2591)")
     for x in (c, p):
         x.add_argument("--dir", default=None, help="where the files go (default: the system's temp directory)")
         x.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")

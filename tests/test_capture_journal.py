@@ -66,3 +66,75 @@ def test_a_closed_journal_written_again_reopens_the_file_and_heals_a_torn_tail(t
     j.close()
     recs = j.records()
     assert [r["rec"] for r in recs] == ["sent", "returned"]  # the torn line skipped, the next one whole
+
+
+def _run(j, recs):
+    j.append({"rec": "run", "event": "start"})
+    j.extend(recs)
+
+
+def test_the_light_fold_counts_per_host_and_names_what_each_host_was_left_holding(tmp_path):
+    j = Journal(tmp_path)
+    counts = journal_mod.CAPTURE_COUNTS
+    # invocation 1 (killed): a, b, c to h1; d to h2; a verified on h1
+    _run(j, [{"rec": "sent", "id": i, "host": h, "attempt": 1} for i, h in (("a", "h1"), ("b", "h1"), ("c", "h1"), ("d", "h2"))])
+    j.append({"rec": "done", "id": "a", "host": "h1", "path": "/r/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    st = j.state(counts)
+    assert st.stale("h1") == ["b", "c"] and st.stale("h2") == ["d"]
+    assert st.done == {"a": "h1"} and st.per_host == {"h1": {"done": 1, "tokens": 3, "bytes": 10}}
+    assert st.in_flight() == {"b", "c", "d"}
+    # invocation 2: b goes to h2 and is verified there; h1 swept what invocation 1 left, then got c again
+    _run(j, [{"rec": "sent", "id": "b", "host": "h2", "attempt": 1}, {"rec": "sent", "id": "c", "host": "h1", "attempt": 1}])
+    j.append({"rec": "swept", "host": "h1", "removed": 2})
+    j.append({"rec": "done", "id": "b", "host": "h2", "path": "/r/b", "sha256": "1" * 64, "bytes": 20, "tokens": 4})
+    st = j.state(counts)
+    # c was sent to h1 in this invocation (after nothing of it was left): still h1's until verified or swept
+    assert st.stale("h1") == ["c"] and st.stale("h2") == ["d"]
+    assert st.per_host["h2"] == {"done": 1, "tokens": 4, "bytes": 20}
+    # the full fold keeps every first done record, as collect reads them
+    full = j.state()
+    assert full.done["b"]["path"] == "/r/b" and full.stale("h1") == ["c"]
+
+
+def test_the_summary_and_the_records_after_it_fold_to_what_the_whole_journal_folds_to(tmp_path):
+    counts = journal_mod.CAPTURE_COUNTS
+    j = Journal(tmp_path)
+    assert j.summary(counts) is None  # none written yet
+    _run(j, [{"rec": "sent", "id": i, "host": "h1", "attempt": 1} for i in ("a", "b", "c", "d")])
+    j.append({"rec": "done", "id": "a", "host": "h1", "path": "/r/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    live = j.state(counts)
+    j.follow(live, counts)  # as a run does: what it writes is folded in, the summary written as it goes
+    j.append({"rec": "done", "id": "b", "host": "h1", "path": "/r/b", "sha256": "1" * 64, "bytes": 20, "tokens": 4})
+    j.write_summary(live)
+    # after the summary: c done, a verified again elsewhere (a duplicate of a record before the summary),
+    # e sent, d finally failed, and a torn last line (the controller killed mid-write)
+    j.append({"rec": "done", "id": "c", "host": "h1", "path": "/r/c", "sha256": "2" * 64, "bytes": 30, "tokens": 5})
+    j.append({"rec": "done", "id": "a", "host": "h2", "path": "/x/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    j.append({"rec": "sent", "id": "e", "host": "h2", "attempt": 1})
+    j.append({"rec": "failed", "id": "d", "host": "h1", "reason": "bad", "attempt": 2, "final": True})
+    j.close()
+    with open(tmp_path / "journal.jsonl", "ab") as f:
+        f.write(b'{"rec":"done","id":"e"')
+    got, whole = j.summary(counts), j.state(counts)
+    for st in (got, whole):
+        assert st.n_done() == 3 and st.in_flight() == {"e"} and set(st.failed) == {"d"}
+        assert st.per_host == {"h1": {"done": 3, "tokens": 12, "bytes": 60}}
+        assert [(d["id"], d["host"]) for d in st.duplicates] == [("a", "h2")]
+        assert st.stale("h1") == ["d"] and st.stale("h2") == ["e"]
+    (tmp_path / "journal.jsonl").write_bytes(b"")  # not the journal it was written for
+    assert j.summary(counts) is None
+
+
+def test_a_duplicate_in_a_running_fold_reaches_the_summary_with_its_first_records_host_and_path(tmp_path):
+    counts = journal_mod.CAPTURE_COUNTS
+    j = Journal(tmp_path)
+    live = j.state(counts)
+    j.follow(live, counts)
+    _run(j, [{"rec": "sent", "id": "a", "host": "h1", "attempt": 1}])
+    j.append({"rec": "done", "id": "a", "host": "h1", "path": "/r/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    j.append({"rec": "done", "id": "a", "host": "h2", "path": "/x/a", "sha256": "0" * 64, "bytes": 10, "tokens": 3})
+    j.write_summary(live)  # while the journal is open, as a run writes it every SUMMARY_EVERY_S
+    st = j.summary(counts)
+    assert st.n_done() == 1 and st.per_host == {"h1": {"done": 1, "tokens": 3, "bytes": 10}}
+    assert [(d["host"], d["path"], d["first_host"], d["first_path"]) for d in st.duplicates] == [("h2", "/x/a", "h1", "/r/a")]
+    j.close()

@@ -382,6 +382,20 @@ def test_local_transport_same_semantics(tmp_path):
         assert t.commands_run == 3 and t.connections_opened == 0
 
 
+def test_a_caller_that_takes_every_stderr_line_gets_all_of_them_and_the_result_keeps_only_a_tail(tmp_path):
+    from patchctl.core.transport import STDERR_KEPT
+
+    n = 5 * STDERR_KEPT + 7  # a long capture sends one event line per sample
+    seen = []
+    with open_transport(_local(tmp_path)) as t:
+        r = t.run_python(f"import sys\nfor i in range({n}):\n    print('line', i, file=sys.stderr)\n",
+                         timeout=300, on_stderr_line=seen.append)
+    assert seen == [f"line {i}" for i in range(n)]
+    kept = r.stderr.splitlines()
+    assert STDERR_KEPT <= len(kept) < 2 * STDERR_KEPT and kept[-1] == f"line {n - 1}"
+    assert kept == [f"line {i}" for i in range(n - len(kept), n)]
+
+
 def test_local_controller_python(tmp_path):
     host = _local(tmp_path, "controller")
     assert host.python == sys.executable

@@ -155,6 +155,7 @@ _ALIVE = object()  # the host's SSH server answered a keepalive (counts as word 
 FINISHED, DEADLINE, SILENT, NOT_STARTED = "finished", "deadline", "silent", "not started"
 START_FACTOR = 10  # a command whose host answers keepalives may take this many silence limits to say a first word
 PROBE_EVERY_S = 1.0
+STDERR_KEPT = 1000  # stderr lines a result keeps at most (x 2) when the caller takes each line as it arrives
 READ_BYTES = 1 << 20  # stdout taken at a time: what is there, up to this (raw pulls: fewer wake-ups per MB)
 
 
@@ -202,6 +203,10 @@ def _pump(events: queue.Queue, readers: int, deadline: float | None, silence: fl
             continue
         err_lines.append(item)
         if on_stderr_line is not None:
+            # the caller takes every line as it comes (a long capture sends one event per sample): what the
+            # result keeps is the last STDERR_KEPT to STDERR_KEPT x 2 lines, not a run's every line
+            if len(err_lines) >= 2 * STDERR_KEPT:
+                del err_lines[:-STDERR_KEPT]
             on_stderr_line(item.rstrip("\r\n"))
     return FINISHED
 

@@ -7,7 +7,13 @@ on stdin, one JSON line each (`{"id", "rid", "input_ids"}`), while the op runs; 
 them at a time go to the local server (`max_new_tokens = 1`, the sample's rid); each dump is awaited
 (bounded), validated by the smoke's rules (`smoke.check_dump`; big dumps in a pool of processes, half
 the usable cores), moved into `<dump_dir>/captures/<RUN>/` and reported with its sha256 (`sample_done`),
-or reported failed with the reason (`sample_failed`; the file kept aside in `rejected/`). The server
+or reported failed with the reason (`sample_failed`; the file kept aside in `rejected/`). The file is
+moved before it is read: what is hashed and checked is the file that was moved, never a path a later
+write could replace in between. Nothing of the run is left in the dump directory: a stale copy of a
+sample (a killed invocation's server wrote it after its agent died) is removed before the sample is sent
+again, the rids the controller names as a killed invocation's leftovers on this host (`stale`) are removed
+at the first sample (raw copies, and unjournalled copies in the run's directory), and at the op's end
+every sample sent but not moved, and every stale one, is swept once more. The server
 not answering or the disk reserve reached stops this host taking work: everything not yet finished is
 handed back (`sample_returned`), so the controller routes it elsewhere and nothing is lost. Standard
 library only (the dump check uses numpy when the host's Python has it: dumpscan).
@@ -195,6 +201,9 @@ class Capture(Streamed):
         self.checkers = None  # threads that await, check and move answered samples' dumps
         self.pool = None  # worker processes that check big dumps off this process's GIL
         self.pool_from = int(req.get("pool_from_bytes") or POOL_FROM_BYTES)
+        # rids of a killed invocation sent to this host and not verified here (the controller's journal says)
+        self.stale = [str(r) for r in (req.get("stale") or [])]
+        self.unmoved = set()  # rids sent to the server whose dump this op has not moved out of dump_dir
 
     # the loop ---------------------------------------------------------------------------
     def run_all(self):
@@ -207,6 +216,9 @@ class Capture(Streamed):
         for d in (self.run_dir, os.path.join(self.run_dir, "rejected")):
             if not os.path.isdir(d):
                 os.makedirs(d, 0o750)
+        # before any sample is sent: a killed invocation's leftovers (raw, and unjournalled copies in the run's
+        # directory); the event tells the controller's journal this host holds none of them any more
+        self._emit("stale_swept", removed=self._sweep(self.stale, self.run_dir))
         workers = 0
         if self.info["bytes_per_token"] * 1024 >= self.pool_from:  # a model whose dumps get big
             workers = checker_workers()
@@ -216,6 +228,10 @@ class Capture(Streamed):
         self.checkers.shutdown(wait=not self.gone)
         if self.pool is not None:
             self.pool.shutdown(wait=not self.gone)
+        if not self.gone:  # a dump that landed after its sample ended here (or a stale one's late write)
+            with self.lock:
+                left = list(self.unmoved) + self.stale
+            self._sweep(left)
         if self.gone:  # the controller is gone: the lock is released at exit, a resume sends these again
             raise ControllerGone()
         return dict(self.counts, stopped=self.stopped, seconds=round(time.time() - t0, 3), run_dir=self.run_dir)
@@ -251,10 +267,32 @@ class Capture(Streamed):
         self._emit("sample_returned", id=s["id"], reason=self.stopped)
         return False
 
+    def _raw_path(self, rid):
+        return os.path.join(self.dump_dir, safe_name(rid) + ".safetensors")
+
+    def _sweep(self, rids, run_dir=None):
+        """Remove the dump files of these rids (this run's own, named by its rid prefix) from the dump
+        directory and, with `run_dir`, from the run's directory (unjournalled copies); how many were there."""
+        n = 0
+        for rid in rids:
+            for d in (self.dump_dir, run_dir) if run_dir else (self.dump_dir,):
+                try:
+                    os.unlink(os.path.join(d, safe_name(rid) + ".safetensors"))
+                    n += 1
+                except FileNotFoundError:
+                    pass
+        return n
+
     def _post(self, s):
         """POST one sample; True once its dump is handed to a checker (which releases its tokens)."""
         ids = s["input_ids"]
         t0 = time.time()
+        with self.lock:
+            self.unmoved.add(s["rid"])
+        try:  # a copy an earlier (killed) invocation's server wrote: the sample's dump is the one sent now
+            os.unlink(self._raw_path(s["rid"]))
+        except FileNotFoundError:
+            pass
         body = {"rid": s["rid"], "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         try:
             status, resp = http_once(self.cfg["host"], self.cfg["port"], "POST", "/generate", body, self.request_timeout)
@@ -306,16 +344,18 @@ class Capture(Streamed):
                 return self._emit("sample_failed", id=s["id"], reason="no dump file %s within %gs of the response%s" % (
                     fname, DUMP_WAIT_S, self._errors_for(s["rid"])))
             time.sleep(0.005)
-        size = os.path.getsize(path)
-        if self.pool is not None and size >= self.pool_from:
-            problems, digest = self.pool.submit(check_file, path, ids, self.expect, self.hidden).result()
-        else:
-            problems, digest = check_file(path, ids, self.expect, self.hidden)
-        if problems:
-            os.replace(path, os.path.join(self.run_dir, "rejected", fname))
-            return self._emit("sample_failed", id=s["id"], reason="; ".join(problems[:4]))
         dest = os.path.join(self.run_dir, fname)
-        os.replace(path, dest)
+        os.replace(path, dest)  # moved first, then read: what is hashed is what was moved
+        with self.lock:
+            self.unmoved.discard(s["rid"])
+        size = os.path.getsize(dest)
+        if self.pool is not None and size >= self.pool_from:
+            problems, digest = self.pool.submit(check_file, dest, ids, self.expect, self.hidden).result()
+        else:
+            problems, digest = check_file(dest, ids, self.expect, self.hidden)
+        if problems:
+            os.replace(dest, os.path.join(self.run_dir, "rejected", fname))
+            return self._emit("sample_failed", id=s["id"], reason="; ".join(problems[:4]))
         with self.lock:
             self.counts["bytes"] += size
             self.counts["tokens"] += len(ids)

@@ -190,8 +190,8 @@ OPS = {
     "unlock": Op({"expect_run_id": None}, [AGENT], answer=UnlockAnswer),
     "container_image": Op({"repo": None}, [AGENT], answer=ImageAnswer),
     "capture": Op({"capture_run": None, "in_flight": None, "keep_free": None, "request_timeout": None,
-                   "pool_from_bytes": None, "capture_layers": None, "hidden_size": None}, [AGENT_NOW], streamed=True,
-                  answer=CaptureAnswer, probed=CaptureProbeAnswer),
+                   "pool_from_bytes": None, "capture_layers": None, "hidden_size": None, "stale": None}, [AGENT_NOW],
+                  streamed=True, answer=CaptureAnswer, probed=CaptureProbeAnswer),
     "regenerate": Op({"in_flight": None, "request_timeout": None, "max_new_tokens": None, "temperature": None},
                      [AGENT_NOW], streamed=True, answer=StreamedAnswer, probed=RegenerateProbeAnswer),
     "drafter_deploy": Op({"drafter": None, "host_name": None}, _CHANGES, answer=DrafterDeployAnswer),
@@ -292,6 +292,7 @@ EVENTS = {
     "sample_returned": ("id", "reason"),
     "sample_converted": ("id", "file", "sha256", "bytes", "source_sha256", "tokens", "layers", "present", "seconds"),
     "host_stopped": ("reason", "server_down"),
+    "stale_swept": ("removed",),  # capture: a killed invocation's leftovers of this host removed (count)
     "artifact_object": ("sha256", "size", "outcome", "received", "reason"),  # verified|refused|incomplete|present
 }
 

@@ -45,6 +45,29 @@ PULL_FILES = 2048
 PULL_STREAMS = 4  # pulls in flight per host by default (--streams)
 
 
+def sync_file_system(directory: Path, files: list[Path]) -> None:
+    """Everything written to `files` (all on `directory`'s file system) on disk: one syncfs(2) of that file
+    system where the C library has it (Linux), else an fsync of each file."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            if libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class Collector:
     def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter, streams: int = 1):
         self.app, self.run, self.name, self.info, self.out, self.fmt = app, run, name, info, out, fmt
@@ -70,14 +93,6 @@ class Collector:
                 "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
                 "hidden_size": facts.get("hidden_size"),
                 "layers": it.layers, "layers_source": it.layers_source, "loss_mask": mask}
-
-    def record(self, it: Item) -> None:
-        """Appended (and flushed) before the file is linked into place: a resumed collect knows its own file."""
-        line = (json.dumps(self.entry(it), sort_keys=True) + "\n").encode()
-        with self._lock:
-            self._index.write(line)
-            self._index.flush()
-            os.fsync(self._index.fileno())
 
     def pull_host(self, host, items: list[Item]) -> tuple[int, str]:
         """Pull every item of one host over `streams` SSH connections at once (each one agent command per
@@ -137,7 +152,8 @@ class Collector:
                 batch = self._claim(queue, min(PULL_FILES, -(-total // self.streams)))
                 if not batch:
                     return
-                b = pull_batch(s, self.name, batch, self._partial_of, self._finish, retry, progress, self._fresh)
+                b = pull_batch(s, self.name, batch, self._partial_of, self._finish, retry, progress, self._fresh,
+                               commit=self._commit)
                 with self._lock:
                     tally["sent"] += b.sent
                     tally["kept"] += b.kept
@@ -162,8 +178,11 @@ class Collector:
     def _partial_of(self, it: Item) -> Path:
         return partial_name(self.out / it.rel, self.fmt)
 
-    def _finish(self, it: Item, tmp: Path, digest: str) -> None:
+    def _finish(self, it: Item, tmp: Path, digest: str) -> tuple | None:
+        """A pulled file checked: (it, the file to put in place, where) for _commit, or None (its status says
+        why not; its partial removed)."""
         dest = self.out / it.rel
+        staged = None
         try:
             if digest != it.rec.get("sha256"):
                 it.status = "mismatch"
@@ -195,18 +214,42 @@ class Collector:
                 os.unlink(tmp)
                 tmp = ckpt
             it.sha256, it.bytes = digest, tmp.stat().st_size
-            self.record(it)
-            try:
-                os.link(tmp, dest)  # never replaces a file: one that appeared meanwhile is refused
-            except FileExistsError:
-                it.status, it.reason = "conflict", f"{dest} appeared meanwhile; not overwritten"
-                return
-            it.status = "collected"
+            staged = (it, tmp, dest)
+            return staged
         finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            if staged is None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def _commit(self, staged: list[tuple]) -> None:
+        """A batch's checked files put in place: their bytes made durable together (one sync of DIR's file
+        system), their index lines written and fsynced once (each before its file is linked: a resumed
+        collect knows its own files), then each linked into place (never replacing a file) and its partial
+        removed."""
+        if not staged:
+            return
+        try:
+            sync_file_system(self.out, [tmp for _it, tmp, _dest in staged])
+            with self._lock:
+                for it, _tmp, _dest in staged:
+                    self._index.write((json.dumps(self.entry(it), sort_keys=True) + "\n").encode())
+                self._index.flush()
+                os.fsync(self._index.fileno())
+            for it, tmp, dest in staged:
+                try:
+                    os.link(tmp, dest)  # never replaces a file: one that appeared meanwhile is refused
+                except FileExistsError:
+                    it.status, it.reason = "conflict", f"{dest} appeared meanwhile; not overwritten"
+                else:
+                    it.status = "collected"
+        finally:
+            for _it, tmp, _dest in staged:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
     def loss_mask(self, sid: str) -> tuple[list | None, str]:
         return loss_mask(self.dataset, sid)

@@ -268,13 +268,16 @@ class _Ids:
         if s.id in self.by_id:
             self.problems.add(s.line, again(s.id, self.samples[self.by_id[s.id]].line))
             return False
-        name = safe_name(self.rid_prefix + s.id)
-        if name in self.names:
-            other = self.samples[self.by_id[self.names[name]]]
-            self.problems.add(s.line, f"id {short(s.id)} and id {short(other.id)} (line {other.line}) would be "
-                                      f"dumped to the same file {name}.safetensors; rename one")
-            return False
-        self.names[name] = s.id
+        rid = self.rid_prefix + s.id
+        name = safe_name(rid)
+        if name != rid:  # a plain rid is its own file name, unique as ids are, and never one an encoded rid
+            #              gets (those start with "rid-", which no plain name does): only encoded ones are kept
+            if name in self.names:
+                other = self.samples[self.by_id[self.names[name]]]
+                self.problems.add(s.line, f"id {short(s.id)} and id {short(other.id)} (line {other.line}) would be "
+                                          f"dumped to the same file {name}.safetensors; rename one")
+                return False
+            self.names[name] = s.id
         self.by_id[s.id] = len(self.samples)
         self.samples.append(s)
         return True

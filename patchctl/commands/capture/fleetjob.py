@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from patchctl.core import remote
-from patchctl.commands.capture.journal import Journal
+from patchctl.commands.capture.journal import CAPTURE_COUNTS, SUMMARY_EVERY_S, Journal
 from patchctl.commands.capture.progress import Progress
 from patchctl.core.console import App
 from patchctl.core.rollout import parse_max_fail
@@ -251,6 +251,7 @@ class CaptureRun:
         self.stopping: str | None = None
         self.finished = threading.Event()
         self.running = 0  # drive threads not yet ended
+        self.live = None  # the journal's light fold as it is written (run_job), for summary.json as the run goes
 
     # routing -------------------------------------------------------------------------------
     def _pick(self, lane: Lane) -> Item | None:
@@ -288,11 +289,13 @@ class CaptureRun:
                 "bytes": ev["bytes"], "tokens": ev["tokens"]}
 
     @classmethod
-    def host_request(cls, opts: CaptureOptions, name: str, s) -> dict:
+    def host_request(cls, opts: CaptureOptions, name: str, s, stale: list[str] = ()) -> dict:
         """The long-running agent op each unit's head runs (s: its HostSession), started before the run's
-        checks (start_hosts): its probe, then the work."""
+        checks (start_hosts): its probe, then the work. `stale`: the rids earlier invocations sent this host
+        and it never verified (its agent removes their files at its first sample)."""
         host = s.host
         return s.request("capture", capture_run=name, in_flight=opts.in_flight, keep_free=opts.keep_free,
+                         stale=list(stale) or None,
                          request_timeout=opts.request_timeout, capture_layers=host.server.capture_layers,
                          hidden_size=host.server.hidden_size,
                          # tests: check dumps of every size in the hosts' worker processes (default: >= 4 MiB)
@@ -334,6 +337,9 @@ class CaptureRun:
     # results from the hosts ------------------------------------------------------------------
     def on_event(self, lane: Lane, ev: dict) -> None:
         kind = ev.get("event")
+        if kind == "stale_swept":  # the host holds nothing an earlier invocation left: the journal forgets it
+            self.journal.append({"rec": "swept", "host": lane.host.name, "removed": ev.get("removed")})
+            return
         if kind not in ("sample_done", "sample_failed", "sample_returned", "host_stopped"):
             return
         with self.lock:
@@ -422,10 +428,14 @@ class CaptureRun:
         for t in threads:
             t.start()
         interrupts = 0
+        summarized = time.monotonic()
         while not self.finished.is_set():
             try:
                 self.finished.wait(0.2)
                 self.progress.refresh()
+                if self.live is not None and time.monotonic() - summarized >= SUMMARY_EVERY_S:
+                    summarized = time.monotonic()
+                    self.journal.write_summary(self.live)  # `capture status` folds only what follows
             except KeyboardInterrupt:
                 interrupts += 1
                 if interrupts == 1:
@@ -445,19 +455,25 @@ def restart_hint(app: App, down: list[str]) -> str:
 
 
 def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds, directory, lanes: list[Lane],
-            skipped: dict[str, str], down: list[str], job: type = None, tokenizer_check: dict | None = None) -> int:
+            skipped: dict[str, str], down: list[str], job: type = None, tokenizer_check: dict | None = None,
+            state=None) -> int:
     """One invocation of a fleet job over the journal in `directory` (`job`: CaptureRun or a subclass) on the
     lanes start_hosts gave (their ops wait for work); `tokenizer_check`: what check_tokenizer made of the
-    dataset, for the summary."""
+    dataset, for the summary; `state`: the journal's light fold (Journal.state(counts)) when the caller has it."""
     journal = Journal(directory)
-    done = journal.state().done
-    todo = [s for s in ds.samples if s.id not in done]
-    resumed = len(ds.samples) - len(todo)
     job = job or CaptureRun
+    counts = CAPTURE_COUNTS if job is CaptureRun else {"tokens": lambda r: int(r.get("tokens") or 0)}
+    if state is None:
+        state = journal.state(counts)  # light: the done ids and their hosts
+    todo = [s for s in ds.samples if s.id not in state.done]
+    resumed = len(ds.samples) - len(todo)
+    journal.follow(state, counts)  # what this invocation writes is folded in as it is written
     progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
                                 hosts=[l.host.name for l in lanes], log_dir=opts.log_dir)
     progress.tokenizer_check = tokenizer_check
     cr = job(app, opts, run, name, prefix, ds, journal, progress)
+    if job is CaptureRun:
+        cr.live = state
     journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
                     "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped,
                     "command": cr.resume_command()})
@@ -472,13 +488,15 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
                 end_hosts(run, lanes)
         except KeyboardInterrupt:
             interrupted = True
-    final = journal.state()
+    final = state  # the journal's start fold and every record written since: the whole journal, not read again
     failed = dict(final.failed)
     pending = sum(1 for s in ds.samples if s.id not in final.done and s.id not in failed)
     code = 130 if interrupted or cr.stopping == "Ctrl-C" else (0 if not pending and not failed else 1)
     journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
                     "done": len(final.done), "failed": len(failed), "pending": pending})
     journal.close()
+    if job is CaptureRun:  # `capture status` reads this while the journal stays as it is now
+        journal.write_summary(final)
     output = cr.finish()
     down = down + [l.host.name for l in lanes if l.server_down]
     progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,

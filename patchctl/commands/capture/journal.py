@@ -20,8 +20,18 @@ Records (every one has "rec" and "t"):
     {"rec": "run",    "event": "start"|"end", ...}              one invocation's start and end; a start
                                                                 names the "command" that resumes the run
 
+    {"rec": "swept",  "host"}                                   that host's agent removed what earlier
+                                                                (killed) invocations left of the run there
+
 A sample is done once a "done" record exists for it (the first one counts; a later one for the same id
 is a duplicate the summary reports). Everything else about it is derived from the last record.
+
+The journal is read a line at a time (`records()` is a generator; no list of every record), and folded
+(`state()`) into what the caller needs: `state()` keeps every first "done" record (collect reads them);
+`state(counts=...)` keeps only the done ids with their host and sums `counts` per host (status, resume:
+a few dozen bytes per sample). Each `capture run` invocation ends by writing `summary.json`, the light
+fold of the whole journal with the journal's size: `capture status` of a run whose journal has not
+grown since reads that, not the journal (a killed invocation's journal is folded).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +50,7 @@ from patchctl.core.fsutil import write_atomic
 from patchctl.core.report import private_dir
 
 SYNC_EVERY_S = 0.05
+SUMMARY_EVERY_S = 30.0  # a running `capture run` rewrites summary.json this often (status folds only what follows)
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHOWN = 20  # failures listed in human output of `capture status` and `collect` (--json lists all)
 
@@ -73,11 +85,23 @@ class RunState:
     hosts: dict[str, dict] = field(default_factory=dict)      # host -> last "host" record
     invocations: int = 0
     last_start: dict | None = None  # the last invocation's "run" start record
+    # id -> {host: invocation} for samples sent to a host that has not verified them and not swept since:
+    # what a killed invocation may have left in that host's dump directory (`stale(host)`)
+    sent_to: dict[str, dict[str, int]] = field(default_factory=dict)
+    per_host: dict[str, dict] | None = None  # state(counts=...): host -> {"done": n, key: sum, ...}
+    done_count: int | None = None  # a summary's: the number of done samples (its `done` holds no ids)
 
     def in_flight(self) -> set[str]:
         """Sent and neither done nor finally failed nor returned since (for a crashed invocation:
         what may have been sent twice)."""
         return {i for i in self.last_sent if i not in self.done and i not in self.failed}
+
+    def n_done(self) -> int:
+        return self.done_count if self.done_count is not None else len(self.done)
+
+    def stale(self, host: str) -> list[str]:
+        """The ids an earlier invocation sent to `host` that it never verified there (and has not swept since)."""
+        return [sid for sid, hosts in self.sent_to.items() if host in hosts]
 
 
 @dataclass
@@ -107,11 +131,17 @@ def tally(info: dict, st: RunState, total: int, blank: dict, counts: dict) -> Ta
 
     for host in info.get("hosts") or {}:
         h(host)
-    for r in st.done.values():
-        x = h(r.get("host"))
-        x["done"] += 1
-        for key, of in counts.items():
-            x[key] += of(r)
+    if st.per_host is not None:  # a light fold: the sums are its own
+        for host, sums in st.per_host.items():
+            x = h(host)
+            for key in ["done", *counts]:
+                x[key] += sums.get(key, 0)
+    else:
+        for r in st.done.values():
+            x = h(r.get("host"))
+            x["done"] += 1
+            for key, of in counts.items():
+                x[key] += of(r)
     for r in st.failed.values():
         h(r.get("host"))["failed"] += 1
     in_flight = st.in_flight()
@@ -119,8 +149,8 @@ def tally(info: dict, st: RunState, total: int, blank: dict, counts: dict) -> Ta
         h(st.last_sent[sid].get("host"))["in_flight"] += 1
     for host, r in st.hosts.items():
         h(host).update(state=r.get("state"), reason=r.get("reason"))
-    pending = max(0, total - len(st.done) - len(st.failed))
-    return Tally(hosts, len(st.done), len(st.failed), pending, len(in_flight), pending == 0 and not st.failed,
+    pending = max(0, total - st.n_done() - len(st.failed))
+    return Tally(hosts, st.n_done(), len(st.failed), pending, len(in_flight), pending == 0 and not st.failed,
                  [{"id": sid, "host": r.get("host"), "reason": r.get("reason")} for sid, r in st.failed.items()])
 
 
@@ -158,6 +188,7 @@ class Journal:
         self._dirty = threading.Event()  # written since the last fsync
         self._closing = threading.Event()
         self._syncer: threading.Thread | None = None
+        self._follow: Fold | None = None  # follow(): the fold the records written are added to
 
     # writing -------------------------------------------------------------------------------
     def append(self, rec: dict) -> None:
@@ -170,11 +201,14 @@ class Journal:
         """Records in one write (append's guarantees for each). The fsync is the syncer thread's, never the
         caller's: a capture's event path (which holds the job's lock) does not wait on the disk."""
         now = round(time.time(), 3)
-        data = b"".join((json.dumps(dict({"t": now}, **r), sort_keys=True, separators=(",", ":")) + "\n").encode()
-                        for r in recs)
+        full = [dict({"t": now}, **r) for r in recs]
+        data = b"".join((json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n").encode() for r in full)
         if not data:
             return
         with self._lock:
+            if self._follow is not None:
+                for r in full:
+                    self._follow.add(r)
             if self._fd is None:  # the first record, or the first since close()
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
                 self._heal_torn_tail()
@@ -221,49 +255,171 @@ class Journal:
             self._dirty.clear()
 
     # reading -------------------------------------------------------------------------------
-    def records(self) -> list[dict]:
+    def records(self, offset: int = 0):
+        """The journal's records, a line at a time (from byte `offset`, a line's start); a torn line is skipped."""
         try:
-            raw = self.path.read_bytes()
+            f = open(self.path, "rb")
         except FileNotFoundError:
-            return []
-        out = []
-        for line in raw.split(b"\n"):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue  # a torn line from a crash: the record was never acted on
-            if isinstance(rec, dict) and "rec" in rec:
-                out.append(rec)
+            return
+        with f:
+            if offset:
+                f.seek(offset)
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn line from a crash: the record was never acted on
+                if isinstance(rec, dict) and "rec" in rec:
+                    yield rec
+
+    def state(self, counts: dict | None = None) -> RunState:
+        """The journal folded, read once. `counts` (key -> its value in one "done" record): a light fold,
+        `done` maps each done id to its host only and `per_host` sums each key over the first "done"
+        records; a duplicate then names its first's host (its path: `first_paths`)."""
+        fold = Fold(counts)
+        for r in self.records():
+            fold.add(r)
+        return fold.st
+
+    def follow(self, st: RunState, counts: dict | None = None) -> None:
+        """From now on every record this Journal writes is folded into `st` too (a state() of this journal
+        with the same `counts`): at the invocation's end `st` is the whole journal's, without reading it again."""
+        fold = Fold(counts, st)
+        with self._lock:
+            self._follow = fold
+
+    def first_paths(self, ids) -> dict[str, dict]:
+        """The first "done" record of each of these ids (a light fold's duplicates), reading the journal once."""
+        want, out = set(ids), {}
+        if want:
+            for r in self.records():
+                if r["rec"] == "done" and r.get("id") in want and r["id"] not in out:
+                    out[r["id"]] = r
         return out
 
-    def state(self) -> RunState:
-        st = RunState()
-        for r in self.records():
+    # the summary ---------------------------------------------------------------------------
+    SUMMARY = "summary.json"
+
+    def write_summary(self, st: RunState) -> None:
+        """summary.json: `st`, the light fold of the whole journal as it is now (no done ids; Journal.follow's
+        state while a run writes, so the two are taken together under the writer's lock), and the journal's
+        size at that moment."""
+        missing = [r["id"] for r in list(st.duplicates) if "first_path" not in r]
+        first = self.first_paths(missing) if missing else {}  # rare (a sample verified twice): its first record
+        with self._lock:  # (the run's event threads add to st under this lock)
+            for i, r in enumerate(st.duplicates):
+                if "first_path" not in r and r["id"] in first:
+                    st.duplicates[i] = dict(r, first_host=st.done.get(r["id"]) or first[r["id"]].get("host"),
+                                            first_path=first[r["id"]].get("path"))
+            try:
+                size = os.fstat(self._fd).st_size if self._fd is not None else os.path.getsize(self.path)
+            except FileNotFoundError:
+                return
+            data = json.dumps({
+                "journal_bytes": size, "done": st.n_done(), "per_host": st.per_host, "failed": st.failed,
+                "in_flight": {sid: st.last_sent[sid] for sid in st.in_flight()}, "duplicates": st.duplicates,
+                "hosts": st.hosts, "invocations": st.invocations, "last_start": st.last_start,
+                "sent_to": st.sent_to}, sort_keys=True, separators=(",", ":")).encode()
+        path = self.dir / self.SUMMARY
+        write_atomic(path, data, mode=0o600, tmp=path.with_name(self.SUMMARY + ".tmp"))
+
+    def summary(self, counts: dict) -> RunState | None:
+        """The light fold (`counts`) from summary.json and the journal's records written after it (a run
+        writes it as it goes and at its end), without reading the journal before that point; None when
+        there is none, or the journal is not the one it was written for (fold the journal instead). Its
+        `done` holds only the ids done after the summary (`n_done()` counts them all). A "done" after it
+        counts as new only for a sample sent after it or in flight at it: the runner never sends a done
+        sample, so any other is a duplicate of one done before."""
+        try:
+            data = json.loads((self.dir / self.SUMMARY).read_text())
+            offset = int(data["journal_bytes"])
+            if offset > os.path.getsize(self.path):
+                return None
+            st = RunState(failed=data["failed"], last_sent=data["in_flight"], hosts=data["hosts"],
+                          invocations=data["invocations"], last_start=data["last_start"], sent_to=data["sent_to"],
+                          per_host=data["per_host"], duplicates=data["duplicates"])
+            before = int(data["done"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        fold = Fold(counts, st)
+        known, earlier = set(st.last_sent), set()
+        for r in self.records(offset):
             kind, sid = r["rec"], r.get("id")
-            if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
-                st.last_sent[sid] = r
-                st.failed.pop(sid, None)
-            elif kind == "done":
-                if sid in st.done:
-                    st.duplicates.append(r)
-                else:
-                    st.done[sid] = r
-                    st.failed.pop(sid, None)
-            elif kind == "failed":
-                st.attempts[sid] = st.attempts.get(sid, 0) + 1
-                if r.get("final") and sid not in st.done:
-                    st.failed[sid] = r
-                st.last_sent.pop(sid, None)
-            elif kind == "returned":
-                st.last_sent.pop(sid, None)
-            elif kind == "host":
-                st.hosts[r["host"]] = r
-            elif kind == "run" and r.get("event") == "start":
-                st.invocations += 1
-                st.last_start = r
+            if kind == "sent":
+                known.add(sid)
+            elif kind == "done" and sid not in known and sid not in st.done:
+                st.done[sid] = None  # done before the summary: this one is the duplicate
+                earlier.add(sid)
+            fold.add(r)
+        for sid in earlier:
+            del st.done[sid]
+        st.done_count = before + len(st.done)
         return st
+
+
+class Fold:
+    """Records added one at a time into a RunState (Journal.state, Journal.follow); `counts`: light (see state)."""
+
+    def __init__(self, counts: dict | None = None, st: RunState | None = None):
+        self.counts = counts
+        self.st = st if st is not None else RunState()
+        if counts is not None and self.st.per_host is None:
+            self.st.per_host = {}
+        self.invocation = self.st.invocations
+
+    def add(self, r: dict) -> None:
+        st, counts = self.st, self.counts
+        kind, sid = r["rec"], r.get("id")
+        if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
+            r.pop("t", None)
+            st.last_sent[sid] = r
+            st.failed.pop(sid, None)
+            st.sent_to.setdefault(sid, {})[sys.intern(str(r.get("host")))] = self.invocation
+        elif kind == "done":
+            host = sys.intern(str(r.get("host")))
+            hosts = st.sent_to.get(sid)
+            if hosts is not None:  # its host holds the verified copy, nothing stale
+                hosts.pop(host, None)
+                if not hosts:
+                    del st.sent_to[sid]
+            if sid in st.done:
+                st.duplicates.append(r)
+            else:
+                if counts is not None:
+                    st.done[sid] = host
+                    sums = st.per_host.get(host)
+                    if sums is None:
+                        sums = st.per_host[host] = dict.fromkeys(["done", *counts], 0)
+                    sums["done"] += 1
+                    for key, of in counts.items():
+                        sums[key] += of(r)
+                else:
+                    r.pop("t", None)
+                    st.done[sid] = r
+                st.failed.pop(sid, None)
+            st.last_sent.pop(sid, None)
+        elif kind == "failed":
+            st.attempts[sid] = st.attempts.get(sid, 0) + 1
+            if r.get("final") and sid not in st.done:
+                st.failed[sid] = r
+            st.last_sent.pop(sid, None)
+        elif kind == "returned":
+            st.last_sent.pop(sid, None)
+        elif kind == "swept":  # that host removed what earlier invocations left there
+            host = r.get("host")
+            for sid in [i for i, hosts in st.sent_to.items() if hosts.get(host, self.invocation) < self.invocation]:
+                hosts = st.sent_to[sid]
+                del hosts[host]
+                if not hosts:
+                    del st.sent_to[sid]
+        elif kind == "host":
+            st.hosts[r["host"]] = r
+        elif kind == "run" and r.get("event") == "start":
+            st.invocations += 1
+            self.invocation += 1
+            st.last_start = r
 
 
 def write_run_info(directory: Path, info: dict) -> None:
@@ -281,8 +437,13 @@ def read_run_info(name: str) -> dict:
                        f"{name}` starts one") from None
 
 
-def load_run(name: str) -> tuple[dict, RunState]:
-    """A capture run's run.json and its journal's state (the name checked; no such run: BadInput)."""
+def load_run(name: str, counts: dict | None = None) -> tuple[dict, RunState]:
+    """A capture run's run.json and its journal's state (the name checked; no such run: BadInput);
+    `counts`: a light fold (Journal.state)."""
     check_run_name(name)
     info = read_run_info(name)
-    return info, Journal(run_dir(name)).state()
+    return info, Journal(run_dir(name)).state(counts)
+
+
+# what `capture status` and a resume sum per host over the done samples (the light fold's counts)
+CAPTURE_COUNTS = {"tokens": lambda r: int(r.get("tokens") or 0), "bytes": lambda r: int(r.get("bytes") or 0)}

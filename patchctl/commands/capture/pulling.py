@@ -67,8 +67,11 @@ class Incoming:
 
     def open(self) -> None:
         """The partial opened for writing at the end of what was kept (files are opened one at a time)."""
-        self.tmp.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except FileNotFoundError:  # its directory's first file (a mkdir for every file cost more than the open)
+            self.tmp.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         if os.fstat(self.fd).st_size != self.have:
             os.close(self.fd)
             self.fd = None
@@ -85,12 +88,13 @@ class Incoming:
             chunk = chunk[n:]
             self.have += n
 
-    def close(self, keep: bool) -> None:
-        """Close the partial: fsynced where it is kept (a cut pull's prefix, or a file to finish), else removed."""
+    def close(self, keep: bool, sync: bool = True) -> None:
+        """Close the partial: fsynced where it is kept (a cut pull's prefix, or a file to finish; `sync`
+        False: its batch syncs its files together, Batch.commit), else removed."""
         fd, self.fd = self.fd, None
         if fd is not None:
             try:
-                if keep:
+                if keep and sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -104,11 +108,17 @@ class Incoming:
 class Batch:
     """One `pull_raw` command for some of a host's files. `finish(it, tmp, digest)` is Collector._finish;
     `retry(it)` puts a resumed file whose sha256 failed back for one whole pull; `progress(nbytes)` is
-    called as each file is finished, with the bytes of it that came in this pull."""
+    called as each file is finished, with the bytes of it that came in this pull. With `commit`, what
+    `finish` returns for a file (not None: a file checked and ready to be put in place) is kept, and
+    `commit(those)` is called once at the batch's end, cut or not: the batch's files made durable and
+    put in place together (Collector._commit: one file-system sync and one index fsync per batch, not
+    two fsyncs per file), their partials closed unsynced meanwhile."""
 
     def __init__(self, items: list[Item], partial_of: Callable[[Item], Path], finish, retry,
-                 progress: Callable[[int], None] | None = None, fresh: set[str] | None = None):
+                 progress: Callable[[int], None] | None = None, fresh: set[str] | None = None, commit=None):
         self.items = items
+        self.commit = commit
+        self.staged: list = []
         self.incoming = {it.rec["path"]: Incoming(it, partial_of(it)) for it in items}
         for inc in self.incoming.values():
             inc.on_end = self.end_of
@@ -148,6 +158,9 @@ class Batch:
                         inc.close(keep=inc.have > 0)  # a cut pull: what arrived stays for the next collect
                     except OSError:
                         pass  # (a full disk): what was written is still the file's prefix
+            if self.commit is not None:
+                staged, self.staged = self.staged, []
+                self.commit(staged)
 
     # the FrameSink's callbacks (the transport's stdout thread) ------------------------------------
     def _open_file(self, hdr: dict):
@@ -189,16 +202,18 @@ class Batch:
             inc.close(keep=False)  # the kept prefix may be what is wrong: once more, whole
             self.retry(inc.it)
             return
-        inc.close(keep=True)
-        self.finish(inc.it, inc.tmp, digest)
+        inc.close(keep=True, sync=self.commit is None)
+        staged = self.finish(inc.it, inc.tmp, digest)
+        if staged is not None and self.commit is not None:
+            self.staged.append(staged)
         if self.progress:
             self.progress(inc.have - inc.kept)
 
 
 def pull_batch(session, run_name: str, items: list[Item], partial_of, finish, retry, progress=None,
-               fresh: set[str] | None = None) -> Batch:
+               fresh: set[str] | None = None, commit=None) -> Batch:
     """Pull `items` (one host's) in one command; the Batch (sent, kept) once done. Raises as Batch.run."""
-    batch = Batch(items, partial_of, finish, retry, progress, fresh)
+    batch = Batch(items, partial_of, finish, retry, progress, fresh, commit)
     t0 = time.monotonic()
     batch.run(session, run_name)
     batch.seconds = time.monotonic() - t0

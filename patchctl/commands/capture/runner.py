@@ -23,7 +23,7 @@ from patchctl.commands.capture import dataset as datasets
 from patchctl.commands.capture import provenance
 from patchctl.commands.capture.fleetjob import (CaptureRun, Lane, default_name, end_hosts, restart_hint, run_job,
                                                 start_hosts)
-from patchctl.commands.capture.journal import check_run_name, run_dir, write_run_info
+from patchctl.commands.capture.journal import CAPTURE_COUNTS, Journal, check_run_name, run_dir, write_run_info
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
 from patchctl.host.capture import run_prefix
@@ -44,15 +44,22 @@ def run_capture(app: App, opts: CaptureOptions) -> int:
                        f"{before['dataset']['sha256'][:12]}…); {opts.dataset} differs: resume with that file, or "
                        f"start another run with --name")
     try:
+        # the journal so far (light: done ids, and what each host was sent and never verified there)
+        state = Journal(run_dir(name)).state(CAPTURE_COUNTS) if before else None
+
+        def request(s):
+            stale = [] if state is None else [f"{before['prefix']}-{sid}" for sid in state.stale(s.host.name)]
+            return CaptureRun.host_request(opts, name, s, stale)
+
         # one agent per unit head: its capture op answers the probe, then waits for the first sample
-        lanes, skipped, down = start_hosts(run, lambda s: CaptureRun.host_request(opts, name, s))
+        lanes, skipped, down = start_hosts(run, request)
         try:
             prefix, directory, tokenizer_check = _check(app, opts, name, ds, before, lanes, skipped, down)
         except BaseException:  # refused (or interrupted) before anything was sent: every op ends, nothing created
             end_hosts(run, lanes)
             raise
         return run_job(app, opts, run, name, prefix, ds, directory, lanes, skipped, down,
-                       tokenizer_check=tokenizer_check)
+                       tokenizer_check=tokenizer_check, state=state)
     finally:
         run.close()
 

@@ -8,8 +8,8 @@ or pending samples); 2 when there is no run or regeneration of that name.
 
 from __future__ import annotations
 
-from patchctl.commands.capture.journal import (SHOWN, RunState, failure_lines, load_run, mb, run_dir, status_table,
-                                               tally)
+from patchctl.commands.capture.journal import (CAPTURE_COUNTS, SHOWN, Journal, RunState, check_run_name,
+                                               failure_lines, mb, read_run_info, run_dir, status_table, tally)
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
 
@@ -18,8 +18,7 @@ def status_data(name: str, info: dict, st: RunState) -> dict:
     ds = info.get("dataset") or {}
     samples = int(ds.get("samples") or 0)
     t = tally(info, st, samples, {"done": 0, "failed": 0, "in_flight": 0, "tokens": 0, "bytes": 0, "state": None,
-                                  "reason": None},
-              {"tokens": lambda r: int(r.get("tokens") or 0), "bytes": lambda r: int(r.get("bytes") or 0)})
+                                  "reason": None}, CAPTURE_COUNTS)
     command = (st.last_start or {}).get("command") or f"patchctl capture run {ds.get('path')} --name {name}"
     return {"kind": "capture", "run": name, "dataset": ds, "resume": command, "samples": samples, "done": t.done,
             "failed": t.failed, "pending": t.pending, "in_flight": t.in_flight,
@@ -27,8 +26,27 @@ def status_data(name: str, info: dict, st: RunState) -> dict:
             "complete": t.complete, "invocations": st.invocations, "hosts": t.hosts, "failures": t.failures,
             "tokenizer_check": info.get("tokenizer_check"),  # None: a run of a version that did not record it
             "duplicates": [{"id": r.get("id"), "host": r.get("host"), "path": r.get("path"),
-                            "first_host": st.done[r["id"]].get("host"), "first_path": st.done[r["id"]].get("path")}
+                            "first_host": r.get("first_host"), "first_path": r.get("first_path")}
                            for r in st.duplicates]}
+
+
+def load_status(name: str) -> tuple[dict, RunState]:
+    """run.json and the journal's light fold: summary.json and the journal's records after it (a run writes
+    it every SUMMARY_EVERY_S and at its end), else the journal folded a line at a time; each duplicate with
+    its first "done" record's host and path."""
+    check_run_name(name)
+    info = read_run_info(name)
+    j = Journal(run_dir(name))
+    st = j.summary(CAPTURE_COUNTS)
+    if st is None:
+        st = j.state(CAPTURE_COUNTS)
+    missing = [r["id"] for r in st.duplicates if "first_path" not in r]
+    if missing:  # rare (a sample verified twice): its first record's host and path, from the journal
+        first = j.first_paths(missing)
+        st.duplicates = [r if "first_path" in r else
+                         dict(r, first_host=st.done.get(r["id"]) or (first.get(r["id"]) or {}).get("host"),
+                              first_path=(first.get(r["id"]) or {}).get("path")) for r in st.duplicates]
+    return info, st
 
 
 def render_status(d: dict):
@@ -71,7 +89,7 @@ def run_capture_status(app: App, args) -> int:
     if regen is not None and not (run_dir(args.name) / "run.json").exists():
         app.result(regen, regenerate.render_status(regen, SHOWN))
         return 0 if regen["complete"] else 1
-    info, st = load_run(args.name)
+    info, st = load_status(args.name)
     d = status_data(args.name, info, st)
     if regen is None:
         app.result(d, render_status(d))
