@@ -445,12 +445,17 @@ def _drafter_bench(cmd: Commands) -> None:
 def _drafter_deploy(cmd: Commands) -> None:
     dp = cmd("deploy", "send a trained EAGLE-3 drafter, restart with it, keep it only where its measured acceptance passes",
              "Deploy a trained EAGLE-3 draft directory: checked on its own, against --data and against every host's\n"
-             "served model (exit 2, nothing sent); sent to every selected host at once, content-addressed (what a\n"
-             "host has is not sent again); then per unit, through the rollout (--canary, --batch, --max-fail): the\n"
-             "prompt set measured on what serves now (baseline), the server restarted with the drafter and the\n"
-             "inventory's [server.speculative] settings, the same prompts measured again (canary), and the gate:\n"
-             "verified, or rolled back to the drafter (or none) and the exact server config before, proven ready.\n"
-             "Exit 0 deployed (or already serving it); 1 a unit rolled back; 2 refused, nothing sent; 3 attention.")
+             "served model, and a host where a capture series is deployed (exit 2, nothing sent). Then per unit,\n"
+             "through the rollout (--canary, --batch, --max-fail; a batch's units at once): the draft sent to the\n"
+             "unit's host, content-addressed (what a host has is not sent again; hosts after the canary receive it\n"
+             "only once the canary passed, a host the run never reaches receives nothing), the prompt set measured\n"
+             "on what serves now (baseline), the server restarted with the drafter and the inventory's\n"
+             "[server.speculative] settings, the same prompts measured again (canary), and the gate: verified, or\n"
+             "rolled back to the drafter (or none) and the exact server config before, proven ready.\n"
+             "Ctrl-C: the first stops every send at once (what arrived is kept on the host; the next deploy resumes\n"
+             "it) and restarts no other unit; the second aborts and prints each host's state and its command.\n"
+             "Exit 0 deployed (or already serving it); 1 a unit rolled back; 2 refused, nothing sent; 3 attention;\n"
+             "130 interrupted.")
     dp.add_argument("dir", type=Path, metavar="DIR", help="the draft directory (`specforge export --to sglang`'s output)")
     dp.add_argument("--data", type=Path, default=None, metavar="COLLECTED_DIR",
                     help="the `capture collect` directory the draft was trained on (layer ids, sizes, tokenizer)")
@@ -473,6 +478,9 @@ def _drafter_rollback(cmd: Commands) -> None:
     rp = cmd("rollback", "back to the drafter before (or none): its record and the exact server config, proven ready")
     rp.add_argument("--to", choices=["previous", "none"], default="previous",
                     help="previous (default): the drafter that served before the last deploy, or none; none: no drafter")
+    rp.add_argument("--pending", action="store_true",
+                    help="only an unfinished deploy (recorded pending: cut off before its canary's verdict) is taken "
+                         "back; a verified drafter is left as it is (what an aborted drafter deploy prints)")
     limit_arg(rp)
     hostkeys_args(rp)
     rollout_flags(rp, "roll back")

@@ -142,6 +142,7 @@ class Fleet:
         self.base = Path(base)
         self.sglang_tree = sglang_tree
         self._popens: list[subprocess.Popen] = []
+        self.outputs: list[str] = []  # what every patchctl() run printed (stdout + stderr): its printed commands are checked
         self.ssh = start_hosts(n, self.base) if connection == "ssh" else local_hosts(n, self.base)
         ports = free_ports("127.0.0.1", n, avoid={getattr(h, "port", 0) for h in self.ssh})
         self.hosts = [TestHost(h, port) for h, port in zip(self.ssh, ports)]
@@ -213,7 +214,9 @@ class Fleet:
         return e
 
     def patchctl(self, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=self.env(env))
+        p = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=self.env(env))
+        self.outputs.append(p.stdout + "\n" + p.stderr)
+        return p
 
     def run_dirs(self) -> set[Path]:
         """The run log directories patchctl has made for this fleet (`runs/<run id>/`)."""

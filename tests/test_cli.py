@@ -53,6 +53,18 @@ def test_help_for_every_command_and_flag_and_global_flags_after_the_command():
     assert p.returncode == 0 and json.loads(p.stdout)["series"], p.stderr
 
 
+def test_drafter_deploy_help_says_what_the_rollout_does():
+    """Hosts after the canary receive the drafter only once it passed (as the README and the code say), and
+    the help says what Ctrl-C and --pending do."""
+    deploy = " ".join(_help("drafter", "deploy").split())
+    assert "sent to every selected host at once" not in deploy
+    assert "hosts after the canary receive it only once the canary passed" in deploy, deploy
+    assert "a host where a capture series is deployed (exit 2, nothing sent)" in deploy
+    assert "the first stops every send at once" in deploy and "130 interrupted" in deploy
+    rollback = " ".join(_help("drafter", "rollback").split())
+    assert "--pending" in rollback and "a verified drafter is left as it is" in rollback
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--batch", "0%"], "--batch"),
     (["--batch", "1,,2"], "--batch"),

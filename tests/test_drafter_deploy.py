@@ -9,11 +9,22 @@ export format; the fitted one trained in plain torch for a few seconds)."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import sys
 
 import pytest
 
 from draft_util import fit_good_draft, write_draft_dir
-from fleet import Fleet
+from fleet import Fleet, wait_for
+from test_artifact import _lock_free
+from test_operator import Terminal, controller_saw, last_run, run_events, run_pasted
+from test_readonly import host_snapshot
+
+
+def ev_run_id(run_dir) -> str:
+    return run_events(run_dir)[0]["run_id"]
 
 IDS = [1, 3, 4]  # the eagle_config ids of a Llama-convention target: capture layers [2, 4, 5]
 
@@ -140,9 +151,272 @@ def test_capture_and_drafter_never_share_a_server(fleet):
     assert p.returncode == 0, p.stdout + p.stderr
     assert not any(a.startswith("--speculative") for a in f.server_argv(h1)) and f.healthy(h1)
     assert status(f)[h1.name]["drafter"] is None
-    # now the capture goes on, and a drafter deploy is refused while it is deployed
+    # now the capture goes on, and a drafter deploy is refused while it is deployed: found by the read-only
+    # probe, before a byte is sent or a prompt measured (the untrained drafter: h1 never received it)
     p = f.patchctl("apply", "hidden-dump", "--limit", h1.name)
     assert p.returncode == 0, p.stdout + p.stderr
-    p, res = deploy(f, f.good, "--limit", h1.name)
-    assert p.returncode == 2 and "capture configuration" in res[h1.name]["message"], p.stdout + p.stderr
+    snap = host_snapshot(h1.state)
+    p, res = deploy(f, f.bad, "--limit", h1.name)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "hidden-dump" in p.stderr and "capture configuration" in p.stderr and "nothing sent" in p.stderr, p.stderr
+    assert f"rollback --to clean --limit {h1.name}" in p.stderr, p.stderr
+    events = [json.loads(l) for l in p.stdout.splitlines() if l.strip()]
+    assert not [e for e in events if e.get("event") == "step_start"], events  # no send, no baseline
+    assert res[h1.name]["outcome"] == "refused", res
+    assert host_snapshot(h1.state) == snap  # nothing written on the host: not a file, not a lock
+    # why no host's history lists it, and where it is recorded instead
+    assert "no host's history lists this refusal" in p.stderr and "run's log" in p.stderr, p.stderr
     assert f.patchctl("rollback", "--to", "clean", "--limit", h1.name).returncode == 0
+
+
+# --- Ctrl-C, and every command printed -------------------------------------------------------------
+# A send is held (as a slow link holds it) by a wrapper around patchctl: once the first full MiB of an object
+# has gone out, the stream waits until the test opens a gate file. What Ctrl-C does meanwhile is patchctl's.
+
+GATED = '''import os, sys, time
+from patchctl.core import artifact
+_iter = artifact._Stream.__iter__
+def gated(self):
+    held = False
+    for block in _iter(self):
+        yield block
+        if not held and len(block) == artifact.CHUNK:
+            held = True
+            while not os.path.exists(os.environ["PATCHCTL_TEST_SEND_GATE"]):
+                time.sleep(0.05)  # a slow link, until the test opens the gate
+artifact._Stream.__iter__ = gated
+from patchctl.cli import run
+run()
+'''
+
+
+def _gated(f, gate, *args):
+    script = f.base / "gated_patchctl.py"
+    script.write_text(GATED)
+    return ([sys.executable, str(script), "--inventory", str(f.inventory), "--patches", str(f.patches), *args],
+            dict(f.env(), PATCHCTL_TEST_SEND_GATE=str(gate)))
+
+
+def _big(f):
+    """An untrained drafter whose weights are several MiB (the send can be held after its first MiB)."""
+    d = f.base / "big"
+    if not d.exists():
+        write_draft_dir(d, target_model_dir=f.hosts[0].dir / "model", layer_ids=IDS, seed=2, intermediate_size=8192)
+    return d
+
+
+def _deploy_args(f, draft, limit):
+    return ("drafter", "deploy", str(draft), "--prompts", str(f.prompts), "--max-new-tokens", "24", "--limit", limit)
+
+
+def _history(h) -> list[dict]:
+    return [json.loads(l) for t in (h.state / "trees").glob("*/history.jsonl") for l in t.read_text().splitlines()
+            if l.strip()]
+
+
+def _held_send(f, h, gate):
+    """A drafter deploy of the big drafter to `h` on its own terminal, held after its first MiB of weights."""
+    from patchctl.core.artifact import CHUNK, Artifact
+
+    art = Artifact.from_dir(_big(f))
+    obj = max(art.files, key=lambda x: x.size)
+    part = h.state / "drafters" / "objects" / f"{obj.sha256}.part"
+    argv, env = _gated(f, gate, *_deploy_args(f, _big(f), h.name))
+    env.pop("COLUMNS", None)
+    had = part.stat().st_size if part.exists() else 0  # a .part an earlier send left: this one resumes it
+    earlier = f.run_dirs()
+    term = Terminal(argv, env)
+    wait_for(lambda: (part.exists() and part.stat().st_size >= had + CHUNK) or term._eof.is_set(), 300,
+             what=f"a MiB more of the weights on {h.name}")
+    assert part.exists(), term.text[-3000:]
+    return term, art, obj, part, earlier
+
+
+def test_first_ctrl_c_stops_a_send_at_once_and_deploys_nothing(fleet):
+    f = fleet
+    h0 = f.hosts[0]
+    before, pid = status(f)[h0.name]["drafter"], f.server_pid(h0)
+    gate = f.base / f"send-gate-{os.urandom(4).hex()}"
+    term, art, obj, part, earlier = _held_send(f, h0, gate)
+    term.ctrl_c()
+    wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
+    gate.touch()  # the link goes on: only the Ctrl-C may stop the send now
+    rc = term.wait(300)
+    out = term.text
+    f.outputs.append(out)
+    assert rc == 130, out[-3000:]
+    assert "sends stop now" in out, out[-3000:]
+    ev = run_events(last_run(f, earlier))
+    res = {e["host"]: e for e in ev if e["event"] == "host_result"}
+    assert res[h0.name]["outcome"] == "interrupted, not deployed", res
+    assert "the send was stopped by Ctrl-C" in res[h0.name]["message"], res
+    steps = [e["step"] for e in ev if e["event"] == "step_start"]
+    assert steps == ["send"], steps  # no baseline, no restart: nothing it had not started
+    # what arrived is kept for the resume; the drafter is not there, the server and its record as before
+    wait_for(lambda: _lock_free(part), what="the stopped agent's end")
+    assert 0 < part.stat().st_size < obj.size
+    assert not (h0.state / "drafters" / f"{art.digest}.json").exists()
+    assert status(f)[h0.name]["drafter"] == before and f.server_pid(h0) == pid
+
+
+def test_second_ctrl_c_during_a_send_says_nothing_needs_recovering(fleet):
+    f = fleet
+    h0 = f.hosts[0]
+    before, pid = status(f)[h0.name]["drafter"], f.server_pid(h0)
+    gate = f.base / f"send-gate-{os.urandom(4).hex()}"  # never opened
+    term, art, obj, part, earlier = _held_send(f, h0, gate)
+    term.ctrl_c()
+    wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
+    term.ctrl_c()
+    rc = term.wait(120)
+    out = term.text
+    f.outputs.append(out)
+    assert rc == 130, out[-3000:]  # nothing needs attention: the drafter was never deployed
+    m = re.search(rf"{h0.name}: aborted — (cut off during 'send'.*)", out)
+    assert m and "the drafter was not deployed here and the server serves as before" in m.group(1), out[-3000:]
+    assert "nothing to recover" in m.group(1)
+    assert "drafter rollback" not in out, out[-3000:]  # no advice that would roll back the good drafter
+    wait_for(lambda: _lock_free(part), what="the cut agent's end")
+    assert status(f)[h0.name]["drafter"] == before and f.server_pid(h0) == pid
+
+
+def test_a_deploy_aborted_in_its_restart_then_rerun_then_recovered(fleet):
+    f = fleet
+    h0 = f.hosts[0]
+    good = status(f)[h0.name]["drafter"]
+    assert good["status"] == "verified"
+    good_argv = f.server_argv(h0)
+    gate = f.base / f"start-gate-{os.urandom(4).hex()}"  # the server with the drafter loads until it opens: never
+    f.write_inventory(host_overrides={h0.name: {"server": {"env": {"PATCHCTL_SIM_START_GATE": str(gate)}}}})
+    try:
+        earlier = f.run_dirs()
+        term = Terminal(f.cmd(*_deploy_args(f, f.bad, h0.name)), f.env())
+        log = h0.dir / "server.log"
+        # the agent has recorded the drafter (pending) and its server is loading: the stand-in logs the gate
+        wait_for(lambda: str(gate) in log.read_text(errors="replace") or term._eof.is_set(), 300,
+                 what="the server with the drafter loading")
+        assert controller_saw(f, earlier, h0.name, "restart"), term.text[-3000:]
+        term.ctrl_c()
+        wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
+        term.ctrl_c()
+        rc = term.wait(120)
+        out = term.text
+        f.outputs.append(out)
+        assert rc == 3, out[-3000:]
+        m = re.search(rf"{h0.name}: aborted — (cut off during 'restart'.*)\n\s+recover: (.*)", out)
+        assert m, out[-3000:]
+        recover = m.group(2).strip()
+        assert shlex.split(recover)[-4:] == ["rollback", "--pending", "--limit", h0.name], recover
+        aborted = ev_run_id(last_run(f, earlier))
+        # the agent said it in the history before it stopped: no hole after "restarting with the drafter"
+        wait_for(lambda: any(e["op"] == "drafter-deploy" and e["outcome"] == "aborted" and e["run_id"] == aborted
+                             for e in _history(h0)), 60, what="the aborted entry in host0's history")
+        hist = f.patchctl("history", "--limit", h0.name)
+        assert re.search(rf"drafter-deploy\s+drafter \w+\s+{aborted}\s+aborted", hist.stdout), hist.stdout
+
+        # a rerun: refused at the probe (needs attention), nothing measured on the unverified drafter, one
+        # command named once, and no lock of its own left behind
+        p, res = deploy(f, f.bad, "--limit", h0.name)
+        assert p.returncode == 3, p.stdout + p.stderr
+        r = res[h0.name]
+        assert r["outcome"] == "needs attention" and "never measured" in r["message"], r
+        assert r["message"].count("drafter rollback") == 1 and "--pending" in r["message"], r
+        events = [json.loads(l) for l in p.stdout.splitlines() if l.strip()]
+        assert not [e for e in events if e.get("event") == "step_start"], events
+        rerun = events[0]["run_id"]
+        lock = next((json.loads(x.read_text()) for x in (h0.state / "trees").glob("*/lock.json")), None)
+        assert lock is None or lock["run_id"] != rerun, lock
+
+        # the printed command, pasted: the drafter before, verified, on the config before
+        p = run_pasted(f, recover)
+        assert p.returncode == 0, p.stdout + p.stderr
+        st = status(f)[h0.name]["drafter"]
+        assert st["digest"] == good["digest"] and st["status"] == "verified", st
+        assert f.server_argv(h0) == good_argv and f.healthy(h0)
+        assert not list((h0.state / "trees").glob("*/lock.json"))
+        ops = [(e["op"], e["outcome"]) for e in _history(h0) if e["op"].startswith("drafter")]
+        assert ops[-3:] == [("drafter-deploy", "restarting with the drafter"), ("drafter-deploy", "aborted"),
+                            ("drafter-rollback", f"to drafter {good['digest'][:12]}")], ops
+        # run again, it leaves the verified drafter as it is
+        p = run_pasted(f, recover)
+        assert p.returncode == 0 and "no unfinished drafter deploy here" in p.stdout + p.stderr, p.stdout + p.stderr
+        assert status(f)[h0.name]["drafter"]["digest"] == good["digest"]
+    finally:
+        f.write_inventory()
+
+
+def test_history_shows_the_acceptance_a_deploy_measured(fleet):
+    f = fleet
+    h0 = f.hosts[0]
+    p = f.patchctl("history", "--limit", h0.name)
+    assert p.returncode == 0, p.stderr
+    verified = [l for l in p.stdout.splitlines() if "drafter-deploy" in l and " verified" in l]
+    assert verified and re.search(r"verified \(acceptance 1\.00 -> [2-4]\.\d\d, \d+\.\d tok/s\)", verified[0]), p.stdout
+
+
+def printed_commands(texts) -> list[list[str]]:
+    """Every patchctl command line in what patchctl printed: `patchctl` followed by a command word, an option or
+    a quote (prose such as "the next patchctl run" is not a command), up to the end of the line, a `   #`
+    comment, a table border, or a word that ends in , ; ) or a backtick; headings (a word ending in `:`, a dash)
+    and cells cut at the screen's width (…) are not command lines."""
+    from patchctl.cli import COMMANDS
+
+    heads = {k.split()[0] for k in COMMANDS}
+    lines = []
+    for text in texts:
+        for line in text.splitlines():
+            s = line.strip()
+            if s[:1] in "{[\"" or s[-1:] in "}],":  # JSON (--json): its string values, decoded
+                for lit in re.findall(r'"((?:[^"\\]|\\.)*)"', line):
+                    lines += json.loads(f'"{lit}"').splitlines()
+            else:
+                lines.append(line)
+    out = []
+    for line in lines:
+        for m in re.finditer(r"(?<![\w/.-])patchctl (?=\S)(.*)", line):
+            rest = m.group(1).split("   #")[0]
+            lex = shlex.shlex(rest, posix=True)
+            lex.whitespace_split, lex.commenters = True, ""
+            words, title = [], False
+            try:
+                for w in lex:
+                    if w in ("│", "┃", "|"):  # a table's border: the cell ends
+                        break
+                    if w in ("—", "-") or w.endswith(":") or "…" in w:  # a heading ("patchctl apply X: summary",
+                        title = True  # "patchctl drafter deploy — run R") or a cell cut at the screen's width
+                        break
+                    end = w[-1] in ",;)`"
+                    w = w.rstrip(",;)`")
+                    if w:
+                        words.append(w)
+                    if end:
+                        break
+            except ValueError:  # an unclosed quote: not a command line (or a broken one: the parse below says)
+                words = [rest]
+            if not title and words and (words[0] in heads or words[0].startswith("-") or rest[:1] in "'\""):
+                out.append(["patchctl", *words])
+    return out
+
+
+def test_every_command_patchctl_printed_in_this_module_parses(fleet):
+    """Each recovery / next command this module's runs printed, parsed as patchctl's parser parses it: no usage
+    error (argparse exits 2) for any of them."""
+    import contextlib
+    import io
+
+    from patchctl.cli import build_parser
+
+    cmds = printed_commands(fleet.outputs)
+    lines = {shlex.join(c) for c in cmds}
+    assert any(c[-4:-1] == ["rollback", "--pending", "--limit"] for c in cmds), lines  # not vacuous
+    assert any("--to" in c and "clean" in c for c in cmds), lines
+    bad = []
+    for argv in cmds:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                build_parser().parse_args(argv[1:])
+        except SystemExit as e:
+            if e.code:
+                bad.append(f"{shlex.join(argv)}: {err.getvalue().strip().splitlines()[-1:]}")
+    assert not bad, "\n".join(bad)

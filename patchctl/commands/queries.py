@@ -83,7 +83,7 @@ def attention_of(app: App, d: dict) -> list[dict]:
     if dr and dr.get("status") == "pending" and (not lock or dead):
         out.append({"why": f"the drafter {dr['digest'][:12]} (run {dr.get('run_id')}) serves but its acceptance was never "
                            "measured: its deploy was cut off",
-                    "run": app.cmd("drafter", "rollback", "--limit", host) + "   # back to the drafter before it, verified"})
+                    "run": app.cmd("drafter", "rollback", "--pending", "--limit", host) + "   # back to the drafter before it, verified"})
     if d.get("drift") and not j:
         files = ", ".join(x["path"] for x in d["drift"])
         out.append({"why": f"drift: {files} changed since patchctl wrote them (hand edits?)",
@@ -225,9 +225,15 @@ def _history_rows(d: dict) -> list[tuple[str, ...]]:
     for h in d["history"]:
         what = h if h.get("series") else (h.get("from") or {})  # a rollback: the series it took away
         label = f"{what.get('series') or ''} {what.get('version') or ''}".strip()
+        outcome = str(h.get("outcome", ""))
         if h.get("drafter"):  # a drafter deploy or rollback: the drafter it left serving
             label = f"drafter {h['drafter']['digest'][:12]}"
-        outcome = str(h.get("outcome", ""))
+            acc = h["drafter"].get("acceptance") if h.get("op") == "drafter-deploy" else None
+            if acc and acc.get("new"):  # the canary's figures, as the deploy recorded them
+                from patchctl.commands.drafter.gate import accept_of
+
+                outcome += (f" (acceptance {accept_of(acc.get('baseline') or {}):.2f} -> {accept_of(acc['new']):.2f}, "
+                            f"{(acc['new'].get('tokens_per_s') or 0):.1f} tok/s)")
         c = h.get("container")
         if c:  # a container host: which container served after the step, from which image
             outcome += f" [{container_words(dict(c, id=None))} {(c.get('id') or '')[:12]}]".replace(" ]", "]")

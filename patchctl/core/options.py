@@ -93,3 +93,4 @@ class DrafterOptions(DeployOptions):
     min_gain: float = 0.0
     max_tps_loss: float | None = None  # a fraction: 0.1 = at most 10 % fewer output tokens/s than the baseline
     keep_free: int = 2**30
+    pending: bool = False  # rollback --pending: only an unfinished (pending) deploy is taken back

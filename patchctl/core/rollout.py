@@ -184,7 +184,7 @@ class Interrupts:
         run, rep = self.run, self.run.reporter
         run.stopping.set()
         rep.banner = "stopping (Ctrl-C)"
-        rep.announce("stopping: no new units; in-flight units finish or roll back")
+        rep.announce(run.stop_words or "stopping: no new units; in-flight units finish or roll back")
         rep.announce("(press Ctrl-C again to abort them; each host's state and its recovery command are printed)")
 
     def _abort(self):
@@ -206,12 +206,13 @@ def abort_report(run: Run) -> int:
         res = rep.results.get(h)
         steps = [st for st in rep.steps if st.host == h]
         unit = run.unit_of.get(h, [h])
-        recover = app.cmd(run.recover_verb, "--limit", ",".join(unit))
+        # the verb's words one by one ("drafter rollback" is two arguments), so that the line pastes
+        recover = app.cmd(*run.recover_verb.split(), "--limit", ",".join(unit))
         if res is not None:
             codes.append(res["exit_code"])
             line = f"{h}: {res['outcome']}" + (f" — {res['message']}" if res.get("message") else "")
-            if res["exit_code"] == 3:
-                line += f"\n    recover: {recover}"
+            if res["exit_code"] == 3 and app.command_prefix + " " not in (res.get("message") or ""):
+                line += f"\n    recover: {recover}"  # (a message that names its own command is not told it twice)
             lines.append(line)
             continue
         if not steps:
@@ -219,10 +220,14 @@ def abort_report(run: Run) -> int:
                             "left untouched: the run was aborted before this host")
             lines.append(f"{h}: not reached — untouched, nothing to do")
             continue
-        state = (run.state_left or _state_left)(steps)
-        rep.host_result(h, Outcome.UNKNOWN, Outcome.UNKNOWN.exit_code, f"aborted: {state}", recover=recover)
-        codes.append(3)
-        lines.append(f"{h}: aborted — {state}\n    recover: {recover}")
+        if run.recovery is not None:  # the command's own reading of a cut-off unit: (outcome, state, command or None)
+            outcome, state, recover = run.recovery(steps, unit)
+        else:
+            outcome, state = Outcome.UNKNOWN, (run.state_left or _state_left)(steps)
+        outcome = Outcome.parse(outcome)
+        rep.host_result(h, outcome, outcome.exit_code, f"aborted: {state}", **({"recover": recover} if recover else {}))
+        codes.append(outcome.exit_code)
+        lines.append(f"{h}: aborted — {state}" + (f"\n    recover: {recover}" if recover else ""))
     code = 3 if 3 in codes else 130
     rep.emit({"event": "run_stopped", "run_id": run.run_id, "reason": "aborted (second Ctrl-C)"})
     rep.run_end(code, aborted=True)

@@ -253,7 +253,8 @@ class Run:
 
     def __init__(self, app: App, opts: RunOptions, command: str, *, title: str | None = None,
                  public_env=(), series_req: SeriesRequest | None = None, repo_commit: str | None = None,
-                 recover_verb: str = "rollback", state_left=None, by_unit: bool = True):
+                 recover_verb: str = "rollback", state_left=None, by_unit: bool = True, recovery=None,
+                 stop_words: str | None = None):
         self.app = app
         self.opts = opts
         self.command = command
@@ -279,6 +280,10 @@ class Run:
         self.gates: dict = {}  # host -> its apply command, started by the preflight and waiting for the go (Gate)
         self.recover_verb = recover_verb  # after a second Ctrl-C: the command that recovers a cut-off unit
         self.state_left = state_left  # steps -> what a cut-off unit was left in (None: apply's reading)
+        # (steps, unit names) -> (outcome, state left, recovery command or None): a command's own reading of a
+        # cut-off unit, in place of state_left and recover_verb (drafter deploy)
+        self.recovery = recovery
+        self.stop_words = stop_words  # what the first Ctrl-C says is stopping (None: apply's words)
         self._units: list[list[Host]] | None = None
         self.unit_of: dict[str, list[str]] = {}  # host -> the names of its unit (recovery commands)
         self.reporter: Reporter | None = None

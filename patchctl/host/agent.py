@@ -396,7 +396,20 @@ class Agent(DeployOps):
         mgr, _ = self.base_manager()
         cfg = mgr.current_config()
         pid = mgr.running_pid()[0] if cfg.get("running") else None
-        return dict(served.facts(cfg, pid), hostname=socket.gethostname())
+        return dict(served.facts(cfg, pid), hostname=socket.gethostname(), **self._drafter_state())
+
+    def _drafter_state(self):
+        """What a drafter deploy would be refused for here, read before anything is sent (`drafter deploy`'s
+        fleet checks): the series deployed (a capture configuration never serves a draft), its status, the
+        drafter record (an unfinished deploy of another run) and the tree's lock."""
+        m = self.tree.manifest()
+        series = None
+        if m:
+            profile = m.profile and m.profile.to_wire()
+            series = {"series": m.series, "version": m.version, "status": m.status, "run_id": m.run_id,
+                      "capture": bool(profile and profile.get("dump_dir_env"))}
+        rec = read_record(self.state_dir)
+        return {"series": series, "drafter": drafter_summary(rec), "lock": self.tree.lock_holder()}
 
     @handles("accept_measure")
     def op_accept_measure(self):

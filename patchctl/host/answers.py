@@ -265,6 +265,7 @@ class DrafterRollbackAnswer(Result):
     ready_seconds: float = None
     server: str = None
     argv: list = None
+    drafter: dict = None  # --pending with nothing pending: the drafter left as it is
     RENAMED = {"from_": "from"}
 
 
@@ -305,6 +306,9 @@ class DrafterProbeAnswer(Result):
     tokenizer: dict = None  # path, digest, why
     env: dict = None  # SGLANG_SIMULATE_ACC_LEN, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN where set
     speculative: dict = None  # algorithm, draft_path, num_steps, eagle_topk, num_draft_tokens (argv)
+    series: dict = None  # the series deployed on the tree: series, version, status, run_id, capture (a capture profile)
+    drafter: dict = None  # the drafter record's summary (drafter.summary): digest, status, run_id, ...
+    lock: dict = None  # the tree's lock holder, or None
 
 
 @dataclass

@@ -12,21 +12,43 @@ run changes this server while its acceptance is measured. Standard library only,
 
 from . import artifact
 from .drafter import DEFAULTS, draft_dir, faking_env, read_record, summary, write_record
-from .events import AgentError, event
+from .events import AgentError, ControllerGone, event
 from .osutil import now
 from .protocol import HistoryEntry
 from .records import launch_config
 from .server import build_server_config, manager_for, wait_ready
 
-def _history(agent, op, outcome, rec, reason=None):
-    agent.tree.append_history(HistoryEntry(op=op, outcome=outcome, run_id=agent.run_id, reason=reason,
+def _history(agent, op, outcome, rec, reason=None, run_id=None):
+    agent.tree.append_history(HistoryEntry(op=op, outcome=outcome, run_id=run_id or agent.run_id, reason=reason,
                                            who=(agent.req.get("holder") or {}).get("who"), drafter=summary(rec)))
+
+
+def _note_cut_off(agent, rec):
+    """A drafter deploy of another run left pending (its run was cut off before the canary finished): said
+    once in the history, as `aborted`, before this run deals with it, so the history has no hole."""
+    if not rec or rec.get("status") != "pending" or rec.get("run_id") in (None, agent.run_id):
+        return
+    if any(h.op == "drafter-deploy" and h.run_id == rec["run_id"] and (h.outcome or "").startswith("aborted")
+           for h in agent.tree.history()):
+        return
+    _history(agent, "drafter-deploy", "aborted", rec, run_id=rec["run_id"],
+             reason="its run ended before the canary measured the drafter (cut off); found by run %s" % agent.run_id)
+
+
+def _refuse(agent, kind, message, **details):
+    """A refusal before anything changed: the lock this call took is given back (no lock left behind)."""
+    if agent.took_lock:
+        agent.tree.release(agent.run_id)
+    return AgentError(kind, message, **details)
 
 
 def deploy(agent):
     req, state_dir = agent.req, agent.state_dir
     agent.recover()
-    m, profile = agent._deployed()  # an unverified series deploy of another run is refused there
+    try:
+        m, profile = agent._deployed()  # an unverified series deploy of another run is refused there
+    except AgentError as e:
+        raise _refuse(agent, e.kind, str(e), **e.details)
     limit = req.get("host_name") or "HOST"
     if profile and profile.get("dump_dir_env"):
         raise AgentError("bad_input", "%s %s is deployed here, a capture configuration: SGLang 0.5.23 never runs the "
@@ -38,9 +60,10 @@ def deploy(agent):
             want["digest"][:12], draft_dir(state_dir, want["digest"])))
     cur = read_record(state_dir)
     if cur and cur["status"] == "pending" and cur.get("run_id") != agent.run_id:
-        raise AgentError("attention", "an unfinished drafter deploy (%s, run %s) was never measured: take it back "
-                         "first: patchctl drafter rollback --limit %s" % (cur["digest"][:12], cur.get("run_id"), limit),
-                         pending=True)
+        _note_cut_off(agent, cur)
+        raise _refuse(agent, "attention", "an unfinished drafter deploy (%s, run %s) was never measured: take it back "
+                      "first: patchctl drafter rollback --pending --limit %s" % (cur["digest"][:12], cur.get("run_id"),
+                                                                                   limit), pending=True)
     fakes = faking_env((req.get("server") or {}).get("env"))
     if fakes:
         raise AgentError("bad_input", "the server's env sets %s: SGLang would fake its acceptance figures (environ.py), "
@@ -67,6 +90,11 @@ def deploy(agent):
         out["stop"] = mgr.stop()
         mgr.start(cfg)
         out["ready_seconds"] = wait_ready(mgr, cfg)
+    except ControllerGone:  # a second Ctrl-C or a cut link: said in the history before this agent stops
+        _history(agent, "drafter-deploy", "aborted", rec, reason="the controller went away during the restart with "
+                 "the drafter: recorded pending, the server stopped, starting or serving it; take it back with "
+                 "patchctl drafter rollback --pending --limit %s" % limit)
+        raise
     except AgentError as e:
         event("step", step="rollback", op="drafter_rollback", failed=str(e), reason="start-up with the drafter failed: %s" % e,
               details=e.details)
@@ -89,7 +117,8 @@ def finalize(agent):
 
 
 def rollback(agent):
-    """Back to the drafter before (`to` previous, the default) or to none, server proven ready."""
+    """Back to the drafter before (`to` previous, the default) or to none, server proven ready. With `pending`:
+    only an unfinished (pending) deploy is taken back; a verified drafter is left as it is."""
     agent.recover()
     rec = read_record(agent.state_dir)
     to = agent.req.get("to") or "previous"
@@ -98,6 +127,11 @@ def rollback(agent):
     if not rec:
         agent.tree.release(agent.run_id)
         return {"changed": False, "note": "no drafter is deployed here"}
+    if agent.req.get("pending") and rec.get("status") != "pending":
+        agent.tree.release(agent.run_id)
+        return {"changed": False, "note": "no unfinished drafter deploy here: the drafter %s (%s) is %s; left as it is"
+                % (rec["digest"][:12], rec.get("source"), rec.get("status")), "drafter": summary(rec)}
+    _note_cut_off(agent, rec)
     out = _back(agent, rec, to, agent.req.get("reason") or "drafter rollback")
     agent.tree.release(agent.run_id)
     return out
@@ -114,17 +148,24 @@ def _back(agent, rec, to, reason):
         _m, profile = agent._deployed()
         cfg = build_server_config(agent.req, profile, None, drafter=target)
         cfg["running"] = True
-    write_record(state_dir, target)
     cfg_run = dict(cfg)
     running = cfg_run.pop("running", None) is not False  # a config recorded without it ran
     mgr = manager_for(state_dir, cfg_run)
+    # the record changes only once the server is back on the config before: a rollback cut off midway leaves the
+    # deploy's record (pending), so running it again is what finishes it (`drafter rollback --pending`)
     out = {"changed": True, "to": summary(target), "from": summary(rec), "stop": mgr.stop()}
     if not running:
         out["server"] = "left stopped (it was not running before the deploy)"
     else:
-        mgr.start(cfg_run)
-        out["ready_seconds"] = wait_ready(mgr, cfg_run)
+        try:
+            mgr.start(cfg_run)
+            out["ready_seconds"] = wait_ready(mgr, cfg_run)
+        except AgentError as e:
+            _history(agent, "drafter-rollback", "failed", rec, reason="%s; the server before did not come back: %s" % (
+                reason, e))
+            raise
         out["server"] = "restarted on the previous config, ready"
+    write_record(state_dir, target)
     out["argv"] = cfg_run.get("argv")
     _history(agent, "drafter-rollback", "to %s" % (("drafter %s" % target["digest"][:12]) if target else "no drafter"),
              target, reason=reason)

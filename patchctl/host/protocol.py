@@ -57,6 +57,8 @@ class Outcome(str, enum.Enum):
     ROLLED_BACK = ("rolled back", EXIT_OK)
     OK = ("ok", EXIT_OK)
     NOT_REACHED = ("not reached", EXIT_OK)
+    # a drafter deploy stopped by Ctrl-C before it changed the server: what was sent stays in the host's store
+    INTERRUPTED = ("interrupted, not deployed", EXIT_OK)
     STARTED = ("started", EXIT_OK)
     STOPPED = ("stopped", EXIT_OK)
     RESTARTED = ("restarted", EXIT_OK)
@@ -196,7 +198,7 @@ OPS = {
                      [AGENT_NOW], streamed=True, answer=StreamedAnswer, probed=RegenerateProbeAnswer),
     "drafter_deploy": Op({"drafter": None, "host_name": None}, _CHANGES, answer=DrafterDeployAnswer),
     "drafter_finalize": Op({"acceptance": None}, [AGENT], answer=DrafterFinalizeAnswer),
-    "drafter_rollback": Op({"to": None, "reason": None, "host_name": None}, _CHANGES, answer=DrafterRollbackAnswer),
+    "drafter_rollback": Op({"to": None, "reason": None, "host_name": None, "pending": None}, _CHANGES, answer=DrafterRollbackAnswer),
     "drafter_probe": Op({}, read_only=True, answer=DrafterProbeAnswer),
     "accept_measure": Op({"prompts": None, "max_new_tokens": None, "concurrency": None, "warmup": None,
                           "request_timeout": None}, read_only=True, answer=AcceptAnswer),

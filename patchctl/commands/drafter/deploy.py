@@ -4,6 +4,9 @@ the acceptance it really achieves there.
 Before anything is sent: the draft directory is checked on its own and against the data it was trained on
 (`check`), the prompt set is read, every selected host is probed read-only and the draft is checked against
 the model it serves (hidden size, vocab, layers, tokenizer); any problem refuses the run (exit 2).
+A host where a capture series is deployed refuses the run there too (exit 2: SGLang never captures and drafts
+in one server); a host left with an unfinished drafter or series deploy, or locked by another run, is left out
+(needs attention / locked) before anything is sent or measured there.
 Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C; a batch's units at once), each:
 
   send:     the draft to the host, content-addressed (`core.artifact`: what it has is not sent again; a host
@@ -16,6 +19,11 @@ Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C; 
 
 A unit that already serves this drafter, verified, is left as it is ("unchanged"). One-node units only:
 a multi-node server's drafter deploy is refused (see docs/design.md "Drafters").
+
+Ctrl-C: the first stops every send at its next MiB (what arrived stays in the host's store, as a `.part` the
+next deploy resumes) and starts nothing a unit has not started: a unit not yet restarted with the drafter ends
+"interrupted, not deployed", one restarted finishes its canary or rolls back. The second aborts and prints, per
+host, the state left and the command for that state (`_recovery`).
 """
 
 from __future__ import annotations
@@ -30,8 +38,15 @@ from patchctl.core.console import App
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.options import DrafterOptions
 from patchctl.core.remote import AgentFailure
+from patchctl.core.artifact import TransferIncomplete
 from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.session import Run, UnitResult, host_error
+from patchctl.host.protocol import Outcome
+
+STOP_WORDS = ("stopping: no new units; sends stop now (what arrived stays on the host: the next drafter deploy "
+              "resumes it); units not yet restarted with the drafter stop before it, restarted ones finish their canary "
+              "or roll back")
+NOT_DEPLOYED = "the drafter was not deployed here and the server serves as before"
 
 
 class DrafterUnit:
@@ -52,14 +67,27 @@ class DrafterUnit:
         s = self.session
         try:
             self._send()
+        except TransferIncomplete as e:
+            if self.run.stopping.is_set():
+                return UnitResult(self.names, Outcome.INTERRUPTED, f"the send was stopped by Ctrl-C: "
+                                  f"{(getattr(e, 'details', None) or {}).get('bytes_sent', 0)} bytes arrived and stay in the "
+                                  f"host's store (the next drafter deploy resumes from them); {NOT_DEPLOYED}")
+            outcome, msg = host_error(e)
+            return UnitResult(self.names, outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
         except PatchctlError as e:
             outcome, msg = host_error(e)
             return UnitResult(self.names, outcome if outcome != "failed" else "refused", f"the draft was not sent: {msg}")
+        if self.run.stopping.is_set():
+            return UnitResult(self.names, Outcome.INTERRUPTED, f"stopped by Ctrl-C after the send ({self._sent()}), "
+                              f"before the baseline; {NOT_DEPLOYED}")
         try:
             base = self._measure("baseline")
         except PatchctlError as e:
             outcome, msg = host_error(e)
             return UnitResult(self.names, outcome, f"baseline measurement failed: {msg}; nothing changed")
+        if self.run.stopping.is_set():
+            return UnitResult(self.names, Outcome.INTERRUPTED, f"stopped by Ctrl-C after the baseline ({describe(base)}), "
+                              f"before the restart with the drafter; {NOT_DEPLOYED}")
         try:
             res = s.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
         except AgentFailure as e:
@@ -102,7 +130,8 @@ class DrafterUnit:
         rep = self.run.reporter
         rec = rep.step_start(self.name, "send") if rep else None
         try:
-            r = artifact.send(self.session, self.ctx["artifact"], keep_free=self.opts.keep_free)
+            r = artifact.send(self.session, self.ctx["artifact"], keep_free=self.opts.keep_free,
+                              stop=self.run.stopping)  # a first Ctrl-C ends the stream at its next MiB
         except PatchctlError as e:
             if rec:
                 rep.step_end(rec, False, str(e))
@@ -133,7 +162,7 @@ class DrafterUnit:
         except PatchctlError as e:
             outcome, msg = host_error(e)
             return UnitResult(self.names, "rollback failed", f"canary refused the drafter ({why}); rollback failed: {msg}; "
-                              f"next: {self.run.app.cmd('drafter', 'rollback', '--limit', self.name)}", touched=True)
+                              f"next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.name)}", touched=True)
         return UnitResult(self.names, "failed, rolled back (verified)",
                           f"canary refused the drafter: {why}" + (f" ({figures})" if figures else "")
                           + f"; {rb.get('server')}", touched=True)
@@ -142,7 +171,8 @@ class DrafterUnit:
         outcome, msg = host_error(e)
         if outcome == "failed":
             outcome = "failed, left as is"
-            msg += f"; next: {self.run.app.cmd('drafter', 'rollback', '--limit', self.name)}"
+            if "drafter rollback" not in msg:  # an agent's refusal may name it already
+                msg += f"; next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.name)}"
         return UnitResult(self.names, outcome, msg, touched=outcome not in ("refused", "locked", "unreachable"))
 
 
@@ -167,12 +197,18 @@ def _prepare(opts: DrafterOptions) -> dict:
 
 def _fleet_checks(run: Run, ctx: dict) -> None:
     """Every selected host asked once, read-only: the draft against the model it serves, the prompt set
-    against its vocabulary and tokenizer, no faked acceptance. A problem anywhere refuses the run (exit 2);
-    a host that cannot be read is left out of the deploy (its unit says why)."""
+    against its vocabulary and tokenizer, no faked acceptance, no capture series deployed. A problem anywhere
+    refuses the run (exit 2); a host that cannot be read, or that is left with an unfinished deploy or locked
+    by another run, is left out of the deploy (its unit says why): nothing is sent or measured there."""
     rows = run.parallel(lambda h: check.judge_host(run, h, ctx["facts"], ctx["data"]), run.hosts)
     bad = [f"{r['host']}: {p['message']}" for r in rows for p in r["problems"]]
     for r in rows:
-        if not r["ok"]:
+        why = _host_state(run, r["host"], r.get("probe") or {})
+        if why and why[0] == Outcome.REFUSED:
+            bad.append(f"{r['host']}: {why[1]}")
+        elif why:
+            ctx["not_sent"][r["host"]] = why
+        elif not r["ok"]:
             e = r.get("error_obj")
             ctx["not_sent"][r["host"]] = ((host_error(e)[0] if e else "unknown"), f"not probed: {r['error']}")
     bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in rows if r.get("probe")})
@@ -180,16 +216,88 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
         raise BadInput("the draft does not fit what the hosts serve:\n  " + "\n  ".join(bad) + "\nnothing sent")
 
 
+def _host_state(run: Run, host: str, p: dict) -> tuple[Outcome, str] | None:
+    """Why this host takes no part, from its probe (drafter_probe's series, drafter and lock), or None."""
+    from patchctl.core.session import describe_holder, holder_is_stale
+
+    app, series, dr, lock = run.app, p.get("series") or {}, p.get("drafter") or {}, p.get("lock")
+    if series.get("capture"):
+        return Outcome.REFUSED, (f"{series['series']} {series['version']} is deployed here, a capture configuration: "
+                                 "SGLang 0.5.23 never runs the capture and a draft in one server; switch explicitly: "
+                                 f"{app.cmd('rollback', '--to', 'clean', '--limit', host)}, then deploy the drafter")
+    if lock and lock.get("run_id") != run.run_id and not holder_is_stale(lock):
+        return Outcome.LOCKED, f"locked by {describe_holder(lock)}; nothing sent or measured here"
+    if series.get("status") == "pending":
+        return Outcome.NEEDS_ATTENTION, (f"an unfinished deploy of {series['series']} {series['version']} (run "
+                                         f"{series.get('run_id')}): files patched, never verified; roll it back first: "
+                                         f"{app.cmd('rollback', '--limit', host)}; nothing sent or measured here")
+    if dr.get("status") == "pending":
+        return Outcome.NEEDS_ATTENTION, (f"the drafter {dr['digest'][:12]} (run {dr.get('run_id')}) was never measured: "
+                                         "its deploy was cut off; take it back first: "
+                                         f"{app.cmd('drafter', 'rollback', '--pending', '--limit', host)}; nothing "
+                                         "sent or measured here")
+    return None
+
+
+def _recovery(app: App):
+    """After a second Ctrl-C: (outcome, the state a cut-off drafter deploy unit was left in, the command for
+    that state), from the steps the controller saw. Before its restart step began nothing but the host's store
+    changed; from then on the drafter record is pending until the canary's verdict is recorded, or the server
+    before serves again, so `drafter rollback --pending` takes back exactly what is unfinished and leaves a
+    drafter that was verified (or never recorded) as it is."""
+
+    def read(steps, unit):
+        names = [st.step for st in steps]
+        cur = next((st.step for st in reversed(steps) if st.ok is None), None)
+        doing = f"cut off during '{cur}'" if cur else "cut off between steps"
+        if "restart" not in names:
+            return (Outcome.INTERRUPTED, f"{doing}: {NOT_DEPLOYED}; what arrived of the drafter stays in its store "
+                    "(a .part: the next drafter deploy resumes it); nothing to recover", None)
+        fix = app.cmd("drafter", "rollback", "--pending", "--limit", ",".join(unit))
+        if cur == "restart":
+            state = (f"{doing}: the drafter may be recorded (pending) with the server stopped, starting or serving it, or "
+                     "not yet recorded (nothing changed)")
+        elif "rollback" in names:
+            state = (f"{doing} of its rollback (the canary refused the drafter): the server may be stopped or starting "
+                     "the config before; the drafter record stays pending until it serves")
+        elif "verified" in names:
+            state = f"{doing}: the canary passed; it may be recorded verified or still pending"
+        else:
+            state = f"{doing}: the server serves the new drafter, recorded pending (its acceptance not judged)"
+        return (Outcome.UNKNOWN, state + "; the command below takes back an unfinished deploy and leaves a verified "
+                "drafter as it is", fix)
+
+    return read
+
+
+def _record_refusal(run: Run, e: BadInput) -> BadInput:
+    """A deploy refused at the fleet checks, in the run's log (run_start, each host refused, run_end exit 2):
+    nothing is written on a host for it, so no host's history lists it, and the message says where it is."""
+    rep = run.reporter
+    rep.emit({"event": "run_start", "run_id": run.run_id, "command": rep.command, "hosts": rep.hosts})
+    rep.quiet = True  # the refusal is printed once, below
+    for h in rep.hosts:
+        rep.host_result(h, Outcome.REFUSED, Outcome.REFUSED.exit_code, str(e).splitlines()[0])
+    rep.run_end(Outcome.REFUSED.exit_code, refused=str(e))
+    e.args = (f"{e}; nothing was written on any host, so no host's history lists this refusal: it is recorded in "
+              f"this run's log {rep.log_dir}",)
+    return e
+
+
 def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
     ctx = _prepare(opts)
-    run = Run(app, opts, "drafter deploy", title="drafter deploy", recover_verb="drafter rollback")
+    run = Run(app, opts, "drafter deploy", title="drafter deploy", recover_verb="drafter rollback",
+              recovery=_recovery(app), stop_words=STOP_WORDS)
     try:
         units = run.units()
         multi = [u for u in units if len(u) > 1]
         if multi:
             raise BadInput("drafter deploy: multi-node servers are not supported yet: "
                            + ", ".join("+".join(h.name for h in u) for u in multi))
-        _fleet_checks(run, ctx)  # read-only, every host: exit 2 before anything is sent
+        try:
+            _fleet_checks(run, ctx)  # read-only, every host: exit 2 before anything is sent
+        except BadInput as e:
+            raise _record_refusal(run, e)
         sizes = plan_batches(len(units), opts.canary, opts.batch)
         max_fail = parse_max_fail(opts.max_fail, len(units))
         results: list[UnitResult] = []
@@ -215,7 +323,8 @@ class RollbackUnit:
             return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
         try:
             res = self.session.call("drafter_rollback", "rollback", to=self.opts.to or "previous",
-                                    reason="drafter rollback", host_name=self.names[0])
+                                    reason="drafter rollback" + (" --pending" if self.opts.pending else ""),
+                                    host_name=self.names[0], pending=bool(self.opts.pending))
         except PatchctlError as e:
             outcome, msg = host_error(e)
             return UnitResult(self.names, "rollback failed" if outcome == "failed" else outcome, msg, touched=True)
