@@ -22,6 +22,7 @@ from patchctl.core.redact import MASK
 from patchctl.core.remote import AgentFailure
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, describe_holder, holder_is_stale, host_error, worst
+from patchctl.host.drafter import accept_of
 
 
 def _simple(app: App, opts: QueryOptions, command: str, per_host, render, exit_of=None, after=None, page: bool = False,
@@ -230,8 +231,6 @@ def _history_rows(d: dict) -> list[tuple[str, ...]]:
             label = f"drafter {h['drafter']['digest'][:12]}"
             acc = h["drafter"].get("acceptance") if h.get("op") == "drafter-deploy" else None
             if acc and acc.get("new"):  # the canary's figures, as the deploy recorded them
-                from patchctl.commands.drafter.gate import accept_of
-
                 outcome += (f" (acceptance {accept_of(acc.get('baseline') or {}):.2f} -> {accept_of(acc['new']):.2f}, "
                             f"{(acc['new'].get('tokens_per_s') or 0):.1f} tok/s)")
         c = h.get("container")

@@ -36,6 +36,11 @@ FAKING_ENV = ("SGLANG_SIMULATE_ACC_LEN",)
 STATES = ("pending", "verified")
 
 
+def accept_of(m):
+    """A measured arm's acceptance length: SGLang's figure, or 1.0 for a server that does not speculate."""
+    return m["accept_length"] if m.get("accept_length") is not None else 1.0
+
+
 def check_speculative(table):
     """(settings with defaults filled in, [(key, problem)]) for an inventory's `[server.speculative]` table."""
     problems = []

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from patchctl.host.drafter import accept_of  # noqa: F401 - the gate's measure, shared with history
 
-def accept_of(m: dict) -> float:
-    """The arm's acceptance length: SGLang's figure, or 1.0 for a server that does not speculate."""
-    return m["accept_length"] if m.get("accept_length") is not None else 1.0
+
 
 
 def describe(m: dict) -> str:
