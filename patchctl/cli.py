@@ -419,8 +419,12 @@ def _measure_flags(sp) -> None:
                     help='JSONL, one prompt a line: {"input_ids": [...]}, {"text": "..."}, or a conversation '
                          '{"messages": [{"role", "content"}, ...]} / {"conversations": [{"from", "value"}, ...]} '
                          "(its turns before the last assistant turn, rendered with --tokenizer's chat template)")
-    sp.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                    help="the served tokenizer's files, to render conversations (its digest must be each host's)")
+    tok = sp.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
+                     help="the served tokenizer's files, to render conversations (its digest must be each host's)")
+    tok.add_argument("--from", dest="tokenizer_from", default=None, metavar="HOST",
+                     help="render conversations with the tokenizer of the model served on HOST (inventory name), fetched "
+                          "over its SSH connection and cached by sha256, as `capture prepare --from` does")
     sp.add_argument("--max-new-tokens", type=positive_int, default=2048, metavar="N",
                     help="tokens each answer is allowed (default 2048, as specforge benchmark)")
     sp.add_argument("--concurrency", type=positive_int, default=1, metavar="N",

@@ -84,6 +84,17 @@ def _pristine_trees_untouched():
     assert not changed, f"a test changed the shared pristine SGLang tree in place (write by rename): {changed[:10]}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_login_user_left():
+    """Every login user, process of theirs and sudoers file a test made (tests/sshhosts.py: ensure_login_user,
+    install_sudoers) is gone once the run is over (each worker checks what it made)."""
+    yield
+    from sshhosts import left_behind
+
+    left = left_behind()
+    assert not left, f"the tests left behind: {left}"
+
+
 @pytest.fixture
 def wheel_tree(sglang_tree, tmp_path) -> Path:
     return copy_tree(sglang_tree, tmp_path / "site-packages")

@@ -229,6 +229,108 @@ class SSHHost:
         self.start()
 
 
+# Login users and sudoers files the tests make (this process's), each removed by remove_login_user /
+# remove_sudoers; tests/conftest.py checks at the session's end that none of them is left, nor a process of theirs
+MADE_USERS: set[str] = set()
+MADE_SUDOERS: set[Path] = set()
+
+
+def ensure_login_user(name: str) -> None:
+    """Idempotent: create the user (home, /bin/sh) or reuse it; never locked, so sshd lets its key in."""
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], check=True)
+    MADE_USERS.add(name)
+    # UsePAM is off in the test sshd: a locked password ('!') would refuse even a key login
+    subprocess.run(["usermod", "-p", "*", name], check=True)
+
+
+def install_sudoers(path: Path, text: str) -> None:
+    """A sudoers file the tests own, checked by visudo first; written whole (sudo ignores names with a dot)."""
+    tmp = path.with_name("." + path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o440)
+    check = subprocess.run(["visudo", "-cf", str(tmp)], capture_output=True, text=True)
+    if check.returncode != 0:
+        tmp.unlink()
+        raise AssertionError(check.stdout + check.stderr)
+    MADE_SUDOERS.add(path)
+    os.replace(tmp, path)
+
+
+def remove_sudoers(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    MADE_SUDOERS.discard(path)
+
+
+def processes_of(uid: int) -> list[int]:
+    """The pids of live (not zombie) processes running as `uid`."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{d}/status").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            pids.append(int(d))
+    return pids
+
+
+def remove_login_user(name: str, timeout: float = 60.0) -> None:
+    """The user, its home and every process of it gone (userdel refuses a user with a live process: an sshd
+    session of its login, a sudo it started). Raises where any of it is left."""
+    import pwd
+
+    try:
+        uid = pwd.getpwnam(name).pw_uid
+    except KeyError:
+        MADE_USERS.discard(name)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = processes_of(uid)
+        if not pids:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes of {name} (uid {uid}) would not end: {pids}")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)  # polling the kills above, bounded by the deadline
+    r = subprocess.run(["userdel", "-r", name], capture_output=True, text=True)
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        MADE_USERS.discard(name)
+        return
+    raise AssertionError(f"userdel -r {name} left the user: exit {r.returncode}: {r.stderr.strip()}")
+
+
+def left_behind() -> list[str]:
+    """What this process's tests made and did not remove: users, their processes, sudoers files."""
+    import pwd
+
+    out = []
+    for name in sorted(MADE_USERS):
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        out.append(f"login user {name} (processes {processes_of(pw.pw_uid)})")
+    out += [f"sudoers file {p}" for p in sorted(MADE_SUDOERS) if p.exists()]
+    return out
+
+
 USER_KEYS = ".ssh/patchctl-test-authorized-keys"  # relative to a login user's home
 
 

@@ -9,9 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
-import pwd
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fleet import wait_for  # noqa: E402
-from sshhosts import authorize_login_user, inventory_toml, known_hosts_for, start_hosts, stop_hosts  # noqa: E402
+from sshhosts import (authorize_login_user, ensure_login_user, install_sudoers, inventory_toml,  # noqa: E402
+                      known_hosts_for, remove_login_user, remove_sudoers, start_hosts, stop_hosts)
 from test_readonly import host_snapshot  # noqa: E402
 
 from patchctl.core import artifact as A  # noqa: E402
@@ -450,18 +449,13 @@ def test_a_file_in_the_draft_directory_that_patchctl_did_not_write_is_left_alone
 @pytest.fixture(scope="module")
 def become_user():
     assert os.geteuid() == 0 and shutil.which("sudo"), "the become test creates a login user with sudo (as root)"
-    try:
-        pwd.getpwnam(BECOME_USER)
-    except KeyError:
-        subprocess.run(["useradd", "-m", "-s", "/bin/sh", BECOME_USER], check=True)
-    subprocess.run(["usermod", "-p", "*", BECOME_USER], check=True)
-    SUDOERS.write_text(f"{BECOME_USER} ALL=(ALL) NOPASSWD: ALL\n")
-    os.chmod(SUDOERS, 0o440)
+    ensure_login_user(BECOME_USER)
+    install_sudoers(SUDOERS, f"{BECOME_USER} ALL=(ALL) NOPASSWD: ALL\n")
     try:
         yield BECOME_USER
     finally:
-        SUDOERS.unlink(missing_ok=True)
-        subprocess.run(["userdel", "-r", BECOME_USER], check=False, capture_output=True)
+        remove_sudoers(SUDOERS)
+        remove_login_user(BECOME_USER)  # raises where the user or a process of it is left
 
 
 def test_a_become_host_receives_as_root(fleet, become_user):

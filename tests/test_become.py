@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from fleet import Fleet, unshare, wait_for
-from sshhosts import authorize_login_user
+from sshhosts import authorize_login_user, ensure_login_user, install_sudoers, remove_login_user, remove_sudoers
 
 BECOME_USER = "patchctl-become"  # NOPASSWD sudo
 PASSWORD_USER = "patchctl-sudopw"  # sudo, but only with a password
@@ -36,21 +34,11 @@ SRT_OWNER = (4444, 4545)  # the directory hidden_dump.py is created in
 
 
 def _ensure_user(name: str) -> None:
-    """Idempotent: create the user (home, /bin/sh) or reuse it; never locked, so sshd lets its key in."""
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], check=True)
-    # UsePAM is off in the test sshd: a locked password ('!') would refuse even a key login
-    subprocess.run(["usermod", "-p", "*", name], check=True)
+    ensure_login_user(name)
 
 
 def _remove_user(name: str) -> None:
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        return
-    subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+    remove_login_user(name)
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +48,11 @@ def login_users():
     users = (BECOME_USER, PASSWORD_USER, NOSUDO_USER)
     for u in users:
         _ensure_user(u)
-    text = f"{BECOME_USER} ALL=(ALL) NOPASSWD: ALL\n{PASSWORD_USER} ALL=(ALL) ALL\n"
-    tmp = SUDOERS.with_name(".patchctl-tests.tmp")  # sudo ignores names with a dot: never half a file
-    tmp.write_text(text)
-    os.chmod(tmp, 0o440)
-    check = subprocess.run(["visudo", "-cf", str(tmp)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    os.replace(tmp, SUDOERS)
+    install_sudoers(SUDOERS, f"{BECOME_USER} ALL=(ALL) NOPASSWD: ALL\n{PASSWORD_USER} ALL=(ALL) ALL\n")
     try:
         yield users
     finally:
-        SUDOERS.unlink(missing_ok=True)
+        remove_sudoers(SUDOERS)
         for u in users:
             _remove_user(u)
 

@@ -36,13 +36,13 @@ class Progress:
         pass
 
 
-def setup(tmp_path, n, hosts=("a", "b", "c"), max_fail="1"):
+def setup(tmp_path, n, hosts=("a", "b", "c"), max_fail="1", in_flight=1):
     path = tmp_path / "ds.jsonl"
     path.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": [1, 2, 3 + i]}) + "\n" for i in range(n)))
     ds = datasets.load_dataset(path, "patchctl-cap-t-")
     inv = tmp_path / "inventory.toml"  # local hosts: the Run is real, no host is ever contacted
     inv.write_text("".join(f'[hosts.{h}]\nconnection = "local"\nsglang_root = "{tmp_path}"\n' for h in hosts))
-    opts = CaptureOptions(in_flight=1, max_fail=max_fail)
+    opts = CaptureOptions(in_flight=in_flight, max_fail=max_fail)
     run = Run(App(patches_dir=tmp_path, inventory_path=inv), opts, "capture run")
     cr = CaptureRun(run.app, opts, run, "t", "patchctl-cap-t", ds, Journal(tmp_path), Progress())
     lanes = [Lane(h, {}, stream=Stream()) for h in run.hosts]
@@ -117,3 +117,25 @@ def test_a_retry_goes_back_to_the_host_it_failed_on_when_no_other_is_open(tmp_pa
     cr.on_event(L["a"], {"event": "sample_failed", "id": out["a"][0], "reason": "NaN in the dump"})
     assert sent(L["a"]) == out["a"][:1]  # its second attempt, on the one host left
     assert cr.lanes["a"].outstanding[out["a"][0]].attempt == 2
+
+
+def test_a_run_smaller_than_the_window_reaches_every_host(tmp_path):
+    """8 samples, 3 hosts, --in-flight 8 (the default): the first host's window (16) would take all of them before
+    the others start; each host takes its share of what is left instead (issue 37 item 11)."""
+    cr, L = setup(tmp_path, 8, in_flight=8)
+    out = {h: sent(l) for h, l in L.items()}
+    assert sorted(sum(out.values(), [])) == sorted(f"s{i}" for i in range(8))
+    assert sorted(len(v) for v in out.values()) == [2, 3, 3], out
+    # a host that finishes early takes what another hands back, up to the window: none is kept idle
+    for sid in out["a"]:
+        done(cr, L["a"], sid)
+    cr.on_event(L["b"], {"event": "host_stopped", "reason": "the server does not answer"})
+    for sid in out["b"]:
+        cr.on_event(L["b"], {"event": "sample_returned", "id": sid, "reason": "the server died"})
+    again = {h: sent(L[h]) for h in ("a", "c")}
+    assert sorted(again["a"] + again["c"]) == sorted(out["b"]) and again["a"], again
+
+
+def test_a_large_run_fills_each_host_to_its_whole_window(tmp_path):
+    cr, L = setup(tmp_path, 100, in_flight=4)
+    assert [len(sent(L[h])) for h in ("a", "b", "c")] == [8, 8, 8]  # PREFETCH x --in-flight each

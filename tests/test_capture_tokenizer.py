@@ -9,7 +9,6 @@ Real sshd hosts, stand-in servers whose model directories hold tokenizer files b
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -171,27 +171,19 @@ SUDOERS = Path("/etc/sudoers.d/patchctl-tests-pull")
 
 @pytest.fixture
 def login_user(fleet):
-    import subprocess
-
-    from sshhosts import authorize_login_user
-    from test_become import _ensure_user, _remove_user
+    from sshhosts import authorize_login_user, ensure_login_user, install_sudoers, remove_login_user, remove_sudoers
 
     assert os.geteuid() == 0, "this test creates a login user: the suite runs as root (as CI does)"
-    _ensure_user(PULL_USER)
-    tmp = SUDOERS.with_name(".patchctl-tests-pull.tmp")  # sudo ignores names with a dot: never half a file
-    tmp.write_text(f"{PULL_USER} ALL=(ALL) NOPASSWD: ALL\n")
-    os.chmod(tmp, 0o440)
-    check = subprocess.run(["visudo", "-cf", str(tmp)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    os.replace(tmp, SUDOERS)
+    ensure_login_user(PULL_USER)
+    install_sudoers(SUDOERS, f"{PULL_USER} ALL=(ALL) NOPASSWD: ALL\n")
     authorize_login_user(PULL_USER, fleet.ssh[0].identity_file)
     fleet.write_inventory(host_overrides={"host0": {"user": PULL_USER, "become": "sudo"}})
     try:
         yield PULL_USER
     finally:
         fleet.write_inventory()
-        SUDOERS.unlink(missing_ok=True)
-        _remove_user(PULL_USER)
+        remove_sudoers(SUDOERS)
+        remove_login_user(PULL_USER)
 
 
 def test_become_pulls_as_root_what_the_login_user_cannot_read(fleet, tmp_path, login_user):

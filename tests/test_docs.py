@@ -6,6 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 DESIGN = REPO / "docs" / "design.md"
 
@@ -207,3 +209,73 @@ def test_readme_command_list_names_every_command_and_flag_of_the_parser_and_no_o
         problems += [f"{key}: {f} is not listed" for f in sorted(takes - listed - HOST_FLAGS)]
         problems += [f"{key}: {f} is listed but not taken" for f in sorted(listed - takes)]
     assert not problems, "\n".join(problems)
+
+
+# --- the two README commands agree on every version (issue 37 item 13) ----------------------------------------
+
+CONSTRAINTS = REPO / "tests" / "constraints.txt"
+PIN = re.compile(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", re.M)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _pins(*paths) -> dict[str, str]:
+    return {_norm(m[1]): m[2] for p in paths for m in PIN.finditer(p.read_text())}
+
+
+def _readme_installs() -> list[list[str]]:
+    """The `pip install -e ...` step of each README set-up command, as words."""
+    import shlex
+
+    out = []
+    for c in SETUP.findall(README.read_text()):
+        step = next(s for s in c.split("&&") if "pip install -e" in s)
+        out.append(shlex.split(step)[2:])  # after `pip install`
+    return out
+
+
+def test_both_readme_commands_install_with_the_test_pins_as_constraints():
+    """Command 2 after command 1 in the same .venv downgraded transformers, huggingface-hub and triton (command 1
+    took the newest, command 2 installs SGLang's pins --no-deps): both now resolve under the same constraints,
+    which are exactly the test requirements' pins, and no extra in pyproject.toml excludes a pinned version."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    req_pins = _pins(REPO / "tests" / "sglang-cpu-requirements.txt", REPO / "tests" / "prepare-requirements.txt")
+    assert _pins(CONSTRAINTS) == req_pins
+    lines = [l for l in CONSTRAINTS.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert all(PIN.match(l) for l in lines), lines  # pins only: a nested -r there would be installed, with its deps
+    installs = _readme_installs()
+    assert len(installs) == 2
+    for words in installs:
+        assert words[words.index("-c") + 1] == "tests/constraints.txt", words
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    clash = [f"[{extra}] {r}: {req_pins[_norm(Requirement(r).name)]}" for extra, reqs in extras.items() for r in reqs
+             if _norm(Requirement(r).name) in req_pins
+             and not Requirement(r).specifier.contains(req_pins[_norm(Requirement(r).name)], prereleases=True)]
+    assert not clash, clash
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["command-1", "command-2"])
+def test_each_readme_install_in_a_fresh_venv_takes_exactly_the_pinned_versions(which, tmp_path):
+    """What each command's `pip install -e` would install in a fresh .venv (pip's own resolution, --dry-run
+    --ignore-installed, from the index pip is configured with): every package the test requirements pin is
+    at its pin, so neither command's later steps nor the other command change it."""
+    import json
+    import sys
+
+    words = _readme_installs()[which]
+    report = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                        "--report", str(report), *words], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = {_norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    pins = _pins(CONSTRAINTS)
+    differ = {n: (v, pins[n]) for n, v in got.items() if n in pins and v != pins[n]}
+    assert not differ, f"installed -> pinned: {differ}"
+    if which == 0:  # the three the issue saw downgraded are among what command 1 installs
+        assert {"transformers", "huggingface-hub", "triton"} <= set(got), sorted(got)

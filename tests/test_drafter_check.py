@@ -362,3 +362,42 @@ def test_sharded_weights_with_their_index_and_an_index_that_lies(tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
     ps = problems(d)
     assert [p.field for p in ps] == ["weight_map norm.weight"] and ps[0].where == "model.safetensors.index.json"
+
+
+def test_only_what_sglangs_draft_loader_reads_is_sent_the_rest_named(tmp_path):
+    """SGLang 0.5.23's loader (model_loader/loader.py _prepare_weights, load format auto) reads the top level's
+    *.safetensors and then no *.bin; with an index only the files it names; configs; no tokenizer for a draft
+    worker. Everything else is named with why, and `drafter check` says so (issue 37 item 6)."""
+    import subprocess
+    import sys
+
+    from patchctl.core import artifact
+
+    d = write_draft_dir(tmp_path / "d")
+    (d / "generation_config.json").write_text("{}")
+    (d / "training_state.bin").write_bytes(b"\0" * 1000)
+    (d / "tokenizer_config.json").write_text("{}")
+    (d / "notes.txt").write_text("trained on 8 samples")
+    (d / "sub").mkdir()
+    (d / "sub" / "model.safetensors").write_bytes(b"x")
+    send, left = drafter.what_sglang_reads(d)
+    assert send == ["config.json", "generation_config.json", "model.safetensors"]
+    assert set(left) == {"training_state.bin", "tokenizer_config.json", "notes.txt", "sub/model.safetensors"}
+    assert "no *.bin" in left["training_state.bin"] and "tp_worker.py" in left["tokenizer_config.json"]
+    art = artifact.Artifact.from_dir(d, only=send)
+    assert [f.path for f in art.files] == send
+
+    # with an index, a safetensors file it does not name is not read either
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "model.safetensors"}}))
+    (d / "consolidated.safetensors").write_bytes(b"x")
+    send, left = drafter.what_sglang_reads(d)
+    assert "model.safetensors.index.json" in send and "consolidated.safetensors" in left
+    assert "weight_map" in left["consolidated.safetensors"]
+
+    p = subprocess.run([sys.executable, "-m", "patchctl", "--json", "drafter", "check", str(write_draft_dir(
+        tmp_path / "e"))], capture_output=True, text=True)
+    assert p.returncode == 0 and json.loads(p.stdout)["not_sent"] == {}, p.stdout + p.stderr
+    (tmp_path / "e" / "training_state.bin").write_bytes(b"\0" * 1000)
+    p = subprocess.run([sys.executable, "-m", "patchctl", "drafter", "check", str(tmp_path / "e")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "training_state.bin" in p.stdout and "no *.bin" in p.stdout, p.stdout + p.stderr

@@ -86,6 +86,25 @@ def test_good_passes_the_canary_bad_is_rolled_back(fleet):
     assert all(r["outcome"] == "unchanged" and "0 bytes sent" in r["message"] for r in res.values()), res
     assert {h.name: f.server_pid(h) for h in f.hosts} == pids
 
+    # the same draft beside files SGLang's draft loader never reads (a training state, a tokenizer, a subdirectory):
+    # they are named and left out, so it is the same drafter: nothing sent (issue 37 item 6)
+    import shutil
+
+    extra = shutil.copytree(f.good, f.base / "good-with-extras")
+    (extra / "training_state.bin").write_bytes(b"\0" * (3 << 20))
+    (extra / "tokenizer.json").write_text("{}")
+    (extra / "checkpoints").mkdir()
+    (extra / "checkpoints" / "step-10.safetensors").write_bytes(b"x")
+    p, res = deploy(f, extra)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert all(r["outcome"] == "unchanged" and "0 bytes sent" in r["message"] for r in res.values()), res
+    assert "not sent (SGLang's draft loader does not read them):" in p.stderr, p.stderr
+    for rel in ("training_state.bin (3.1 MB): SGLang's loader reads the *.safetensors weights", "tokenizer.json",
+                "checkpoints/step-10.safetensors"):
+        assert rel in p.stderr, (rel, p.stderr)
+    for h in f.hosts:
+        assert not list(h.state.rglob("training_state.bin")) and not list(h.state.rglob("tokenizer.json"))
+
     # an untrained drafter: the canary measures it against the fitted one and rolls it back; host1 never reached
     p, res = deploy(f, f.bad, "--canary", "1")
     assert p.returncode == 1, p.stdout + p.stderr

@@ -8,7 +8,6 @@ the SGLang 0.5.23 trees, the stand-in servers."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -97,6 +96,10 @@ def test_fab_list_shows_the_collection_with_the_clis_flags(fabdir, tmp_path):
     for flag in ("--series", "--limit", "--canary", "--batch", "--max-fail", "--on-fail", "--no-smoke", "--inventory"):
         assert flag in p.stdout, (flag, p.stdout)
     assert "rollback-failed (default)" in p.stdout
+    # a CLI option that is a Python keyword (`--from HOST`) keeps its name as the task's flag
+    p = subprocess.run([sys.executable, "-m", "fabric", "--help", "drafter.deploy"], cwd=fabdir, capture_output=True,
+                       text=True)
+    assert p.returncode == 0 and "--from" in p.stdout and "--from-" not in p.stdout, p.stdout + p.stderr
     # without a fabfile: patchctl-fab (and python -m patchctl.fabric) is fab with the collection
     p = subprocess.run([sys.executable, "-m", "patchctl.fabric", "--list"], cwd=tmp_path, capture_output=True, text=True)
     assert p.returncode == 0 and "capture.collect" in p.stdout and "drafter.rollback" in p.stdout, p.stdout + p.stderr

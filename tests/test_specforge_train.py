@@ -68,13 +68,46 @@ def host_facts(model: Path) -> dict:
             "model_config": {k: conf[k] for k in DRAFT_FIELDS if k in conf}, "special_tokens": special_ids(model)}
 
 
-def emit(out: Path, facts: dict, longest: int) -> dict:
+def emit(out: Path, facts: dict, longest: int, samples: int = 0) -> dict:
     """What collection.finish_collection writes: draft-config.json's fields, then the two training files."""
     layer_sets = {"local": [{"layers_to_capture": CAPTURE, "eagle_aux_hidden_state_layer_ids": None}]}
     fields, problems = draftconfig.draft_config("conv", {"local": facts}, layer_sets)
     assert problems == []
     return trainfiles.write(out, fields, {"local": facts}, ["local"], str(out), longest,
-                            lambda p, b: write_atomic(p, b))
+                            lambda p, b: write_atomic(p, b), samples=samples)
+
+
+def test_the_run_config_fits_the_data_size_says_which_and_the_printed_command_carries_it(tmp_path):
+    """8 samples (the demo's, a new user's first run): the demo's settings, 64 steps at lr 0.02 with 2 TTT steps,
+    not SpecForge's recipe (80 steps at lr 1e-4 made a drafter just above the gate); a large set: the recipe
+    (issue 37 item 10). SpecForge's strict schema takes both files as written."""
+    from specforge.config import load_config
+
+    out, facts = collection(tmp_path / "small", 8)
+    t = emit(out, facts, 95, samples=8)
+    run = load_config(str(out / drafttrain.RUN_CONFIG), [])
+    assert (run.training.num_epochs, run.training.learning_rate, run.training.ttt_length) == (8, 0.02, 2)
+    for o in ("training.num_epochs=8", "training.learning_rate=0.02", "training.ttt_length=2"):
+        assert o in t["command"], t["command"]
+    text = (out / drafttrain.RUN_CONFIG).read_text()
+    assert "8 samples is a small set" in text and "8 samples is a small set" in t["settings_why"]
+    assert drafttrain.planned_steps(out / drafttrain.RUN_CONFIG, [], out) == 64
+    assert drafttrain.planned_steps(out / drafttrain.RUN_CONFIG, ["training.max_steps=16"], out) == 16
+
+    out, facts = collection(tmp_path / "large", 2)
+    t = emit(out, facts, 95, samples=5000)
+    run = load_config(str(out / drafttrain.RUN_CONFIG), [])
+    assert (run.training.num_epochs, run.training.learning_rate, run.training.ttt_length) == (10, 1e-4, 7)
+    assert "SpecForge's own recipe" in t["settings_why"] and "training.learning_rate=0.0001" in t["command"]
+
+
+def test_the_training_progress_line_has_step_loss_and_eta():
+    now = [100.0]
+    p = drafttrain.StepProgress(64, clock=lambda: now[0])
+    assert p.line(1, 6.5) == "training: step 1/64 (1%), loss 6.5000"
+    now[0] += 10.0  # 9 steps in 10 s
+    assert p.line(10, 4.25) == "training: step 10/64 (15%), loss 4.2500, 1.11 s/step, ETA 1m00s"
+    assert drafttrain.StepProgress(None).line(3, 1.0) == "training: step 3, loss 1.0000"
 
 
 def test_the_emitted_files_are_complete_and_in_specforges_schema(tmp_path):
@@ -123,6 +156,7 @@ def test_specforge_trains_and_exports_from_the_emitted_files_unedited(tmp_path):
     print(f"losses {[round(x, 3) for _, x in res.losses]}; train {res.train_seconds}s, export {res.export_seconds}s")
     steps = [s for s, _ in res.losses]
     assert steps == list(range(1, 17)), lines[-20:]
+    assert any(line.startswith("training: step 16/16 (100%), loss ") and "ETA 0s" in line for line in lines), lines
     # two epochs over the same 8 samples: the second's mean loss is below the first's
     first, second = [x for _, x in res.losses[:8]], [x for _, x in res.losses[8:]]
     assert sum(second) / 8 < sum(first) / 8 - 0.3, res.losses

@@ -39,7 +39,7 @@ EXAMPLE_DATASET = REPO / "examples" / "dataset.jsonl"  # the pre-tokenized route
 EXAMPLE_CONVERSATIONS = REPO / "examples" / "conversations.jsonl"  # where the demo's extraction starts
 REGENERATE_MAX_NEW_TOKENS = 32  # the stand-in's answers are noise: short ones keep the demo quick
 # what `capture prepare` imports, installed by the README's set-up command ([prepare] + SpecForge --no-deps)
-SETUP_COMMAND = ("pip install -e '.[sim,prepare,train]' && pip install --no-deps specforge==0.2.0")
+SETUP_COMMAND = ("pip install -e '.[sim,prepare,train]' -c tests/constraints.txt && pip install --no-deps specforge==0.2.0")
 # step 3e: a short training on the demo's 8 samples (8 epochs; two TTT steps, the demo's drafts are chains of 3),
 # enough for a drafter the canary keeps (measured on 2 cores: docs/design.md); a real drafter trains with
 # specforge-run.yaml's own epochs, learning rate and TTT length
@@ -250,7 +250,13 @@ def main() -> int:
               f"repository's root: {SETUP_COMMAND}", file=sys.stderr)
         return 2
     d = DemoHost.from_inventory()
-    setup(d)
+    from patchctl.core.errors import PatchctlError
+
+    try:
+        setup(d)
+    except PatchctlError as e:  # e.g. the package index out of reach for SGLang's wheel: said, no traceback
+        print(f"demo: {e}", file=sys.stderr)
+        return e.exit_code
     from patchctl.host.drafter import read_record
 
     if read_record(str(d.state)):  # an earlier demo's step 8 left its drafter serving: a server never captures and drafts

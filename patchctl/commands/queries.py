@@ -74,6 +74,11 @@ def attention_of(app: App, d: dict) -> list[dict]:
     if state in ("verified", "restarted") and not srv.get("running") and not d.get("interrupted"):
         out.append({"why": f"{d['series']} {d['version']} is deployed but its server is down",
                     "run": app.cmd("start", "--limit", host) + "   # starts it as deployed, then smokes it"})
+    dr = d.get("drafter")
+    if dr and dr.get("digest") and state not in ("verified", "restarted") and not srv.get("running") \
+            and not d.get("interrupted"):
+        out.append({"why": f"the drafter {dr['digest'][:12]} is deployed but its server is down",
+                    "run": app.cmd("start", "--limit", host) + "   # starts it with the drafter, as deployed"})
     j = d.get("interrupted")
     if j and (not lock or dead):
         what = {"finish": "finishes it", "undo": "undoes it (the files as before it)", "discard": "discards it (nothing changed yet)"}
@@ -133,6 +138,11 @@ def run_status(app: App, opts: QueryOptions) -> int:
                     app.info(f"{d['host']} needs attention: {a['why']}\n    run: {a['run']}")
             elif d["ok"] and d["state"] == "pending" and d["lock"]:
                 app.info(f"{d['host']}: deploy in progress ({describe_holder(d['lock'])})")
+            elif d["ok"] and not (d.get("server") or {}).get("running") and not d.get("lock"):
+                # nothing deployed needs it (a rollback leaves a server stopped that was not running before the
+                # deploy): not a fault, but said, with the command that starts it
+                app.info(f"{d['host']}: its server is not running (nothing deployed needs it); start it: "
+                         f"{app.cmd('start', '--limit', d['host'])}")
 
     def exit_of(r):
         return 3 if r["attention"] else 0

@@ -100,15 +100,21 @@ class Artifact:
         return [f.wire() for f in self.files]
 
     @classmethod
-    def from_dir(cls, path) -> "Artifact":
+    def from_dir(cls, path, only=None) -> "Artifact":
         """Every regular file under `path` (a symlink to a file inside it counts as that file's content; one
-        leading out of it, or to a directory, is refused, as is a fifo, socket or device). Empty directories
-        carry nothing and are left out: a draft directory is its files. BadInput names the path and why."""
+        leading out of it, or to a directory, is refused, as is a fifo, socket or device), or only the relative
+        paths in `only` (drafter.what_sglang_reads). Empty directories carry nothing and are left out: a draft
+        directory is its files. BadInput names the path and why."""
         root = Path(path)
         if not root.is_dir():
             raise BadInput(f"drafter directory {path}: not a directory")
         real_root = os.path.realpath(root)
         files: list[ArtifactFile] = []
+        if only is not None:
+            files = [_file_of(root, real_root, root / rel, rel) for rel in sorted(only)]
+            if not files:
+                raise BadInput(f"drafter directory {path}: no file in it that SGLang's draft loader reads")
+            return cls(root, files)
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
             dirnames.sort()
             for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:

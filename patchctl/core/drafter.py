@@ -146,6 +146,55 @@ def read_header(path: Path) -> tuple[dict, int, list[Problem]]:
     return out, start, problems
 
 
+# What SGLang 0.5.23 reads from a draft directory (--speculative-draft-model-path): the config (configs/model_config.py:
+# config.json through transformers, generation_config.json, hf_quant_config.json where present) and the weights
+# (model_loader/loader.py _prepare_weights, load format auto: the top level's *.safetensors when there are any, and
+# then no *.bin or *.pt; with model.safetensors.index.json only the files its weight_map names,
+# weight_utils.filter_duplicate_safetensors_files). No tokenizer: a draft worker loads none, the target's serves
+# (managers/tp_worker.py:326). A deploy sends exactly these; every other file is named and left out.
+LOADER_CONFIGS = ("config.json", "generation_config.json", "hf_quant_config.json")
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def what_sglang_reads(dir) -> tuple[list[str], dict[str, str]]:
+    """(the files of the draft directory SGLang's draft loader reads, {every other file: why it is left out}),
+    relative paths. Only what it reads is sent by `drafter deploy`; `drafter check` names the rest."""
+    d = Path(dir)
+    index_names = None
+    if (d / INDEX).is_file():
+        try:
+            index_names = set((json.loads((d / INDEX).read_text()).get("weight_map") or {}).values())
+        except (OSError, ValueError, AttributeError):
+            index_names = None  # read_draft names the unreadable index as a problem
+    send, left = [], {}
+    for p in sorted(d.rglob("*")):
+        if p.is_dir() and not p.is_symlink():
+            continue
+        rel = p.relative_to(d).as_posix()
+        name = p.name
+        if "/" in rel:
+            left[rel] = "in a subdirectory: SGLang's loader reads only the draft directory's top level"
+        elif name in LOADER_CONFIGS or name == INDEX:
+            send.append(rel)
+        elif name.endswith(".safetensors"):
+            if index_names is not None and name not in index_names:
+                left[rel] = (f"not in {INDEX}'s weight_map: SGLang skips it "
+                             "(model_loader/weight_utils.py filter_duplicate_safetensors_files)")
+            else:
+                send.append(rel)
+        elif name.endswith((".bin", ".pt")):
+            left[rel] = ("SGLang's loader reads the *.safetensors weights and then no *.bin or *.pt "
+                         "(model_loader/loader.py _prepare_weights)")
+        elif name in TOKENIZER_FILES or name.startswith("tokenizer"):
+            left[rel] = "a draft worker loads no tokenizer: the target's serves (managers/tp_worker.py:326)"
+        else:
+            left[rel] = ("not a file SGLang's draft loader reads (it reads " + ", ".join(LOADER_CONFIGS)
+                         + f", {INDEX} and the *.safetensors weights)")
+    return send, left
+
+
 def read_draft(dir) -> DraftFacts:
     """The draft directory's facts. BadInput (exit 2) only when there is nothing to judge: no directory, no
     config.json, config.json not JSON. Everything else becomes a Problem for check_draft to list."""

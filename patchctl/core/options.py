@@ -86,6 +86,7 @@ class DrafterOptions(DeployOptions):
     data: Path | None = None  # check --data: the collection the draft was trained on
     prompts: Path | None = None  # bench, deploy --prompts
     tokenizer: Path | None = None  # bench, deploy --tokenizer: renders conversations
+    tokenizer_from: str | None = None  # bench, deploy --from HOST: that host's served tokenizer renders them
     max_new_tokens: int = 2048  # specforge benchmark's default
     concurrency: int = 1  # specforge benchmark's default
     request_timeout: int = 600

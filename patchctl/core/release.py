@@ -75,7 +75,13 @@ def _fetch_locked(version: str, base: Path, tree: Path, log) -> Path:
         )
         wheels = sorted(wheel_dir.glob(f"sglang-{version}-*.whl"))
         if proc.returncode != 0 or not wheels:
+            said = (proc.stderr or "") + "\n" + (proc.stdout or "")
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            offline = unreachable_index(said)
+            if offline:  # pip then also says "No matching distribution": the index was never read
+                raise BadInput(f"cannot reach the package index ({offline}): SGLang {version}'s wheel could not be "
+                               f"downloaded; connect this machine to the index (or name a reachable one in "
+                               f"PIP_INDEX_URL), or put sglang-{version}-*.whl into {wheel_dir}")
             if any("No matching distribution" in l or "Could not find a version" in l for l in tail):
                 raise BadInput(f"unknown SGLang version {version}: no such release on the package index")
             raise PatchctlError(f"pip download sglang=={version} failed: {' / '.join(tail)}")
@@ -90,6 +96,24 @@ def _fetch_locked(version: str, base: Path, tree: Path, log) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tree
+
+
+# what pip says when it cannot reach an index (its retries' warnings: the resolver's and the socket's words),
+# the most telling first
+_UNREACHABLE = ("Temporary failure in name resolution", "Name or service not known",
+                "No address associated with hostname", "Connection refused", "Network is unreachable",
+                "No route to host", "Connection reset by peer", "timed out", "ProxyError", "SSLError",
+                "Failed to establish a new connection")
+
+
+def unreachable_index(pip_output: str) -> str | None:
+    """The reason pip could not reach its package index, from its output (None: it reached it)."""
+    lines = [l for l in pip_output.splitlines()
+             if "Retrying" in l or "connection" in l.lower() or "Could not fetch URL" in l]
+    for words in _UNREACHABLE:
+        if any(words in l for l in lines):
+            return words
+    return None
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import getpass
 import inspect
+import keyword
 import io
 import os
 import shlex
@@ -59,7 +60,7 @@ PROGRAM = "patchctl-fab"  # the recovery commands of a run over `-H` hosts name 
 
 @dataclass(frozen=True)
 class Flag:
-    param: str  # the task's parameter (Invoke's flag is it with '-' for '_')
+    param: str  # the task's parameter (Invoke's flag is it with '-' for '_', a trailing '_' dropped: `from_`)
     option: str | None  # the CLI's option string; None: a positional, given to the task as --param
     takes_value: bool
     help: str
@@ -82,7 +83,8 @@ def _flags(parser: argparse.ArgumentParser) -> list[Flag]:
             out.append(Flag(a.dest, None, True, help))
             continue
         long = max(a.option_strings, key=len)
-        out.append(Flag(long.lstrip("-").replace("-", "_"), long, a.nargs != 0, help))
+        param = long.lstrip("-").replace("-", "_")
+        out.append(Flag(param + "_" if keyword.iskeyword(param) else param, long, a.nargs != 0, help))
     return out
 
 
@@ -170,7 +172,7 @@ def fabric_inventory(conns: list[Connection], named: Path | None, info) -> tuple
             if strict:
                 raise
             path = None
-            info(f"inventory: none found; the -H hosts get patchctl's defaults (--inventory FILE for a fleet's)")
+            info("inventory: none found; the -H hosts get patchctl's defaults (--inventory FILE for a fleet's)")
         else:
             path = path.absolute()
             info(f"inventory: {path} ({why}; --inventory FILE to choose another)")

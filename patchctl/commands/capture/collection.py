@@ -272,7 +272,7 @@ def finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[It
         extra["training"] = trainfiles.write(out, fields, info.get("hosts") or {}, sorted({it.host for it in items}),
                                              extra.get("on_host") or str(out),
                                              max((int(it.rec.get("tokens") or 0) for it in items if it.status in OK_STATES), default=0),
-                                             _write_atomic)
+                                             _write_atomic, samples=len(entries))
     summary = write_summary(out, name, info, fmt, items, "done", created, draft_config=DRAFT,
                             draft_config_problems=problems, **extra)
     failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}
@@ -312,5 +312,7 @@ def print_summary(app: App, out: Path, summary: dict, items: list[Item], failure
         if not t["target_here"]:
             app.info(f"the target model ({t['target_model_path']}, model.target_model_path) is on host "
                      f"{t['target_host']}, not on this machine: train there, or point it at a copy")
+        if t.get("settings_why"):
+            app.info(f"training settings: {t['settings_why']}")
         app.info(f"train and export the drafter (SpecForge 0.2.0; pip install -e '.[train]'): {t['command']}")
 

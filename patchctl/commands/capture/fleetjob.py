@@ -262,8 +262,13 @@ class CaptureRun:
         return self.pending.popleft() if self.pending else None
 
     def _fill(self, lane: Lane) -> None:
-        """Top the host up to PREFETCH x in-flight outstanding samples (caller holds the lock)."""
-        cap = PREFETCH * self.opts.in_flight
+        """Top the host up to PREFETCH x in-flight outstanding samples, and to no more than its share of the work
+        left (queued and out, over the hosts still working), so that a run smaller than the window still reaches
+        every host (caller holds the lock)."""
+        working = [l for l in self.lanes.values() if l.active and not l.closed] or [lane]
+        left = len(self.pending) + len(self.retries) + sum(len(l.outstanding) for l in working)
+        share = -(-left // len(working))  # ceil
+        cap = min(PREFETCH * self.opts.in_flight, max(share, 1))
         sent, lines = [], []
         while lane.active and not self.stopping and len(lane.outstanding) < cap:
             it = self._pick(lane)

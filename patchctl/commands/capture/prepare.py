@@ -257,10 +257,10 @@ def _check_args(args) -> None:
 def _tokenizer_files(app, args):
     """The tokenizer: fetched from a host's served model (--from) or a local directory (--tokenizer)."""
     if args.from_host:
-        from patchctl.commands.capture.tokenizer import fetch  # noqa: PLC0415
+        from patchctl.core.tokenizers import fetch  # noqa: PLC0415
 
         return fetch(app, RunOptions(forks=args.forks, accept_new_host_keys=args.accept_new_host_keys), args.from_host)
-    from patchctl.commands.capture.tokenizer import local  # noqa: PLC0415
+    from patchctl.core.tokenizers import local  # noqa: PLC0415
 
     return local(args.tokenizer)
 

@@ -39,8 +39,19 @@ def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW
     return r
 
 
+def tokenizer_dir(app: App, opts: DrafterOptions):
+    """--tokenizer DIR, or the served tokenizer of --from HOST (fetched and cached as `capture prepare --from`)."""
+    if opts.tokenizer_from:
+        from patchctl.core.tokenizers import fetch
+        from patchctl.core.options import RunOptions
+
+        return fetch(app, RunOptions(forks=opts.forks, accept_new_host_keys=opts.accept_new_host_keys),
+                     opts.tokenizer_from).path
+    return opts.tokenizer
+
+
 def run_bench(app: App, opts: DrafterOptions) -> int:
-    ps = promptsets.load_prompts(opts.prompts, opts.tokenizer)
+    ps = promptsets.load_prompts(opts.prompts, tokenizer_dir(app, opts))
     run = Run(app, opts, "drafter bench")
     try:
         probes = dict(run.parallel(lambda h: (h.name, _probe(run, h)), run.hosts))
@@ -52,6 +63,9 @@ def run_bench(app: App, opts: DrafterOptions) -> int:
             p = probes[h.name]
             if isinstance(p, Exception):
                 return _failed(h.name, p)
+            if p.get("running") is False:
+                return {"host": h.name, "ok": False, "outcome": "server down", "error": server_down(app, h.name),
+                        "code": 3}
             try:
                 r = measure(run.session(h), ps, opts.max_new_tokens, concurrency=opts.concurrency,
                             request_timeout=opts.request_timeout)
@@ -85,8 +99,8 @@ def refuse_before_sending(ps, probes: dict) -> None:
 
     bad = []
     for host, p in sorted(probes.items()):
-        if isinstance(p, Exception):
-            continue
+        if isinstance(p, Exception) or p.get("running") is False:
+            continue  # its row (or unit) says why: not read, or its server is down (server_down)
         fake = simulated_acceptance(p.get("env") or {})
         if fake is not None:
             bad.append(f"{host}: its server runs with SGLANG_SIMULATE_ACC_LEN={fake}: SGLang fakes the acceptance with "
@@ -102,6 +116,11 @@ def refuse_before_sending(ps, probes: dict) -> None:
                        f"conversations were rendered with {ps.tokenizer[:12]} (--tokenizer)")
     if bad:
         raise BadInput("\n".join(bad) + "\nnothing sent")
+
+
+def server_down(app, host: str) -> str:
+    """What a host whose server is not running is told, with the command that starts it."""
+    return f"{host}'s server is not running; `{app.cmd('start', '--limit', host)}`"
 
 
 def _failed(host: str, e: Exception) -> dict:

@@ -30,7 +30,9 @@ def run_check(app: App, opts: DrafterOptions) -> int:
     if opts.limit is not None:
         hosts = _against_hosts(app, opts, facts, data, local)
         codes += [h["code"] for h in hosts]
+    _, left = drafter.what_sglang_reads(opts.dir)
     out = {"draft": drafter.summary(facts), "data": data, "problems": [p.to_dict() for p in local],
+           "not_sent": left,
            "hosts": [{k: v for k, v in h.items() if k not in ("probe", "error_obj")} for h in hosts]}
     app.result(out, _render(out))
     return worst(codes)
@@ -56,8 +58,13 @@ def judge_host(run: Run, h, facts, data, seen=frozenset()) -> dict:
         outcome, msg = host_error(e)
         return {"host": h.name, "ok": False, "outcome": str(outcome), "error": msg,
                 "code": getattr(e, "exit_code", 3), "problems": [], "error_obj": e}
-    if not r.get("running") or r.get("why"):
-        return {"host": h.name, "ok": False, "outcome": "unknown", "error": r.get("why") or "no server running",
+    if not r.get("running"):
+        from patchctl.commands.drafter.bench import server_down
+
+        return {"host": h.name, "ok": False, "outcome": "server down", "error": server_down(run.app, h.name),
+                "code": 3, "problems": [], "served": r, "probe": r}
+    if r.get("why"):
+        return {"host": h.name, "ok": False, "outcome": "unknown", "error": r["why"],
                 "code": 3, "problems": [], "served": r, "probe": r}
     probs = drafter.check_draft(facts, target=drafter.target_from_probe(h.name, r), data=data,
                                 served=drafter.served_from_probe(h.name, r))
@@ -81,6 +88,8 @@ def _render(out: dict):
         if h["ok"] and not h["problems"]:
             s = h["served"]
             t.add_row(h["host"], escape(f"fits what it serves ({s.get('config_path')})"))
+    for rel, why in sorted((out.get("not_sent") or {}).items()):
+        t.add_row("not sent", escape(f"{rel}: {why}"))
     if not out["problems"] and all(h["ok"] and not h["problems"] for h in out["hosts"]):
         t.add_row("draft", f"no problem ({out['draft']['tensors']} tensors in {', '.join(out['draft']['files'])})")
     return t

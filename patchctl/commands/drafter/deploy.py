@@ -176,7 +176,7 @@ class DrafterUnit:
         return UnitResult(self.names, outcome, msg, touched=outcome not in ("refused", "locked", "unreachable"))
 
 
-def _prepare(opts: DrafterOptions) -> dict:
+def _prepare(opts: DrafterOptions, app: App | None = None) -> dict:
     """Everything decided before a host is contacted: the draft's own checks (and against --data), the
     prompt set, the artifact's manifest, the gate. Exit 2 naming every problem, nothing sent."""
     facts = drafter.read_draft(opts.dir)
@@ -185,14 +185,26 @@ def _prepare(opts: DrafterOptions) -> dict:
     if local:
         raise BadInput("the draft is refused:\n  " + "\n  ".join(p.message() for p in local) + "\nnothing sent",
                        file=str(opts.dir))
-    ps = promptsets.load_prompts(opts.prompts, opts.tokenizer)
-    art = artifact.Artifact.from_dir(opts.dir)
+    ps = promptsets.load_prompts(opts.prompts, bench.tokenizer_dir(app, opts) if app else opts.tokenizer)
+    send, left = drafter.what_sglang_reads(opts.dir)
+    art = artifact.Artifact.from_dir(opts.dir, only=send)  # what SGLang's draft loader reads, nothing else
     gate = Gate(opts.min_accept_length, opts.min_gain, opts.max_tps_loss)
     words = {"min_accept_length": gate.min_accept_length, "min_gain": gate.min_gain, "max_tps_loss": gate.max_tps_loss}
     return {"facts": facts, "data": data, "artifact": art, "prompts": ps, "prompts_digest": ps.digest, "gate": gate,
-            "gate_words": words, "not_sent": {}, "sent": {},
+            "gate_words": words, "not_sent": {}, "sent": {}, "left_out": left,
             "drafter": {"digest": art.digest, "source": str(Path(opts.dir).resolve()),
                         "data_run": (data or {}).get("run")}}
+
+
+def left_out_words(dir, left: dict[str, str]) -> str:
+    """The files of the draft directory no deploy sends, each with its size and why."""
+    def size(rel):
+        try:
+            return f"{(Path(dir) / rel).stat().st_size / 1e6:.1f} MB"
+        except OSError:
+            return "?"
+    return ("not sent (SGLang's draft loader does not read them):\n  "
+            + "\n  ".join(f"{rel} ({size(rel)}): {why}" for rel, why in sorted(left.items())))
 
 
 def _fleet_checks(run: Run, ctx: dict) -> None:
@@ -210,6 +222,9 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
             ctx["not_sent"][r["host"]] = why
         elif not r["ok"]:
             e = r.get("error_obj")
+            if r.get("outcome") == "server down":  # nothing to measure a baseline on: left out, nothing sent
+                ctx["not_sent"][r["host"]] = ("needs attention", f"nothing sent: {r['error']}")
+                continue
             ctx["not_sent"][r["host"]] = ((host_error(e)[0] if e else "unknown"), f"not probed: {r['error']}")
     bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in rows if r.get("probe")})
     if bad:
@@ -285,7 +300,9 @@ def _record_refusal(run: Run, e: BadInput) -> BadInput:
 
 
 def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
-    ctx = _prepare(opts)
+    ctx = _prepare(opts, app)
+    if ctx["left_out"]:
+        app.info(left_out_words(opts.dir, ctx["left_out"]))
     run = Run(app, opts, "drafter deploy", title="drafter deploy", recover_verb="drafter rollback",
               recovery=_recovery(app), stop_words=STOP_WORDS)
     try:
