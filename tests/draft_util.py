@@ -192,14 +192,17 @@ def mla_tensors(cfg: dict, seed: int = 0) -> dict:
     t = {"fc.weight": lin(H, k * Ht), "norm.weight": torch.ones(H), "lm_head.weight": lin(Vd, H),
          "layers.0.input_layernorm.weight": torch.ones(H), "layers.0.hidden_norm.weight": torch.ones(H),
          "layers.0.post_attention_layernorm.weight": torch.ones(H),
-         a + "q_a_proj.weight": lin(q, 2 * H), a + "kv_a_proj_with_mqa.weight": lin(kv + rope, 2 * H),
-         a + "q_a_layernorm.weight": torch.ones(q), a + "q_b_proj.weight": lin(nh * (nope + rope), q),
-         a + "kv_a_layernorm.weight": torch.ones(kv), a + "kv_b_proj.weight": lin(nh * (nope + v), kv),
+         a + "kv_a_proj_with_mqa.weight": lin(kv + rope, 2 * H), a + "kv_a_layernorm.weight": torch.ones(kv), a + "kv_b_proj.weight": lin(nh * (nope + v), kv),
          a + "o_proj.weight": lin(H, nh * v),
          m + "gate_proj.weight": lin(I, H), m + "up_proj.weight": lin(I, H), m + "down_proj.weight": lin(H, I)}
     # a vocab map as SpecForge's load_vocab_mapping leaves it: draft token d is target token d + d2t[d]; with a
     # reduced draft vocabulary the hot tokens here are the target's even ids (2d <= V), else the identity
     step = 2 if 2 * Vd <= V else 1
+    if q:
+        t.update({a + "q_a_proj.weight": lin(q, 2 * H), a + "q_a_layernorm.weight": torch.ones(q),
+                  a + "q_b_proj.weight": lin(nh * (nope + rope), q)})
+    else:  # no q LoRA (DeepSeek-V2-Lite's layout): one q projection
+        t[a + "q_proj.weight"] = lin(nh * (nope + rope), 2 * H)
     t["d2t"] = torch.arange(Vd, dtype=torch.int64) * (step - 1)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.arange(Vd) * step] = True

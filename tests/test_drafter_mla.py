@@ -1,0 +1,190 @@
+"""`drafter check` for the MLA drafter SGLang 0.5.23 serves for Kimi-K2.x: Eagle3DeepseekV2ForCausalLM of
+models/kimi_k25_eagle3.py (core/drafter_mla.py), issue 39 item 1.
+
+The draft directories are written by tests/draft_util.py (`write_mla_draft_dir`) with the weight names
+kimi_k25_eagle3.py's `load_weights` takes, read from that file. Three layers of proof:
+  * the check on its own and against a target's MLA layout: a good draft passes, each bad kind is refused
+    naming the field with both values and where each came from;
+  * against SGLang's own code (slow: imports the real 0.5.23 tree): tests/real_sglang_mla.py builds the real
+    Eagle3DeepseekV2ForCausalLM on CPU and runs its real load_weights over the draft. The parameters the check
+    derives (drafter_mla.module_shapes) are exactly the module's named_parameters, every one of them but the
+    (target-shared) embedding is written by load_weights from the names the check expects, and for the bad
+    kinds SGLang's own behaviour (a raise, a parameter left unwritten, a name dropped) is what the check
+    names. What is replaced there (CUDA, one CPU-engine module flag, the forward) is named in that file;
+  * on real sshd hosts (slow): `drafter check --limit` against a stand-in serving a DeepSeek-V3-shaped MLA
+    config, whose MLA layout the host agent reports (host/served.py MLA_LAYOUT): accepted, and refused exit 2
+    for ≥ 6 kinds, nothing sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patchctl.core import drafter, drafter_mla
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_util import write_mla_draft_dir  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# a small DeepSeek-V3 / Kimi-K2-shaped MLA target (Kimi-K2.5: 7168, 64 heads, 512, 1536, 128, 64, 128, 163840)
+MLA = {"hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
+       "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 512}
+TARGET = {"source": "the served model's (gpu-k: /models/k/config.json)", "architectures": ["DeepseekV3ForCausalLM"],
+          "num_hidden_layers": 8, **MLA}
+IDS = [2, 4, 5]  # DeepSeek convention: SGLang captures layers [2, 4, 5] as given
+A = "layers.0.self_attn."
+
+
+def draft(tmp_path, name="d", **kw):
+    return write_mla_draft_dir(tmp_path / name, target_cfg=MLA, layer_ids=kw.pop("ids", IDS),
+                               draft_vocab_size=kw.pop("dv", 256), **kw)
+
+
+def _no_problem(*a, **kw):
+    raise AssertionError(f"unexpected problem {a} {kw}")
+
+
+def problems(d, **kw):
+    return drafter.check_draft(drafter.read_draft(d), **kw)
+
+
+def messages(ps):
+    return [p.message() for p in ps]
+
+
+def test_an_mla_draft_with_sglangs_names_passes_alone_and_against_its_target(tmp_path):
+    d = draft(tmp_path)
+    assert problems(d) == []
+    assert problems(d, target=TARGET) == []
+    names = set(drafter.read_draft(d).tensors)
+    want, _ = drafter_mla.tensors(json.loads((d / "config.json").read_text()),
+                                  drafter_mla.config_sizes(json.loads((d / "config.json").read_text()), _no_problem))
+    assert names == set(want) | {"d2t", "t2d"}  # the names the check expects are exactly the ones written
+
+
+@pytest.mark.parametrize("field,wrong", [("kv_lora_rank", 16), ("qk_rope_head_dim", 16), ("q_lora_rank", 64),
+                                         ("qk_nope_head_dim", 32), ("v_head_dim", 32), ("num_attention_heads", 8)])
+def test_each_mla_field_against_the_targets_names_both_values(tmp_path, field, wrong):
+    """The draft is self-consistent (its weights follow its own config), so only the target can tell."""
+    d = draft(tmp_path, **{field: wrong})
+    assert problems(d) == []
+    ps = problems(d, target=TARGET)
+    assert [p.field for p in ps] == [field]
+    assert ps[0].message().startswith(f"config.json {field} {wrong}, the served model's (gpu-k: /models/k/config.json) "
+                                      f"{field} is {MLA[field]}")
+
+
+def test_hidden_size_and_vocab_against_the_target(tmp_path):
+    ps = problems(draft(tmp_path, hidden_size=128, target_hidden_size=128), target=TARGET)
+    assert "config.json hidden_size 128, the served model's (gpu-k: /models/k/config.json) hidden_size is 64" in messages(ps)
+    ps = problems(draft(tmp_path, "v", vocab_size=1024), target=TARGET)
+    assert [p.field for p in ps] == ["vocab_size"] and "vocab_size 1024" in ps[0].message() and "is 512" in ps[0].message()
+
+
+def test_aux_ids_in_the_targets_convention(tmp_path):
+    """DeepSeek keeps ids as given: [2, 4, 8] on an 8-layer target names a layer it does not have."""
+    ps = problems(draft(tmp_path, ids=[2, 4, 8]), target=TARGET)
+    assert [p.field for p in ps] == ["eagle_config.eagle_aux_hidden_state_layer_ids"]
+    assert "num_hidden_layers 8" in ps[0].message() and "deepseek_v2.py" in ps[0].message()
+
+
+def test_missing_and_misshapen_weights(tmp_path):
+    ps = problems(draft(tmp_path, drop=[A + "kv_a_proj_with_mqa.weight"]))
+    assert [p.field for p in ps] == [f"tensor {A}kv_a_proj_with_mqa.weight"]
+    assert "[40, 128]" in ps[0].message() and "fused_qkv_a_proj_with_mqa" in ps[0].message()
+    import torch
+
+    ps = problems(draft(tmp_path, "s", replace={A + "kv_b_proj.weight": torch.zeros(128, 16)}))
+    assert [(p.field, p.where) for p in ps] == [("shape", f"model.safetensors tensor {A}kv_b_proj.weight")]
+    assert "[128, 16]" in ps[0].message() and "[128, 32]" in ps[0].message() and "kv_lora_rank 32" in ps[0].message()
+
+
+def test_config_sglang_refuses_to_build(tmp_path):
+    d = draft(tmp_path, q_lora_rank=None)  # a q_proj instead, as DeepSeek-V2-Lite has
+    ps = problems(d)
+    assert "q_lora_rank" in [p.field for p in ps] and any("requires q_lora_rank" in m for m in messages(ps))
+    ps = problems(draft(tmp_path, "n", num_hidden_layers=2))
+    assert [p.field for p in ps] == ["num_hidden_layers"] and "only supports 1 layer" in ps[0].message()
+
+
+def test_names_load_weights_drops(tmp_path):
+    """load_weights strips no `model.` prefix (it becomes model.model.*); midlayer.* is the same parameter."""
+    import torch
+
+    from draft_util import mla_config, mla_tensors, save_draft
+
+    cfg = mla_config(MLA, IDS, 256)
+    t = mla_tensors(cfg)
+    t["model.norm.weight"] = t.pop("norm.weight")
+    t["midlayer.hidden_norm.weight"] = t.pop("layers.0.hidden_norm.weight")
+    ps = problems(save_draft(tmp_path / "d", cfg, t, {"layers.1.mlp.down_proj.weight": torch.zeros(64, 256)}))
+    fields = sorted(p.field for p in ps)
+    assert fields == ["name", "name", "tensor norm.weight"], messages(ps)
+    assert any("model.norm.weight" in m and "model. prefix" in m for m in messages(ps))
+
+
+def test_an_mla_draft_on_a_target_without_mla_is_refused(tmp_path):
+    llama = {"source": "the served model's (gpu-a: /models/t/config.json)", "architectures": ["LlamaForCausalLM"],
+             "hidden_size": 64, "vocab_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4}
+    ps = problems(draft(tmp_path), target=llama)
+    assert [p.field for p in ps] == ["architectures[0]"] and "not an MLA model" in ps[0].message()
+
+
+# --- against SGLang's own module ---------------------------------------------------------------------
+
+
+def _sglang(tmp_path, sglang_tree, drafts: list[Path]) -> dict:
+    spec = tmp_path / "spec.json"
+    out = tmp_path / "out.json"
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec.write_text(json.dumps({"drafts": [str(d) for d in drafts], "dist_port": port, "out": str(out)}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    env.update(PYTHONPATH=str(sglang_tree), TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    p = subprocess.run([sys.executable, str(HERE / "real_sglang_mla.py"), str(spec)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and out.exists(), p.stderr[-4000:]
+    return {Path(k).name: v for k, v in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.slow  # imports the real SGLang 0.5.23 tree and torch
+def test_the_checks_match_sglangs_own_module_and_load_weights(tmp_path, sglang_tree):
+    import torch
+
+    good = draft(tmp_path, "good")
+    bad = {"nokv": draft(tmp_path, "nokv", drop=[A + "kv_a_proj_with_mqa.weight"]),
+           "kvb": draft(tmp_path, "kvb", replace={A + "kv_b_proj.weight": torch.zeros(128, 16)}),
+           "noq": draft(tmp_path, "noq", q_lora_rank=None),
+           "layers": draft(tmp_path, "layers", num_hidden_layers=2),
+           "prefixed": draft(tmp_path, "prefixed", extra_tensors={"model.norm.weight": torch.ones(64)})}
+    r = _sglang(tmp_path, sglang_tree, [good, *bad.values()])
+
+    # the good draft: the parameters the check derives are the module's, every one written but the embedding
+    g = r["good"]
+    assert "build_error" not in g and "error" not in g, g
+    cfg = json.loads((good / "config.json").read_text())
+    assert drafter_mla.module_shapes(cfg, drafter_mla.config_sizes(cfg, _no_problem)) == g["params"]
+    assert g["skipped"] == [] and g["unwritten"] == ["model.embed_tokens.weight"]  # the target's is shared
+    assert g["hot_token_id"] == [0, 2, 4, 6, 8, 10, 12, 14] and problems(good, target=TARGET) == []
+
+    # each bad kind: what SGLang itself does with it, and the check naming it
+    assert r["nokv"].get("error") is None  # no error at all: the fused projection is silently never written
+    assert "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight" in r["nokv"]["unwritten"]
+    assert [p.field for p in problems(bad["nokv"])] == [f"tensor {A}kv_a_proj_with_mqa.weight"]
+    assert "param_data.shape=torch.Size([128, 32]) != loaded_weight.shape=torch.Size([128, 16])" in r["kvb"]["error"]
+    assert [p.field for p in problems(bad["kvb"])] == ["shape"]
+    assert "requires q_lora_rank" in r["noq"]["build_error"] and "q_lora_rank" in [p.field for p in problems(bad["noq"])]
+    assert "only supports 1 layer" in r["layers"]["build_error"]
+    assert [p.field for p in problems(bad["layers"])] == ["num_hidden_layers"]
+    assert r["prefixed"]["skipped"] == ["model.norm.weight"]
+    assert [(p.field, p.found) for p in problems(bad["prefixed"])] == [("name", "model.norm.weight")]
