@@ -188,3 +188,88 @@ def test_the_checks_match_sglangs_own_module_and_load_weights(tmp_path, sglang_t
     assert [p.field for p in problems(bad["layers"])] == ["num_hidden_layers"]
     assert r["prefixed"]["skipped"] == ["model.norm.weight"]
     assert [(p.field, p.found) for p in problems(bad["prefixed"])] == [("name", "model.norm.weight")]
+
+
+# --- on real sshd hosts ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mla_fleet(tmp_path_factory, sglang_tree):
+    """One real sshd host whose stand-in serves a DeepSeek-V3-shaped MLA config.json (the stand-in reads only
+    its layers, hidden size and vocabulary; the host agent reads the MLA layout from the file, as it would of
+    a real Kimi-K2.x model directory: host/served.py)."""
+    from draft_util import write_mla_target_config
+    from fleet import Fleet
+
+    f = Fleet(tmp_path_factory.mktemp("mla"), 1, sglang_tree, light=True)
+    write_mla_target_config(f.hosts[0].dir / "model")  # its defaults are MLA's layout, 8 layers
+    f.start_server(f.hosts[0])
+    yield f
+    f.close()
+
+
+def _check(f, d, expect):
+    p = f.patchctl("--json", "drafter", "check", str(d), "--limit", "host0")
+    assert p.returncode == expect, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return json.loads(p.stdout)
+
+
+@pytest.mark.slow
+def test_check_on_a_real_host_serving_an_mla_model(mla_fleet, tmp_path):
+    """Accepted with SGLang 0.5.23's own names; refused exit 2 for each bad kind, the field named with both
+    values and where each came from (the draft's config.json / the served model's config.json on host0); the
+    host is left byte for byte as it was."""
+    import torch
+
+    from test_readonly import host_snapshot
+
+    f = mla_fleet
+    h = f.hosts[0]
+    before = host_snapshot(h.dir)
+    out = _check(f, draft(tmp_path, "good"), 0)
+    served = out["hosts"][0]["served"]
+    assert out["problems"] == [] and out["hosts"][0]["problems"] == []
+    assert {k: served[k] for k in MLA} == MLA and served["architectures"] == ["DeepseekV3ForCausalLM"]
+    src = f"the served model's (host0: {h.dir / 'model' / 'config.json'})"
+    bad = {  # kind: (draft, the field named, a part of its message)
+        "kv_lora_rank": (draft(tmp_path, "kv", kv_lora_rank=64), "kv_lora_rank",
+                         f"config.json kv_lora_rank 64, {src} kv_lora_rank is 32"),
+        "rope dim": (draft(tmp_path, "rope", qk_rope_head_dim=16), "qk_rope_head_dim",
+                     f"config.json qk_rope_head_dim 16, {src} qk_rope_head_dim is 8"),
+        "hidden size": (draft(tmp_path, "hid", hidden_size=128, target_hidden_size=128), "hidden_size",
+                        f"config.json hidden_size 128, {src} hidden_size is 64"),
+        "vocab": (draft(tmp_path, "voc", vocab_size=1024), "vocab_size", f"config.json vocab_size 1024, {src} vocab_size is 512"),
+        "aux ids": (draft(tmp_path, "ids", ids=[2, 4, 8]), "eagle_config.eagle_aux_hidden_state_layer_ids",
+                    f"{src} num_hidden_layers 8 allows layers 0 to 7"),
+        "missing weight": (draft(tmp_path, "miss", drop=[A + "kv_a_proj_with_mqa.weight"]),
+                           f"tensor {A}kv_a_proj_with_mqa.weight", "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight is never written"),
+        "misshapen weight": (draft(tmp_path, "shape", replace={A + "q_b_proj.weight": torch.zeros(64, 48)}), "shape",
+                             f"model.safetensors tensor {A}q_b_proj.weight shape [64, 48], config.json"),
+        "heads": (draft(tmp_path, "heads", num_attention_heads=8), "num_attention_heads",
+                  f"config.json num_attention_heads 8, {src} num_attention_heads is 4"),
+    }
+    for kind, (d, field, text) in bad.items():
+        out = _check(f, d, 2)
+        ps = out["problems"] + out["hosts"][0]["problems"]
+        assert field in [p["field"] for p in ps], (kind, ps)
+        assert any(text in p["message"] for p in ps), (kind, [p["message"] for p in ps])
+    p = f.patchctl("drafter", "check", str(bad["kv_lora_rank"][0]), "--limit", "host0")
+    assert p.returncode == 2 and "kv_lora_rank 64" in p.stdout and "kv_lora_rank is 32" in p.stdout, p.stdout
+    assert host_snapshot(h.dir) == before
+
+
+@pytest.mark.slow
+def test_deploy_refuses_a_wrong_mla_draft_before_anything_is_sent(mla_fleet, tmp_path):
+    """`drafter deploy` runs the same checks against the same probe: exit 2, the field named, nothing sent,
+    the server untouched."""
+    f = mla_fleet
+    h = f.hosts[0]
+    pid = f.server_pid(h)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [5, 6, 7, 8]}) + "\n")
+    d = draft(tmp_path, "kv", kv_lora_rank=64)
+    p = f.patchctl("drafter", "deploy", str(d), "--prompts", str(prompts), "--max-new-tokens", "4")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "kv_lora_rank 64" in p.stderr + p.stdout and "nothing sent" in p.stderr, p.stdout + p.stderr
+    assert not (h.state / "drafters").exists() or not list((h.state / "drafters").iterdir())
+    assert f.server_pid(h) == pid and "--speculative-draft-model-path" not in f.server_argv(h)

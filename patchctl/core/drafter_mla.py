@@ -187,7 +187,8 @@ def check_tensors(facts, c: dict, s: dict, add, show) -> None:
         if n in vocab:
             shape, why = vocab[n][1], f"required by the draft vocab map: draft_vocab_size {s['DV']} < vocab_size {s['V']}"
         elif n in FUSED and "a_proj" in n:
-            shape, why = want[n][0], (f"load_weights holds its partner back and {FUSED[n][0]} is never written: "
+            shape, why = want[n][0], (f"load_weights holds its partner back and {param_name(FUSED[n][0])} is "
+                                      "never written: "
                                       "served as whatever the memory held")
         else:
             shape, why = want[n][0], "never loaded: served as whatever the memory held"
