@@ -37,7 +37,9 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import real_sglang_driver  # noqa: E402,F401  (declares torchvision's two op schemas; imports torch)
+from real_sglang_driver import _torchvision_without_ops  # noqa: E402  (importing it already ran it once)
+
+_torchvision_without_ops()  # idempotent: torchvision's two op schemas declared, nothing else
 
 import torch  # noqa: E402
 

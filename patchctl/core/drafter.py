@@ -13,8 +13,10 @@ header, data offsets checked against the file's size), `d2t`/`t2d` values with `
 The format is what SpecForge 0.2.0's `specforge export --to sglang` writes (`export/to_sglang.py`:
 `save_pretrained` of `modeling/draft/llama3_eagle.py`'s `LlamaForCausalLMEagle3` in bf16, embeddings
 dropped; the names `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` int64 [draft_vocab], `t2d` bool [vocab],
-optionally `fc_norm.{0,1,2}`), judged by what SGLang 0.5.23 loads. Every Problem names the field, the value
-found and where, the value expected and where that came from.
+optionally `fc_norm.{0,1,2}`), judged by what SGLang 0.5.23 loads. Kimi-K2.x's MLA drafter
+(`Eagle3DeepseekV2ForCausalLM`, models/kimi_k25_eagle3.py) is judged as that file builds and loads it:
+core/drafter_mla.py. Every Problem names the field, the value found and where, the value expected and where
+that came from.
 """
 
 from __future__ import annotations
