@@ -223,15 +223,20 @@ def write_mla_draft_dir(path, *, target_model_dir=None, target_cfg=None, layer_i
     return save_draft(path, cfg, tensors, extra_tensors)
 
 
-def write_mla_target_config(path, *, layers=8, hidden=64, vocab=512, heads=4, kv_lora_rank=32, q_lora_rank=48,
-                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16) -> Path:
-    """Rewrite a stand-in model directory's config.json as a small DeepSeek-V3-shaped MLA model (the stand-in
-    reads only num_hidden_layers, hidden_size, vocab_size; its weights stay as they are)."""
+def write_mla_target_config(path, *, kimi=False, layers=8, hidden=64, vocab=512, heads=4, kv_lora_rank=32,
+                            q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16) -> Path:
+    """Rewrite a stand-in model directory's config.json as a small MLA model: DeepSeek-V3-shaped, or with `kimi`
+    Kimi-K2.5-shaped (KimiK25ForConditionalGeneration, the language model under `text_config`, model_type
+    kimi_k2). The stand-in reads only num_hidden_layers, hidden_size, vocab_size; its weights stay as they are."""
     d = Path(path)
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": layers,
            "hidden_size": hidden, "vocab_size": vocab, "intermediate_size": 4 * hidden, "num_attention_heads": heads,
            "num_key_value_heads": heads, "kv_lora_rank": kv_lora_rank, "q_lora_rank": q_lora_rank,
            "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim,
            "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    if kimi:
+        text = dict(cfg, architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2")
+        cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+               "vision_config": {"model_type": "moonvit"}, "torch_dtype": "bfloat16"}
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return d

@@ -273,3 +273,27 @@ def test_deploy_refuses_a_wrong_mla_draft_before_anything_is_sent(mla_fleet, tmp
     assert "kv_lora_rank 64" in p.stderr + p.stdout and "nothing sent" in p.stderr, p.stdout + p.stderr
     assert not (h.state / "drafters").exists() or not list((h.state / "drafters").iterdir())
     assert f.server_pid(h) == pid and "--speculative-draft-model-path" not in f.server_argv(h)
+
+
+@pytest.mark.slow
+def test_check_against_a_kimi_k25_shaped_served_model(tmp_path, sglang_tree):
+    """Kimi-K2.5's config.json nests the language model under `text_config` (KimiK25ForConditionalGeneration):
+    the host agent reports the MLA layout from there, and the stand-in serves it (simserver/cli.py)."""
+    from draft_util import write_mla_target_config
+    from fleet import Fleet
+
+    f = Fleet(tmp_path / "fleet", 1, sglang_tree, light=True)
+    try:
+        h = f.hosts[0]
+        write_mla_target_config(h.dir / "model", kimi=True)
+        f.start_server(h)
+        out = _check(f, draft(tmp_path, "good"), 0)
+        served = out["hosts"][0]["served"]
+        assert served["architectures"] == ["KimiK25ForConditionalGeneration"] and {k: served[k] for k in MLA} == MLA
+        out = _check(f, draft(tmp_path, "kv", kv_lora_rank=512, ids=[2, 4, 8]), 2)
+        msgs = [p["message"] for p in out["hosts"][0]["problems"]]
+        src = f"the served model's (host0: {h.dir / 'model' / 'config.json'})"
+        assert any(m.startswith(f"config.json kv_lora_rank 512, {src} kv_lora_rank is 32") for m in msgs), msgs
+        assert any("on KimiK25ForConditionalGeneration" in m and "num_hidden_layers 8" in m for m in msgs), msgs
+    finally:
+        f.close()
