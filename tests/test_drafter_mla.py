@@ -136,6 +136,33 @@ def test_an_mla_draft_on_a_target_without_mla_is_refused(tmp_path):
     assert [p.field for p in ps] == ["architectures[0]"] and "not an MLA model" in ps[0].message()
 
 
+def _prefused(path, qkv=False):
+    """A draft whose gate/up projections are already stacked (as load_weights would); with `qkv` its q/kv down
+    projections already fused too."""
+    import torch
+
+    from draft_util import mla_config, mla_tensors, save_draft
+
+    cfg = mla_config(MLA, IDS, 256)
+    t = mla_tensors(cfg)
+    m = "layers.0.mlp."
+    t[m + "gate_up_proj.weight"] = torch.cat([t.pop(m + "gate_proj.weight"), t.pop(m + "up_proj.weight")])
+    if qkv:
+        t[A + "fused_qkv_a_proj_with_mqa.weight"] = torch.cat([t.pop(A + "q_a_proj.weight"),
+                                                             t.pop(A + "kv_a_proj_with_mqa.weight")])
+    return save_draft(path, cfg, t)
+
+
+def test_stacked_gate_up_passes_a_prefused_qkv_is_named(tmp_path):
+    """SGLang's own load_weights writes a stacked gate_up_proj but never a pre-fused fused_qkv_a_proj_with_mqa
+    (shown against the real module below)."""
+    assert problems(_prefused(tmp_path / "f")) == []
+    ps = problems(_prefused(tmp_path / "g", qkv=True))
+    assert sorted(p.field for p in ps) == ["name", f"tensor {A}kv_a_proj_with_mqa.weight", f"tensor {A}q_a_proj.weight"]
+    name = next(p for p in ps if p.field == "name")
+    assert name.found == A + "fused_qkv_a_proj_with_mqa.weight" and "never writes it" in name.message()
+
+
 # --- against SGLang's own module ---------------------------------------------------------------------
 
 
@@ -167,7 +194,9 @@ def test_the_checks_match_sglangs_own_module_and_load_weights(tmp_path, sglang_t
            "noq": draft(tmp_path, "noq", q_lora_rank=None),
            "layers": draft(tmp_path, "layers", num_hidden_layers=2),
            "prefixed": draft(tmp_path, "prefixed", extra_tensors={"model.norm.weight": torch.ones(64)})}
-    r = _sglang(tmp_path, sglang_tree, [good, *bad.values()])
+    fused = _prefused(tmp_path / "fused")
+    bad["qkv"] = _prefused(tmp_path / "qkv", qkv=True)
+    r = _sglang(tmp_path, sglang_tree, [good, fused, *bad.values()])
 
     # the good draft: the parameters the check derives are the module's, every one written but the embedding
     g = r["good"]
@@ -176,6 +205,10 @@ def test_the_checks_match_sglangs_own_module_and_load_weights(tmp_path, sglang_t
     assert drafter_mla.module_shapes(cfg, drafter_mla.config_sizes(cfg, _no_problem)) == g["params"]
     assert g["skipped"] == [] and g["unwritten"] == ["model.embed_tokens.weight"]  # the target's is shared
     assert g["hot_token_id"] == [0, 2, 4, 6, 8, 10, 12, 14] and problems(good, target=TARGET) == []
+
+    # a stacked gate_up_proj: load_weights writes it as it is; the check accepts it
+    assert r["fused"].get("error") is None and r["fused"]["skipped"] == [], r["fused"]
+    assert r["fused"]["unwritten"] == ["model.embed_tokens.weight"] and problems(fused, target=TARGET) == []
 
     # each bad kind: what SGLang itself does with it, and the check naming it
     assert r["nokv"].get("error") is None  # no error at all: the fused projection is silently never written
@@ -186,6 +219,9 @@ def test_the_checks_match_sglangs_own_module_and_load_weights(tmp_path, sglang_t
     assert "requires q_lora_rank" in r["noq"]["build_error"] and "q_lora_rank" in [p.field for p in problems(bad["noq"])]
     assert "only supports 1 layer" in r["layers"]["build_error"]
     assert [p.field for p in problems(bad["layers"])] == ["num_hidden_layers"]
+    assert r["qkv"].get("error") is None and r["qkv"]["skipped"] == []  # not even a log line
+    assert "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight" in r["qkv"]["unwritten"]
+    assert "name" in [p.field for p in problems(bad["qkv"])]
     assert r["prefixed"]["skipped"] == ["model.norm.weight"]
     assert [(p.field, p.found) for p in problems(bad["prefixed"])] == [("name", "model.norm.weight")]
 
