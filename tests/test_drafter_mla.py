@@ -333,3 +333,17 @@ def test_check_against_a_kimi_k25_shaped_served_model(tmp_path, sglang_tree):
         assert any("on KimiK25ForConditionalGeneration" in m and "num_hidden_layers 8" in m for m in msgs), msgs
     finally:
         f.close()
+
+
+def test_aux_ids_against_the_training_data_in_kimis_convention(tmp_path):
+    """Captured at layers [2, 4, 5] of a Kimi-K2.5 target: SGLang keeps DeepSeek-convention ids as given, so the
+    draft must say [2, 4, 5]; ids in another convention ([3, 5, 6]: layer + 1, Llama's) feed it other layers."""
+    from test_drafter_check import write_collection
+
+    data = drafter.read_data(write_collection(tmp_path / "coll", layers=(2, 4, 5), arch="KimiK25ForConditionalGeneration"))
+    kimi = dict(TARGET, architectures=["KimiK25ForConditionalGeneration"])
+    assert problems(draft(tmp_path, "ok", ids=[2, 4, 5]), target=kimi, data=data) == []
+    ps = problems(draft(tmp_path, "bad", ids=[3, 5, 6]), target=kimi, data=data)
+    assert [p.field for p in ps] == ["eagle_config.eagle_aux_hidden_state_layer_ids"]
+    m = ps[0].message()
+    assert "[3, 5, 6]" in m and "is [2, 4, 5]" in m and "capture layers [3, 5, 6]" in m and "deepseek_v2.py" in m
