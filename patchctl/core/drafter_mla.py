@@ -226,4 +226,5 @@ def against_target(c: dict, target: dict, add) -> None:
     for key in SHARED:
         if t.get(key) is not None and c.get(key) != t[key]:
             add(key, c.get(key), t[key], expected_from=f"{t['source']} {key}",
-                why="Eagle3DeepseekV2ForCausalLM shares the target's MLA layout (kimi_k25_eagle3.py)")
+                why="kimi_k25_eagle3.py pairs a draft with its target's MLA layout (its docstring); SGLang builds "
+                    "the draft from the draft's own config and compares nothing, so only this check sees it")
