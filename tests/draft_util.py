@@ -138,3 +138,105 @@ def fit_good_draft(path, *, target_model_dir, layer_ids, iters=70, seed=0) -> Pa
     init = init_tensors(draft.cfg, seed)
     tensors["d2t"], tensors["t2d"] = init["d2t"], init["t2d"]
     return save_draft(path, draft.cfg, tensors)
+
+
+# --- the MLA drafter SGLang 0.5.23 serves for Kimi-K2.x (models/kimi_k25_eagle3.py) --------------------------
+
+def mla_config(target_cfg: dict, layer_ids, draft_vocab_size=None, **overrides) -> dict:
+    """config.json of an Eagle3DeepseekV2ForCausalLM draft for an MLA target (DeepSeek-V3 / Kimi-K2.x config,
+    its `text_config` where it nests one): the target's MLA layout (hidden_size, heads, q/kv LoRA ranks,
+    nope/rope/v head dims) and vocabulary, model_type kimi_k2 (SGLang registers it: utils/hf_transformers/
+    common.py `_KimiK2ConfigAlias`), one layer, a dense MLP."""
+    t = target_cfg.get("text_config") if isinstance(target_cfg.get("text_config"), dict) else target_cfg
+    H, V = int(t["hidden_size"]), int(t["vocab_size"])
+    cfg = {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "kimi_k2", "bias": False,
+        "draft_vocab_size": int(draft_vocab_size or V), "dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids), "use_aux_hidden_state": True},
+        "hidden_act": "silu", "hidden_size": H, "initializer_range": 0.02, "intermediate_size": 4 * H,
+        "max_position_embeddings": int(t.get("max_position_embeddings") or 4096), "num_attention_heads":
+        int(t["num_attention_heads"]), "num_hidden_layers": 1, "num_key_value_heads": int(t["num_attention_heads"]),
+        "rms_norm_eps": 1e-06, "rope_theta": float(t.get("rope_theta") or 50000.0),
+        # the target's YaRN scaling as Kimi-K2.x configs carry one (SGLang turns it into deepseek_yarn,
+        # deepseek_v2.py DeepseekV2AttentionMLA; its CPU rope takes only that kind)
+        "rope_scaling": t.get("rope_scaling") or {"type": "yarn", "factor": 1.0, "original_max_position_embeddings":
+                                                  int(t.get("max_position_embeddings") or 4096), "beta_fast": 32.0,
+                                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "target_hidden_size": H,
+        "tie_word_embeddings": False, "vocab_size": V,
+        **{k: int(t[k]) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def mla_tensors(cfg: dict, seed: int = 0) -> dict:
+    """{name: float32 tensor} of an untrained MLA draft, named as Eagle3DeepseekV2ForCausalLM.load_weights takes
+    them (read from kimi_k25_eagle3.py, not from patchctl): `layers.0.self_attn.{q_a_proj, kv_a_proj_with_mqa}`
+    (fused by the loader), `q_a_layernorm`, `q_b_proj`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`,
+    `layers.0.mlp.{gate,up,down}_proj` (gate/up stacked by the loader), the EAGLE-3 norms, `fc`, `norm`,
+    `lm_head`, `d2t`, `t2d`; no embedding (the target's is shared)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    H, I, nh = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    q, kv, nope, rope, v = (cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                             "v_head_dim"))
+    Vd, V, Ht = cfg["draft_vocab_size"], cfg["vocab_size"], cfg.get("target_hidden_size") or H
+    k = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+    def lin(o, i):
+        return torch.randn(o, i, generator=g) * cfg["initializer_range"]
+
+    a, m = "layers.0.self_attn.", "layers.0.mlp."
+    t = {"fc.weight": lin(H, k * Ht), "norm.weight": torch.ones(H), "lm_head.weight": lin(Vd, H),
+         "layers.0.input_layernorm.weight": torch.ones(H), "layers.0.hidden_norm.weight": torch.ones(H),
+         "layers.0.post_attention_layernorm.weight": torch.ones(H),
+         a + "kv_a_proj_with_mqa.weight": lin(kv + rope, 2 * H), a + "kv_a_layernorm.weight": torch.ones(kv), a + "kv_b_proj.weight": lin(nh * (nope + v), kv),
+         a + "o_proj.weight": lin(H, nh * v),
+         m + "gate_proj.weight": lin(I, H), m + "up_proj.weight": lin(I, H), m + "down_proj.weight": lin(H, I)}
+    # a vocab map as SpecForge's load_vocab_mapping leaves it: draft token d is target token d + d2t[d]; with a
+    # reduced draft vocabulary the hot tokens here are the target's even ids (2d <= V), else the identity
+    step = 2 if 2 * Vd <= V else 1
+    if q:
+        t.update({a + "q_a_proj.weight": lin(q, 2 * H), a + "q_a_layernorm.weight": torch.ones(q),
+                  a + "q_b_proj.weight": lin(nh * (nope + rope), q)})
+    else:  # no q LoRA (DeepSeek-V2-Lite's layout): one q projection
+        t[a + "q_proj.weight"] = lin(nh * (nope + rope), 2 * H)
+    t["d2t"] = torch.arange(Vd, dtype=torch.int64) * (step - 1)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.arange(Vd) * step] = True
+    t["t2d"] = t2d
+    return t
+
+
+def write_mla_draft_dir(path, *, target_model_dir=None, target_cfg=None, layer_ids, seed=0, draft_vocab_size=None,
+                        drop=(), replace=None, extra_tensors=None, **overrides) -> Path:
+    """A small valid MLA draft directory for the MLA model in `target_model_dir` (or `target_cfg`). `overrides`
+    replace config keys (the weights follow the overridden config); `drop` leaves weights out; `replace`
+    ({name: tensor}) swaps weights in after (a misshapen one); `extra_tensors` adds names."""
+    if target_cfg is None:
+        target_cfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    cfg = mla_config(target_cfg, layer_ids, draft_vocab_size, **overrides)
+    tensors = {n: t for n, t in mla_tensors(cfg, seed).items() if n not in drop}
+    tensors.update(replace or {})
+    return save_draft(path, cfg, tensors, extra_tensors)
+
+
+def write_mla_target_config(path, *, kimi=False, layers=8, hidden=64, vocab=512, heads=4, kv_lora_rank=32,
+                            q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16) -> Path:
+    """Rewrite a stand-in model directory's config.json as a small MLA model: DeepSeek-V3-shaped, or with `kimi`
+    Kimi-K2.5-shaped (KimiK25ForConditionalGeneration, the language model under `text_config`, model_type
+    kimi_k2). The stand-in reads only num_hidden_layers, hidden_size, vocab_size; its weights stay as they are."""
+    d = Path(path)
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": layers,
+           "hidden_size": hidden, "vocab_size": vocab, "intermediate_size": 4 * hidden, "num_attention_heads": heads,
+           "num_key_value_heads": heads, "kv_lora_rank": kv_lora_rank, "q_lora_rank": q_lora_rank,
+           "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim,
+           "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    if kimi:
+        text = dict(cfg, architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2")
+        cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+               "vision_config": {"model_type": "moonvit"}, "torch_dtype": "bfloat16"}
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d

@@ -13,8 +13,10 @@ header, data offsets checked against the file's size), `d2t`/`t2d` values with `
 The format is what SpecForge 0.2.0's `specforge export --to sglang` writes (`export/to_sglang.py`:
 `save_pretrained` of `modeling/draft/llama3_eagle.py`'s `LlamaForCausalLMEagle3` in bf16, embeddings
 dropped; the names `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` int64 [draft_vocab], `t2d` bool [vocab],
-optionally `fc_norm.{0,1,2}`), judged by what SGLang 0.5.23 loads. Every Problem names the field, the value
-found and where, the value expected and where that came from.
+optionally `fc_norm.{0,1,2}`), judged by what SGLang 0.5.23 loads. Kimi-K2.x's MLA drafter
+(`Eagle3DeepseekV2ForCausalLM`, models/kimi_k25_eagle3.py) is judged as that file builds and loads it:
+core/drafter_mla.py. Every Problem names the field, the value found and where, the value expected and where
+that came from.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchctl.core import datasetmeta, layerids
+from patchctl.core import datasetmeta, drafter_mla, layerids
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
 
-# SGLang 0.5.23's EAGLE-3 draft architectures (EntryClass of sglang/srt/models/*eagle3*.py). Only the first is
-# what SpecForge exports and what the tensor checks below know; the MLA one is accepted with a note.
-EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM")
+# SGLang 0.5.23's EAGLE-3 draft architectures (EntryClass of sglang/srt/models/*eagle3*.py): the first is what
+# SpecForge exports (models/llama_eagle3.py, checked below); the MLA one (models/kimi_k25_eagle3.py) is checked
+# as that file builds and loads it by core/drafter_mla.py.
+EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", drafter_mla.ARCH)
 LOADER = "SGLang 0.5.23's LlamaForCausalLMEagle3 (models/llama_eagle3.py)"
 
 # safetensors dtype -> bytes per element
@@ -302,7 +305,8 @@ def target_from_probe(host: str, r: dict) -> dict:
     """The target model's facts as check_draft takes them (`target`), from a host's `drafter_probe` answer."""
     return {"source": f"the served model's ({host}: {r.get('config_path') or r.get('model_path')})",
             "architectures": r.get("architectures"), "hidden_size": r.get("hidden_size"),
-            "vocab_size": r.get("vocab_size"), "num_hidden_layers": r.get("num_hidden_layers")}
+            "vocab_size": r.get("vocab_size"), "num_hidden_layers": r.get("num_hidden_layers"),
+            **{k: r.get(k) for k in drafter_mla.SHARED}}
 
 
 def served_from_probe(host: str, r: dict) -> dict:
@@ -342,10 +346,16 @@ class _Checks:
         if arch not in EAGLE3_ARCHS:
             self.add("architectures[0]", arch, " or ".join(EAGLE3_ARCHS), expected_from="what SGLang 0.5.23 loads as an "
                      "EAGLE-3 draft (the EntryClass of models/llama_eagle3.py, models/kimi_k25_eagle3.py)")
-        sizes = self.config_fields()
+        mla = arch == drafter_mla.ARCH
+        sizes = drafter_mla.config_sizes(self.c, self.add) if mla else self.config_fields()
         ids = self.layer_ids()
-        if arch == "LlamaForCausalLMEagle3" and sizes is not None:
+        if mla and sizes is not None:  # as models/kimi_k25_eagle3.py builds and loads it
+            drafter_mla.check_tensors(self.f, self.c, sizes, self.add, _show)
+            self.vocab_map(sizes)
+        elif arch == "LlamaForCausalLMEagle3" and sizes is not None:
             self.tensors(sizes, ids)
+        if mla:
+            drafter_mla.against_target(self.c, self.target, self.add)
         self.against_target(ids)
         self.against_data(ids)
         self.against_served()

@@ -295,6 +295,12 @@ class DrafterProbeAnswer(Result):
     num_hidden_layers: int = None
     vocab_size: int = None
     max_position_embeddings: int = None
+    num_attention_heads: int = None  # with the five below: served.MLA_LAYOUT (the MLA ones None without MLA)
+    kv_lora_rank: int = None
+    q_lora_rank: int = None
+    qk_nope_head_dim: int = None
+    qk_rope_head_dim: int = None
+    v_head_dim: int = None
     config_context_len: int = None
     config_context_from: str = None
     max_req_input_len: int = None

@@ -19,6 +19,10 @@ from .osutil import expand
 from .server import http_request
 from .tokenizer import served as served_tokenizer
 
+# the attention layout an MLA draft shares with its target (models/kimi_k25_eagle3.py builds its
+# DeepseekV2AttentionMLA from these); all but the heads are None on a model without MLA
+MLA_LAYOUT = ("num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
 WATCHED_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
 SPEC_FLAGS = {"--speculative-algorithm": "algorithm", "--speculative-draft-model-path": "draft_path",
               "--speculative-num-steps": "num_steps", "--speculative-eagle-topk": "eagle_topk",
@@ -90,6 +94,7 @@ def model_config(cfg):
                num_hidden_layers=t.get("num_hidden_layers"), vocab_size=t.get("vocab_size"),
                max_position_embeddings=t.get("max_position_embeddings"), config_context_len=ctx,
                config_context_from=ctx_from)
+    out.update((k, t.get(k)) for k in MLA_LAYOUT)
     return out
 
 

@@ -214,6 +214,10 @@ def _model_config(args) -> tuple[dict, int]:
     cfg_path = Path(args.model_path) / "config.json"
     try:
         model_cfg = json.loads(cfg_path.read_text())
+        if isinstance(model_cfg.get("text_config"), dict) and "num_hidden_layers" not in model_cfg:
+            # a multimodal wrapper (Kimi-K2.5's KimiK25ForConditionalGeneration): the language model's part,
+            # as SGLang's hf_text_config, under the wrapper's architectures
+            model_cfg = {**model_cfg["text_config"], "architectures": model_cfg.get("architectures")}
         layers = int(model_cfg["num_hidden_layers"])
         int(model_cfg["hidden_size"])
         int(model_cfg["vocab_size"])

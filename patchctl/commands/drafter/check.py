@@ -13,7 +13,7 @@ could not be read (its row says why).
 
 from __future__ import annotations
 
-from patchctl.core import drafter
+from patchctl.core import drafter, drafter_mla
 from patchctl.core.console import App, table
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import Run, host_error, worst
@@ -71,7 +71,8 @@ def judge_host(run: Run, h, facts, data, seen=frozenset()) -> dict:
     mine = [p.to_dict() for p in probs if p.message() not in seen]
     return {"host": h.name, "ok": True, "problems": mine, "code": EXIT_BAD_INPUT if mine else 0, "probe": r,
             "served": {k: r.get(k) for k in ("config_path", "architectures", "hidden_size", "num_hidden_layers",
-                                             "vocab_size", "context_length", "tokenizer", "speculative", "env")}}
+                                             "vocab_size", *drafter_mla.SHARED, "context_length", "tokenizer",
+                                             "speculative", "env")}}
 
 
 def _render(out: dict):
