@@ -10,6 +10,10 @@ SGLang 0.5.23 refuses a draft path beside `--enable-return-aux-hidden-states`
 its training data came from), `status` pending (restarted, acceptance not yet measured) or verified (the
 canary measured it and let it through), the acceptance measured, the drafter before it (`previous`) and
 the exact server config in force before the deploy (`server_before`), so a rollback restarts exactly that.
+`previous` is that drafter's whole record, with its own `previous` and `server_before`: the chain of every
+verified drafter back to the config before the first, which `steps` walks (one `drafter rollback` a step).
+A record written before the chain (issue 39) holds only a summary as `previous`: its chain ends there, and
+the step after it goes to no drafter on the inventory's server config.
 
 The speculative settings (`[server.speculative]` in the inventory) are checked here, once for both sides:
 the controller refuses them at load (file and line), the agent builds the flags from them.
@@ -120,6 +124,33 @@ def summary(rec):
     keep = ("digest", "source", "data_run", "status", "run_id", "deployed_at", "verified_at", "acceptance", "speculative",
             "path")
     return dict((k, rec.get(k)) for k in keep if rec.get(k) is not None)
+
+
+def steps(rec):
+    """What `drafter rollback`s reach from `rec`, nearest first: [(record restored or None, the server config it
+    served with or None: unknown, the inventory's)]. The last step is always to no drafter."""
+    out, cur = [], rec
+    while cur:
+        out.append((cur.get("previous") or None, cur.get("server_before")))
+        cur = cur.get("previous")
+    return out
+
+
+def pick_step(rec, to):
+    """The step of `steps(rec)` that `drafter rollback --to TO` goes to: previous, none or a digest (a prefix
+    naming one drafter of the chain; its nearest occurrence). A bad_input naming what is reachable else."""
+    chain = steps(rec)
+    if not chain or to == "previous":
+        return chain[0] if chain else (None, None)
+    if to == "none":
+        return chain[-1]
+    hits = [s for s in chain if s[0] and s[0].get("digest", "").startswith(to)]
+    if len(set(s[0]["digest"] for s in hits)) == 1:
+        return hits[0]
+    reach = "".join("%s (%s), " % (s[0]["digest"][:12], s[0].get("source") or "?") for s in chain if s[0])
+    raise AgentError("bad_input", "drafter rollback --to %s: %s; a rollback here reaches: %snone" % (
+        to, "it names more than one drafter" if hits else "no drafter a rollback reaches here has that digest", reach),
+        reachable=[s[0]["digest"] for s in chain if s[0]])
 
 
 def faking_env(env):
