@@ -113,3 +113,35 @@ def test_gc_plan_keeps_the_chain_and_what_a_process_holds_open_and_counts_each_i
         hashlib.sha256(b).hexdigest() for b in (b'{"v": 2}', weights)])
     assert (objects / "README").exists() and not (objects / ("e" * 64 + ".part")).exists()
     assert (root / d2 / "model.safetensors").read_bytes() == weights
+
+
+def test_the_dispatcher_gives_back_the_lock_of_any_refusal_and_keeps_it_after_a_failure(tmp_path, monkeypatch):
+    """`agent.handle`, for every op that takes the tree's lock: a refusal (bad input, or any kind raised with
+    `refused`: nothing changed) leaves no lock; a failure after a change keeps it (the next run sees it)."""
+    from patchctl.host import agent
+    from patchctl.host.state import TreeState
+
+    root = tmp_path / "site-packages"
+    (root / "sglang").mkdir(parents=True)
+    (root / "sglang" / "version.py").write_text('__version__ = "0.5.23"\n')
+    state = str(tmp_path / "state")
+    req = {"op": "drafter_gc", "run_id": "mine", "state_dir": state, "sglang_root": str(root), "python": "python3",
+           "holder": {"run_id": "mine", "who": "me@here"}, "server": {"port": 1, "command": ""}}
+    lock = lambda: TreeState(state, str(root)).lock_holder()  # noqa: E731
+    for kind, refused in (("attention", True), ("drift", True), ("bad_input", False), ("failed", False),
+                          ("attention", False)):
+        def raise_(a, kind=kind, refused=refused):
+            assert a.tree.lock_holder()["run_id"] == "mine"  # taken before the handler ran
+            raise AgentError(kind, "no", **({"refused": True} if refused else {}))
+        monkeypatch.setitem(agent.HANDLERS, "drafter_gc", (raise_, None))
+        with pytest.raises(AgentError):
+            agent.handle(dict(req))
+        gone = refused or kind == "bad_input"
+        assert (lock() is None) == gone, (kind, refused, lock())
+        if not gone:
+            TreeState(state, str(root)).release("mine")
+    # a drafter rollback --to a digest the chain does not reach: refused, no lock, the record as it was
+    write_record(state, dict(_summary("c" * 64), previous=None, server_before=CFG))
+    with pytest.raises(AgentError, match="reaches: none"):
+        agent.handle(dict(req, op="drafter_rollback", to="dddd"))
+    assert lock() is None and read_record(state)["digest"] == "c" * 64

@@ -232,7 +232,7 @@ def test_a_refused_command_leaves_no_lock(fleet):
     path = f.root_of(h) / rel
     write_by_rename(path, path.read_text() + "\n# a hand edit\n")
     p = f.patchctl("rollback", "--no-restart", "--limit", h.name)
-    assert p.returncode == 3 and "drift" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert p.returncode == 3 and "files changed by hand since the apply" in p.stdout + p.stderr, p.stdout + p.stderr
     assert lock_file(h) is None, lock_file(h).read_text()
     p = f.patchctl("rollback", "--to", "clean", "--no-restart", "--force", "--limit", h.name)
     assert p.returncode == 0, p.stdout + p.stderr
