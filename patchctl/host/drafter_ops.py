@@ -1,13 +1,17 @@
 """The host's side of a drafter deploy (`patchctl drafter deploy` / `drafter rollback`), as agent ops.
 
 deploy:   the drafter's files already in the host's store (`artifact`) -> record it (pending) with the
-          server config in force now -> restart with the speculative flags -> ready. A start-up that fails
-          is rolled back in the same command (record and server as before, proven ready).
+          verified drafter before it, whole (the chain), and the server config in force now -> restart with
+          the speculative flags -> ready. A start-up that fails is rolled back in the same command (record and
+          server as before, proven ready). With `check_unchanged` it stops before any change: "unchanged" where
+          this drafter already serves, verified, on the same command line (the controller asks before its
+          baseline, so such a unit costs no request).
 finalize: the canary measured it and let it through: verified, with the acceptance measured.
-rollback: back to the drafter before (or none): its record, the exact server config in force before the
-          deploy, restarted and proven ready.
+rollback: one step back along the chain (`drafter.steps`), or `to` a drafter of it or none: that record and
+          the exact server config it served with, restarted and proven ready.
 The tree's lock is taken as `apply` takes it and kept from deploy to finalize or rollback, so no other
-run changes this server while its acceptance is measured; a refusal (before anything changed) gives it back. Standard library only, Python 3.8 syntax.
+run changes this server while its acceptance is measured; a refusal (before anything changed) gives it
+back (`agent.handle`). Standard library only, Python 3.8 syntax.
 """
 
 from . import artifact
