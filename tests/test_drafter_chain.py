@@ -14,7 +14,7 @@ import os
 import pytest
 
 from patchctl.host.artifact import canonical, digest_of
-from patchctl.host.drafter import pick_step, read_record, steps, write_record
+from patchctl.host.drafter import chain_of, pick_step, read_record, steps, summary, write_record
 from patchctl.host.events import AgentError
 
 CFG = {"argv": ["python", "-m", "sglang.launch_server", "--port", "30000"], "env": {}, "cwd": None, "running": True}
@@ -58,6 +58,35 @@ def test_the_chain_walks_every_verified_drafter_back_to_the_config_before_the_fi
     with pytest.raises(AgentError) as e:  # "a" starts both a1... and a3...; a3 serves, a1 is reachable: one only
         pick_step(dict(rec, previous=dict(r2, previous=dict(r1, previous=dict(r1, digest="a9" * 32)))), "a")
     assert e.value.kind == "bad_input" and "it names more than one drafter" in str(e.value), str(e.value)
+
+
+def _deployed(prev, digest, cfg_before):
+    """The record `drafter_ops.deploy` writes over the verified record `prev` (verified here at once)."""
+    return dict(_summary(digest), previous=summary(prev), server_before=cfg_before, chain=chain_of(prev))
+
+
+def test_the_chain_a_deploy_writes_is_flat_and_walks_any_number_of_drafters(tmp_path):
+    """2000 verified deploys: the record's nesting does not grow (json reads it: a nested chain of that
+    length would pass the decoder's recursion limit), and 2000 rollbacks walk every one, then none."""
+    n = 2000
+    digests = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(n)]
+    cfgs = [dict(CFG, argv=CFG["argv"] + [str(i)]) for i in range(n)]  # cfgs[i]: what served before digests[i]
+    rec = None
+    for d, cfg in zip(digests, cfgs):
+        rec = _deployed(rec, d, cfg)
+    write_record(str(tmp_path), rec)
+    got = read_record(str(tmp_path))
+    walk = steps(got)
+    assert len(walk) == n and walk[-1] == (None, cfgs[0])
+    assert [t["digest"] for t, _ in walk[:-1]] == digests[-2::-1]
+    assert [c for _, c in walk] == cfgs[::-1]  # each drafter with the config it served with
+    # a rollback writes the step's record: from it, the steps left are the same
+    assert steps(walk[0][0]) == walk[1:] and steps(walk[5][0]) == walk[6:]
+    assert pick_step(got, digests[3][:12]) == walk[n - 5]  # --to a prefix: the drafter, the config it served with
+    # a record of the previous main (no chain, `previous` a summary) under a new one: walked as far as it knows
+    old = dict(_summary("9" * 64), previous=_summary("8" * 64), server_before=cfgs[1])
+    new = _deployed(old, "7" * 64, cfgs[2])
+    assert [(t and t["digest"], c) for t, c in steps(new)] == [("9" * 64, cfgs[2]), ("8" * 64, cfgs[1]), (None, None)]
 
 
 def _store(state, name: str, files: dict[str, bytes]) -> str:

@@ -10,8 +10,9 @@ SGLang 0.5.23 refuses a draft path beside `--enable-return-aux-hidden-states`
 its training data came from), `status` pending (restarted, acceptance not yet measured) or verified (the
 canary measured it and let it through), the acceptance measured, the drafter before it (`previous`) and
 the exact server config in force before the deploy (`server_before`), so a rollback restarts exactly that.
-`previous` is that drafter's whole record, with its own `previous` and `server_before`: the chain of every
-verified drafter back to the config before the first, which `steps` walks (one `drafter rollback` a step).
+`chain` is every verified drafter before it, nearest first, each its whole record (its `server_before`
+included) without a chain of its own: a flat list, so the file's nesting stays the same however many
+deploys it records; `steps` walks it (one `drafter rollback` a step) back to the config before the first.
 A record written before the chain (issue 39) holds only a summary as `previous`: its chain ends there, and
 the step after it goes to no drafter on the inventory's server config.
 
@@ -126,13 +127,38 @@ def summary(rec):
     return dict((k, rec.get(k)) for k in keep if rec.get(k) is not None)
 
 
-def steps(rec):
-    """What `drafter rollback`s reach from `rec`, nearest first: [(record restored or None, the server config it
-    served with or None: unknown, the inventory's)]. The last step is always to no drafter."""
+def _entries(rec):
+    """`rec` and every verified drafter before it, nearest first, each without a chain of its own: from the
+    record's flat `chain`, or (a record without one) by following `previous`."""
+    if rec and "chain" in rec:
+        return [rec] + list(rec["chain"] or [])
     out, cur = [], rec
     while cur:
-        out.append((cur.get("previous") or None, cur.get("server_before")))
+        out.append(cur)
         cur = cur.get("previous")
+    return out
+
+
+def chain_of(prev):
+    """The `chain` a record replacing `prev` (the verified drafter serving, or None) keeps: `prev` and every
+    drafter before it, flat (a list: the record's nesting stays the same however long the chain)."""
+    es = _entries(prev)  # only `prev` itself may hold a chain: the entries of one never do
+    return [dict((k, v) for k, v in es[0].items() if k != "chain")] + es[1:] if es else []
+
+
+def steps(rec):
+    """What `drafter rollback`s reach from `rec`, nearest first: [(record restored or None, the server config it
+    served with or None: unknown, the inventory's)]. The last step is always to no drafter. Each record
+    restored carries the chain after it, so walking the restored records gives the same steps."""
+    es = _entries(rec)
+    out = []
+    for i, e in enumerate(es):
+        target = None
+        if i + 1 < len(es):
+            target = dict(es[i + 1])
+            if "chain" in rec:
+                target["chain"] = es[i + 2:]
+        out.append((target, e.get("server_before")))
     return out
 
 

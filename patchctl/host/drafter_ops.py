@@ -15,7 +15,7 @@ back (`agent.handle`). Standard library only, Python 3.8 syntax.
 """
 
 from . import artifact
-from .drafter import DEFAULTS, draft_dir, faking_env, pick_step, read_record, steps, summary, write_record
+from .drafter import DEFAULTS, chain_of, draft_dir, faking_env, pick_step, read_record, steps, summary, write_record
 from .events import AgentError, ControllerGone, event
 from .osutil import now
 from .protocol import HistoryEntry
@@ -76,13 +76,15 @@ def _planned(agent):
     spec = (req.get("server") or {}).get("speculative") or dict(DEFAULTS, args=[])
     base_mgr, _ = agent.base_manager()
     before = base_mgr.current_config()
-    # the chain: the verified drafter serving now, whole (its own `previous` and `server_before`); a pending one
-    # of this run is skipped, so a rollback reaches only verified drafters and the config they served with
-    prev, prev_cfg = (cur, before) if not cur or cur["status"] == "verified" else (cur.get("previous"),
-                                                                                    cur.get("server_before"))
+    # the chain: the verified drafter serving now and every one before it, each whole (`drafter.chain_of`); a
+    # pending one of this run is skipped, so a rollback reaches only verified drafters and the config they served with
+    if not cur or cur["status"] == "verified":
+        prev, prev_cfg, chain = cur, before, chain_of(cur)
+    else:
+        prev, prev_cfg, chain = (cur.get("previous"), cur.get("server_before"), chain_of(cur)[1:])
     rec = dict(want, path=draft_dir(state_dir, want["digest"]), status="pending", run_id=agent.run_id,
-               who=(req.get("holder") or {}).get("who"), deployed_at=now(), speculative=spec, previous=prev,
-               server_before=prev_cfg)
+               who=(req.get("holder") or {}).get("who"), deployed_at=now(), speculative=spec,
+               previous=summary(prev), server_before=prev_cfg, chain=chain)
     cfg = build_server_config(req, None, None, drafter=rec)
     same = None
     if cur and cur["digest"] == want["digest"] and cur["status"] == "verified" and before.get("running") \
@@ -107,7 +109,7 @@ def deploy(agent):
     _history(agent, "drafter-deploy", "restarting with the drafter", rec)
     mgr = manager_for(state_dir, cfg)
     out = {"changed": True, "drafter": summary(rec), "argv": cfg["argv"], "argv_before": before.get("argv"),
-           "previous": summary(rec["previous"])}
+           "previous": rec["previous"]}
     try:
         out["stop"] = mgr.stop()
         mgr.start(cfg)
