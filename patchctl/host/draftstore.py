@@ -12,7 +12,10 @@ a manifest: a send still materialising) is listed as left, never deleted. Bytes 
 and only where every name it has goes (a draft file is a hard link to its object).
 
 `plan` only reads (the dry run); `collect` deletes what `plan` says, under the flock of `drafters/` that a
-receive's materialising takes too. Standard library only, Python 3.8 syntax.
+receive's materialising takes too. A send in flight: its `.part` is held (skipped); an object it completed but
+has not linked into its directory yet is no drafter's and may go, and its materialising (which looks again
+under that flock) then answers it incomplete and the controller sends it again, so no directory is ever made
+of a missing object. Standard library only, Python 3.8 syntax.
 """
 
 import fcntl
