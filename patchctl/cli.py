@@ -20,8 +20,8 @@ from patchctl.core.console import App
 from patchctl.core.errors import PatchctlError
 from patchctl.core.options import CaptureOptions, DeployOptions, DrafterOptions, QueryOptions
 from patchctl.cliargs import (Commands, Parser, add_globals, fraction, hostkeys_args, junit_arg, limit_arg, max_fail_spec,
-                              positive_int, rollout_flags, run_log_flags, run_name_arg, series_arg, size_spec,
-                              tree_or_release)
+                              positive_int, rollback_target, rollout_flags, run_log_flags, run_name_arg, series_arg,
+                              size_spec, tree_or_release)
 
 # command -> (module, function, options). Modules are imported on use so that `patchctl series` does not
 # pay for paramiko, and a missing optional dependency only breaks its own command. A fleet command gets its
@@ -53,6 +53,7 @@ COMMANDS = {
     "drafter bench": ("patchctl.commands.drafter.bench", "run_bench", DrafterOptions),
     "drafter deploy": ("patchctl.commands.drafter.deploy", "run_drafter_deploy", DrafterOptions),
     "drafter rollback": ("patchctl.commands.drafter.deploy", "run_drafter_rollback", DrafterOptions),
+    "drafter gc": ("patchctl.commands.drafter.gc", "run_drafter_gc", DrafterOptions),
 }
 
 
@@ -479,9 +480,14 @@ def _drafter_deploy(cmd: Commands) -> None:
 
 
 def _drafter_rollback(cmd: Commands) -> None:
-    rp = cmd("rollback", "back to the drafter before (or none): its record and the exact server config, proven ready")
-    rp.add_argument("--to", choices=["previous", "none"], default="previous",
-                    help="previous (default): the drafter that served before the last deploy, or none; none: no drafter")
+    rp = cmd("rollback", "back to the drafter before (or none): its record and the exact server config, proven ready",
+             "Back one step of the host's chain of verified drafters: the drafter that served before the last deploy\n"
+             "and the exact server config it served with, restarted and proven ready; run again, the one before it,\n"
+             "and so on back to the config before the first drafter (none). --to goes there in one step.\n"
+             "Exit 0 rolled back (or nothing to roll back); 2 --to names no drafter the chain reaches (it lists them).")
+    rp.add_argument("--to", type=rollback_target, default="previous", metavar="previous|none|DIGEST",
+                    help="previous (default): one step back; none: the config before the first drafter; DIGEST (a "
+                         "unique prefix, 4+ hex digits): that drafter of the chain, with the config it served with")
     rp.add_argument("--pending", action="store_true",
                     help="only an unfinished deploy (recorded pending: cut off before its canary's verdict) is taken "
                          "back; a verified drafter is left as it is (what an aborted drafter deploy prints)")
@@ -491,12 +497,25 @@ def _drafter_rollback(cmd: Commands) -> None:
     run_log_flags(rp)
 
 
+def _drafter_gc(cmd: Commands) -> None:
+    gp = cmd("gc", "free the host's draft store of drafters no server uses and no rollback reaches",
+             "Per host, the draft store (<state_dir>/drafters/: content-addressed objects and the draft directories\n"
+             "linked to them) kept to the drafter serving, every drafter `drafter rollback` can reach, and any a\n"
+             "process names or has open (/proc/PID/cmdline, fd, maps); the other drafters, objects no kept drafter\n"
+             "names and .part files no send is writing are deleted. Only files patchctl created; the rest is listed\n"
+             "as left. Exit 0 done; 3 a host could not be reached; 4 locked by another run (a deploy in progress).")
+    gp.add_argument("--dry-run", action="store_true",
+                    help="list what would be freed, with sizes, and touch nothing (no lock either)")
+    limit_arg(gp)
+    hostkeys_args(gp)
+
+
 def _drafter_command(cmd: Commands) -> None:
     sp = cmd("drafter", "trained EAGLE-3 drafters: check, measure acceptance, deploy with a canary, roll back",
              "Trained EAGLE-3 drafters for the served models: check a draft directory against its target and its\n"
              "training data, and measure the acceptance length each host's server achieves.")
     dcmd = cmd.nested(sp, "drafter_command", "ACTION", "actions", "run `patchctl drafter ACTION --help` for its options")
-    for add in (_drafter_check, _drafter_bench, _drafter_deploy, _drafter_rollback):
+    for add in (_drafter_check, _drafter_bench, _drafter_deploy, _drafter_rollback, _drafter_gc):
         add(dcmd)
 
 

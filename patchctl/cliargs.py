@@ -32,6 +32,17 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+_DIGEST_PREFIX = re.compile(r"[0-9a-f]{4,64}")
+
+
+def rollback_target(text: str) -> str:
+    """`drafter rollback --to`: previous, none, or a drafter's digest (a prefix of 4 or more hex digits)."""
+    t = text.strip().lower()
+    if t in ("previous", "none") or _DIGEST_PREFIX.fullmatch(t):
+        return t
+    raise argparse.ArgumentTypeError(f"{text!r}: expected previous, none or a drafter's digest (4 or more of its hex digits)")
+
+
 def non_negative_int(text: str) -> int:
     if not _COUNT.fullmatch(text.strip()):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 0 or more")

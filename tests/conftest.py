@@ -36,6 +36,8 @@ FAST_LANE = {
     "test_collect_pull.py": {"test_a_pull_cut_mid_file_resumes_without_sending_again_what_arrived"},
     "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},
     "test_capture_regenerate.py": {"test_every_turn_is_the_servers_answer_to_its_regenerated_context"},
+    # the drafter chain on a real sshd host: three deploys, three rollbacks, the unchanged re-deploy's request count
+    "test_drafter_state.py": {"test_three_verified_drafters_then_rollbacks_walk_back_to_none"},
 }
 
 

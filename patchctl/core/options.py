@@ -95,3 +95,4 @@ class DrafterOptions(DeployOptions):
     max_tps_loss: float | None = None  # a fraction: 0.1 = at most 10 % fewer output tokens/s than the baseline
     keep_free: int = 2**30
     pending: bool = False  # rollback --pending: only an unfinished (pending) deploy is taken back
+    dry_run: bool = False  # gc --dry-run: what would be freed, nothing touched

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from . import accept, artifact, capture, convert, drafter_ops, regenerate, served, tokenizer
+from . import accept, artifact, capture, convert, draftstore, drafter_ops, regenerate, served, tokenizer
 from .capture_config import refusals
 from .deploy_ops import DeployOps, _originals
 from .dispatch import HANDLERS, handles
@@ -389,6 +389,17 @@ class Agent(DeployOps):
     def op_drafter_rollback(self):
         return drafter_ops.rollback(self)
 
+    @handles("drafter_gc")
+    def op_drafter_gc(self):
+        """The draft store kept to what serves and what a rollback reaches, the rest deleted (`draftstore`)."""
+        out = draftstore.collect(self.state_dir)
+        self.tree.release(self.run_id)
+        return out
+
+    @handles("drafter_gc_plan")
+    def op_drafter_gc_plan(self):
+        """What `drafter_gc` would keep and free (`draftstore.plan`); reads only."""
+        return draftstore.dry_run(self.state_dir)
 
     @handles("drafter_probe")
     def op_drafter_probe(self):
@@ -452,7 +463,9 @@ def handle(req):
         agent.take_locks()
         result = fn(agent)
     except AgentError as e:
-        if e.kind == "bad_input" and agent.took_lock:  # refused before any change: leave no lock behind
+        # refused before any change (bad input, or an error its raiser marks `refused`): this call's lock goes
+        # with it, whatever the op, so no refusal leaves a lock behind for the next command to break as stale
+        if (e.kind == "bad_input" or e.details.get("refused")) and agent.took_lock:
             agent.tree.release(agent.run_id)
         raise
     result["notes"] = agent.notes

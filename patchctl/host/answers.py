@@ -270,6 +270,18 @@ class DrafterRollbackAnswer(Result):
 
 
 @dataclass
+class DrafterGcAnswer(Result):
+    """`drafter_gc` / `drafter_gc_plan` (host/draftstore.py): what the draft store keeps, frees and leaves."""
+
+    store: str = None
+    dry_run: bool = None
+    kept: list = None  # [{digest, why}]
+    freed: list = None  # [{kind: drafter | object | part, digest, bytes, files}]
+    left: list = None  # [{path, why}]: not patchctl's, never deleted
+    bytes_freed: int = None
+
+
+@dataclass
 class ReadyAnswer(Result):
     ready_seconds: float = None
 

@@ -98,7 +98,7 @@ class DeployOps(object):
         drift = t.drift(m)
         if drift:
             raise AgentError("drift", "files changed since patchctl applied %s %s: %s" % (
-                m.series, m.version, ", ".join(d["path"] for d in drift)), drift=drift)
+                m.series, m.version, ", ".join(d["path"] for d in drift)), drift=drift, refused=True)
         mgr, _ = self.base_manager()
         server_before = mgr.current_config() if self.req.get("restart") else None
         if self.req.get("restart"):
@@ -323,7 +323,7 @@ class DeployOps(object):
             return None, None
         if m.status == "pending" and m.run_id != self.run_id:
             raise AgentError("attention", "an unfinished deploy of %s %s (run %s): files patched, never verified; "
-                             "roll it back first" % (m.series, m.version, m.run_id), pending=True)
+                             "roll it back first" % (m.series, m.version, m.run_id), pending=True, refused=True)
         return m, m.profile and m.profile.to_wire()
 
     @handles("service", check=_check_service)
@@ -500,7 +500,7 @@ class DeployOps(object):
         if drift:
             if not self.req.get("force"):
                 raise AgentError("drift", "files changed by hand since the apply: %s (use --force to save them and roll back)" %
-                                 ", ".join(d["path"] for d in drift), drift=drift)
+                                 ", ".join(d["path"] for d in drift), drift=drift, refused=True)
             saved = os.path.join(t.dir, "handedits", time.strftime("%Y%m%dT%H%M%S"))
             for d in drift:
                 src = os.path.join(t.root, d["path"])
@@ -563,7 +563,11 @@ def _can_restart(mgr):
     the name) refuses the whole step, so the files and the record of what ran before stay as they are."""
     check = getattr(mgr, "check_restartable", None)
     if check:
-        check()
+        try:
+            check()
+        except AgentError as e:
+            e.details["refused"] = True  # nothing changed yet: `agent.handle` gives this call's lock back
+            raise
 
 
 def _originals(m):

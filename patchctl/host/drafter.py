@@ -10,6 +10,11 @@ SGLang 0.5.23 refuses a draft path beside `--enable-return-aux-hidden-states`
 its training data came from), `status` pending (restarted, acceptance not yet measured) or verified (the
 canary measured it and let it through), the acceptance measured, the drafter before it (`previous`) and
 the exact server config in force before the deploy (`server_before`), so a rollback restarts exactly that.
+`chain` is every verified drafter before it, nearest first, each its whole record (its `server_before`
+included) without a chain of its own: a flat list, so the file's nesting stays the same however many
+deploys it records; `steps` walks it (one `drafter rollback` a step) back to the config before the first.
+A record written before the chain (issue 39) holds only a summary as `previous`: its chain ends there, and
+the step after it goes to no drafter on the inventory's server config.
 
 The speculative settings (`[server.speculative]` in the inventory) are checked here, once for both sides:
 the controller refuses them at load (file and line), the agent builds the flags from them.
@@ -120,6 +125,58 @@ def summary(rec):
     keep = ("digest", "source", "data_run", "status", "run_id", "deployed_at", "verified_at", "acceptance", "speculative",
             "path")
     return dict((k, rec.get(k)) for k in keep if rec.get(k) is not None)
+
+
+def _entries(rec):
+    """`rec` and every verified drafter before it, nearest first, each without a chain of its own: from the
+    record's flat `chain`, or (a record without one) by following `previous`."""
+    if rec and "chain" in rec:
+        return [rec] + list(rec["chain"] or [])
+    out, cur = [], rec
+    while cur:
+        out.append(cur)
+        cur = cur.get("previous")
+    return out
+
+
+def chain_of(prev):
+    """The `chain` a record replacing `prev` (the verified drafter serving, or None) keeps: `prev` and every
+    drafter before it, flat (a list: the record's nesting stays the same however long the chain)."""
+    es = _entries(prev)  # only `prev` itself may hold a chain: the entries of one never do
+    return [dict((k, v) for k, v in es[0].items() if k != "chain")] + es[1:] if es else []
+
+
+def steps(rec):
+    """What `drafter rollback`s reach from `rec`, nearest first: [(record restored or None, the server config it
+    served with or None: unknown, the inventory's)]. The last step is always to no drafter. Each record
+    restored carries the chain after it, so walking the restored records gives the same steps."""
+    es = _entries(rec)
+    out = []
+    for i, e in enumerate(es):
+        target = None
+        if i + 1 < len(es):
+            target = dict(es[i + 1])
+            if "chain" in rec:
+                target["chain"] = es[i + 2:]
+        out.append((target, e.get("server_before")))
+    return out
+
+
+def pick_step(rec, to):
+    """The step of `steps(rec)` that `drafter rollback --to TO` goes to: previous, none or a digest (a prefix
+    naming one drafter of the chain; its nearest occurrence). A bad_input naming what is reachable else."""
+    chain = steps(rec)
+    if not chain or to == "previous":
+        return chain[0] if chain else (None, None)
+    if to == "none":
+        return chain[-1]
+    hits = [s for s in chain if s[0] and s[0].get("digest", "").startswith(to)]
+    if len(set(s[0]["digest"] for s in hits)) == 1:
+        return hits[0]
+    reach = "".join("%s (%s), " % (s[0]["digest"][:12], s[0].get("source") or "?") for s in chain if s[0])
+    raise AgentError("bad_input", "drafter rollback --to %s: %s; a rollback here reaches: %snone" % (
+        to, "it names more than one drafter" if hits else "no drafter a rollback reaches here has that digest", reach),
+        reachable=[s[0]["digest"] for s in chain if s[0]])
 
 
 def faking_env(env):

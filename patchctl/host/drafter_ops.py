@@ -1,17 +1,21 @@
 """The host's side of a drafter deploy (`patchctl drafter deploy` / `drafter rollback`), as agent ops.
 
 deploy:   the drafter's files already in the host's store (`artifact`) -> record it (pending) with the
-          server config in force now -> restart with the speculative flags -> ready. A start-up that fails
-          is rolled back in the same command (record and server as before, proven ready).
+          verified drafter before it, whole (the chain), and the server config in force now -> restart with
+          the speculative flags -> ready. A start-up that fails is rolled back in the same command (record and
+          server as before, proven ready). With `check_unchanged` it stops before any change: "unchanged" where
+          this drafter already serves, verified, on the same command line (the controller asks before its
+          baseline, so such a unit costs no request).
 finalize: the canary measured it and let it through: verified, with the acceptance measured.
-rollback: back to the drafter before (or none): its record, the exact server config in force before the
-          deploy, restarted and proven ready.
+rollback: one step back along the chain (`drafter.steps`), or `to` a drafter of it or none: that record and
+          the exact server config it served with, restarted and proven ready.
 The tree's lock is taken as `apply` takes it and kept from deploy to finalize or rollback, so no other
-run changes this server while its acceptance is measured. Standard library only, Python 3.8 syntax.
+run changes this server while its acceptance is measured; a refusal (before anything changed) gives it
+back (`agent.handle`). Standard library only, Python 3.8 syntax.
 """
 
 from . import artifact
-from .drafter import DEFAULTS, draft_dir, faking_env, read_record, summary, write_record
+from .drafter import DEFAULTS, chain_of, draft_dir, faking_env, pick_step, read_record, steps, summary, write_record
 from .events import AgentError, ControllerGone, event
 from .osutil import now
 from .protocol import HistoryEntry
@@ -36,13 +40,14 @@ def _note_cut_off(agent, rec):
 
 
 def _refuse(agent, kind, message, **details):
-    """A refusal before anything changed: the lock this call took is given back (no lock left behind)."""
-    if agent.took_lock:
-        agent.tree.release(agent.run_id)
-    return AgentError(kind, message, **details)
+    """A refusal before anything changed: marked so, `agent.handle` gives back the lock this call took."""
+    details.pop("refused", None)
+    return AgentError(kind, message, refused=True, **details)
 
 
-def deploy(agent):
+def _planned(agent):
+    """Everything a drafter deploy decides before it changes anything: (the record it would write, the config
+    it would start, the config in force now, the answer "unchanged" or None). Refusals raise (no lock left)."""
     req, state_dir = agent.req, agent.state_dir
     agent.recover()
     try:
@@ -69,18 +74,37 @@ def deploy(agent):
         raise AgentError("bad_input", "the server's env sets %s: SGLang would fake its acceptance figures (environ.py), "
                          "so no canary could measure this drafter; remove it from [server] env" % ", ".join(fakes))
     spec = (req.get("server") or {}).get("speculative") or dict(DEFAULTS, args=[])
-    rec = dict(want, path=draft_dir(state_dir, want["digest"]), status="pending", run_id=agent.run_id,
-               who=(req.get("holder") or {}).get("who"), deployed_at=now(), speculative=spec,
-               previous=summary(cur))  # enough of the drafter before to serve and show it again
-    cfg = build_server_config(req, None, None, drafter=rec)
     base_mgr, _ = agent.base_manager()
     before = base_mgr.current_config()
+    # the chain: the verified drafter serving now and every one before it, each whole (`drafter.chain_of`); a
+    # pending one of this run is skipped, so a rollback reaches only verified drafters and the config they served with
+    if not cur or cur["status"] == "verified":
+        prev, prev_cfg, chain = cur, before, chain_of(cur)
+    else:
+        prev, prev_cfg, chain = (cur.get("previous"), cur.get("server_before"), chain_of(cur)[1:])
+    rec = dict(want, path=draft_dir(state_dir, want["digest"]), status="pending", run_id=agent.run_id,
+               who=(req.get("holder") or {}).get("who"), deployed_at=now(), speculative=spec,
+               previous=summary(prev), server_before=prev_cfg, chain=chain)
+    cfg = build_server_config(req, None, None, drafter=rec)
+    same = None
     if cur and cur["digest"] == want["digest"] and cur["status"] == "verified" and before.get("running") \
             and before.get("argv") == cfg["argv"]:
-        agent.tree.release(agent.run_id)
-        return {"changed": False, "note": "already serving this drafter (verified)", "drafter": summary(cur),
+        same = {"changed": False, "note": "already serving this drafter (verified)", "drafter": summary(cur),
                 "argv": cfg["argv"]}
-    rec["server_before"] = before
+    return rec, cfg, before, same
+
+
+def deploy(agent):
+    """Record the drafter (pending) and restart with it, ready; a start-up that fails is rolled back here.
+    With `check_unchanged`: only say whether this host already serves it, verified ("unchanged"), changing
+    nothing, so the controller measures no baseline there."""
+    rec, cfg, before, same = _planned(agent)
+    if same is not None or agent.req.get("check_unchanged"):
+        if agent.took_lock:
+            agent.tree.release(agent.run_id)
+        return same or {"changed": None, "note": "not serving this drafter yet", "argv": cfg["argv"],
+                        "argv_before": before.get("argv")}
+    state_dir, limit = agent.state_dir, agent.req.get("host_name") or "HOST"
     write_record(state_dir, rec)
     _history(agent, "drafter-deploy", "restarting with the drafter", rec)
     mgr = manager_for(state_dir, cfg)
@@ -117,13 +141,15 @@ def finalize(agent):
 
 
 def rollback(agent):
-    """Back to the drafter before (`to` previous, the default) or to none, server proven ready. With `pending`:
-    only an unfinished (pending) deploy is taken back; a verified drafter is left as it is."""
+    """Back one step of the chain (`to` previous, the default), to a drafter of it (`to` a digest or a unique
+    prefix) or to none, with the server config that drafter served with, proven ready. With `pending`: only an
+    unfinished (pending) deploy is taken back; a verified drafter is left as it is."""
     agent.recover()
     rec = read_record(agent.state_dir)
     to = agent.req.get("to") or "previous"
-    if to not in ("previous", "none"):
-        raise AgentError("bad_input", "drafter rollback --to %r: expected previous or none" % to)
+    if to not in ("previous", "none") and not (4 <= len(to) <= 64 and set(to) <= set("0123456789abcdef")):
+        raise AgentError("bad_input", "drafter rollback --to %r: expected previous, none or a drafter's digest "
+                         "(4 or more of its hex digits)" % to)
     if not rec:
         agent.tree.release(agent.run_id)
         return {"changed": False, "note": "no drafter is deployed here"}
@@ -131,6 +157,12 @@ def rollback(agent):
         agent.tree.release(agent.run_id)
         return {"changed": False, "note": "no unfinished drafter deploy here: the drafter %s (%s) is %s; left as it is"
                 % (rec["digest"][:12], rec.get("source"), rec.get("status")), "drafter": summary(rec)}
+    if to not in ("previous", "none") and rec["digest"].startswith(to) and rec.get("status") == "verified" and \
+            not any(t and t.get("digest", "").startswith(to) for t, _ in steps(rec)):
+        agent.tree.release(agent.run_id)
+        return {"changed": False, "note": "the drafter %s already serves here (verified)" % rec["digest"][:12],
+                "drafter": summary(rec)}
+    pick_step(rec, to)  # an unknown or ambiguous digest: refused (bad input) before anything changes
     _note_cut_off(agent, rec)
     out = _back(agent, rec, to, agent.req.get("reason") or "drafter rollback")
     agent.tree.release(agent.run_id)
@@ -138,12 +170,13 @@ def rollback(agent):
 
 
 def _back(agent, rec, to, reason):
-    """Restore the record of the drafter before (or none) and restart the server config in force before
-    `rec`'s deploy (to none: the inventory's server without a drafter); wait until it serves."""
+    """Restore the record `to` names in `rec`'s chain (`host.drafter.pick_step`: previous, none or a digest)
+    and restart the server config that drafter served with (recorded at the deploy that replaced it; unknown
+    for a record written before the chain: the inventory's server, with the drafter); wait until it serves."""
     state_dir = agent.state_dir
-    target = rec.get("previous") if to == "previous" else None
-    if to == "previous" and rec.get("server_before") is not None:
-        cfg = launch_config(rec["server_before"])
+    target, server = pick_step(rec, to)
+    if server is not None:
+        cfg = launch_config(server)
     else:
         _m, profile = agent._deployed()
         cfg = build_server_config(agent.req, profile, None, drafter=target)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 # `from patchctl.host.protocol import X`); the types live in the modules named in the docstring.
 from .answers import (AcceptAnswer, ApplyAnswer, ArtifactProbeAnswer, ArtifactReceiveAnswer,  # noqa: F401
                       CaptureAnswer, CaptureProbeAnswer, ConvertAnswer, ImageAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
-                      DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullRawAnswer,
+                      DrafterGcAnswer, DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullRawAnswer,
                       ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServerSteps, ServiceAnswer,
                       SmokeAnswer, StatusAnswer, StreamedAnswer, TokenizerAnswer, UnlockAnswer)
 from .records import (FORMAT, Change, FileRecord, HistoryEntry, Holder, Journal, Manifest, Meta,  # noqa: F401
@@ -196,10 +196,13 @@ OPS = {
                   streamed=True, answer=CaptureAnswer, probed=CaptureProbeAnswer),
     "regenerate": Op({"in_flight": None, "request_timeout": None, "max_new_tokens": None, "temperature": None},
                      [AGENT_NOW], streamed=True, answer=StreamedAnswer, probed=RegenerateProbeAnswer),
-    "drafter_deploy": Op({"drafter": None, "host_name": None}, _CHANGES, answer=DrafterDeployAnswer),
+    "drafter_deploy": Op({"drafter": None, "host_name": None, "check_unchanged": None}, _CHANGES,
+                         answer=DrafterDeployAnswer),
     "drafter_finalize": Op({"acceptance": None}, [AGENT], answer=DrafterFinalizeAnswer),
     "drafter_rollback": Op({"to": None, "reason": None, "host_name": None, "pending": None}, _CHANGES, answer=DrafterRollbackAnswer),
     "drafter_probe": Op({}, read_only=True, answer=DrafterProbeAnswer),
+    "drafter_gc": Op({}, _CHANGES, answer=DrafterGcAnswer),
+    "drafter_gc_plan": Op({}, read_only=True, answer=DrafterGcAnswer),
     "accept_measure": Op({"prompts": None, "max_new_tokens": None, "concurrency": None, "warmup": None,
                           "request_timeout": None}, read_only=True, answer=AcceptAnswer),
     # a drafter directory as a content-addressed artifact (host/artifact.py); no agent lock: a transfer of

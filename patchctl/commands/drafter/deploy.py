@@ -17,7 +17,8 @@ Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C; 
   gate:     `gate.Gate` -> verified (the acceptance recorded on the host) or rolled back: the drafter
             before (or none) and the exact server config before, restarted and ready.
 
-A unit that already serves this drafter, verified, is left as it is ("unchanged"). One-node units only:
+A unit that already serves this drafter, verified, is left as it is ("unchanged"), said after the send (0
+bytes) and before the baseline: no prompt is measured there. One-node units only:
 a multi-node server's drafter deploy is refused (see docs/design.md "Drafters").
 
 Ctrl-C: the first stops every send at its next MiB (what arrived stays in the host's store, as a `.part` the
@@ -80,6 +81,12 @@ class DrafterUnit:
         if self.run.stopping.is_set():
             return UnitResult(self.names, Outcome.INTERRUPTED, f"stopped by Ctrl-C after the send ({self._sent()}), "
                               f"before the baseline; {NOT_DEPLOYED}")
+        try:  # a host already serving this drafter, verified, is unchanged before a prompt is measured
+            res = s.call("drafter_deploy", drafter=self.ctx["drafter"], host_name=self.name, check_unchanged=True)
+        except PatchctlError as e:
+            return self._failed(e)
+        if res.get("changed") is False:
+            return self._unchanged(res)
         try:
             base = self._measure("baseline")
         except PatchctlError as e:
@@ -99,10 +106,7 @@ class DrafterUnit:
         except PatchctlError as e:
             return self._failed(e)
         if not res.get("changed"):
-            acc = (res.get("drafter") or {}).get("acceptance") or {}
-            last = acc.get("new")
-            return UnitResult(self.names, "unchanged", f"{self._sent()}; " + (res.get("note") or "unchanged")
-                              + (f"; last measured {describe(last)}" if last else ""))
+            return self._unchanged(res)
         try:
             new = self._measure("canary")
         except PatchctlError as e:
@@ -119,6 +123,11 @@ class DrafterUnit:
             return self._failed(e)
         gain = accept_of(new) - accept_of(base)
         return UnitResult(self.names, "deployed", f"{figures} (gain {gain:+.2f}); {self._sent()}", touched=True)
+
+    def _unchanged(self, res: dict) -> UnitResult:
+        last = ((res.get("drafter") or {}).get("acceptance") or {}).get("new")
+        return UnitResult(self.names, "unchanged", f"{self._sent()}; " + (res.get("note") or "unchanged")
+                          + (f"; last measured {describe(last)}" if last else ""))
 
     def _sent(self) -> str:
         r = self.ctx["sent"].get(self.name) or {}
