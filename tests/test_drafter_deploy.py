@@ -157,6 +157,44 @@ def test_bad_draft_directories_are_refused_before_anything_is_sent(fleet, tmp_pa
     assert {h.name: drafters_on(h) for h in f.hosts} == before
 
 
+
+@pytest.mark.parametrize("spec,fragments", [
+    pytest.param({"algorithm": "EAGLE"}, ["algorithm", "'EAGLE'", "spec_aux_hidden_state.py:185",
+                                          "accept length 1.0"], id="eagle-for-an-eagle3-draft"),
+    pytest.param({"algorithm": "NEXTN"}, ["'NEXTN'", "speculative_hook.py:109-116"], id="nextn-alias"),
+    pytest.param({"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 8},
+                 ["num_draft_tokens", "speculative_hook.py:1255-1266", "= 4"], id="topk1-tokens-changed"),
+    pytest.param({"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 9},
+                 ["num_draft_tokens", "eagle_utils.py:110", "at most 7"], id="tree-too-few-candidates"),
+    pytest.param({"args": ["--speculative-draft-attention-backend", "trtllm_mla"]},
+                 ["--speculative-draft-attention-backend", "MHA draft LlamaForCausalLMEagle3", "draft_utils.py:335-345"],
+                 id="mla-only-backend-for-a-llama-draft"),
+    pytest.param({"args": ["--speculative-draft-attention-backend=torch_native"]},
+                 ["torch_native", "builds no draft worker", "draft_utils.py:55-64"], id="no-draft-worker-backend"),
+])
+def test_flags_sglang_accepts_but_that_cannot_work_are_refused_before_a_restart(fleet, spec, fragments):
+    """The inventory's [server.speculative] names a config SGLang 0.5.23 starts and serves wrongly (or changes
+    silently, or fails at its first decode): refused with SGLang's file and line, exit 2, nothing sent,
+    measured or restarted on any host."""
+    f = fleet
+    pids = {h.name: f.server_pid(h) for h in f.hosts}
+    argv = {h.name: f.server_argv(h) for h in f.hosts}
+    stores = {h.name: drafters_on(h) for h in f.hosts}
+    f.write_inventory(server={"speculative": spec})
+    try:
+        p, res = deploy(f, f.good)
+    finally:
+        f.write_inventory()
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    for frag in fragments:
+        assert frag in out, (frag, out)
+    assert not res or all(r["outcome"] == "refused" for r in res.values()), res
+    assert {h.name: f.server_pid(h) for h in f.hosts} == pids
+    assert {h.name: f.server_argv(h) for h in f.hosts} == argv
+    assert {h.name: drafters_on(h) for h in f.hosts} == stores
+    assert '"step": "baseline"' not in p.stdout  # nothing measured either
+
 def test_capture_and_drafter_never_share_a_server(fleet):
     f = fleet
     h1 = f.hosts[1]
