@@ -19,6 +19,7 @@ from __future__ import annotations
 from patchctl.core import canary
 from patchctl.core import prompts as promptsets
 from patchctl.core.console import App, table
+from patchctl.core.drafter import served_from_probe
 from patchctl.core.errors import BadInput
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import HostSession, Run, host_error, worst
@@ -42,6 +43,12 @@ def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW
         r["prompt_digest"] = prompts.digest
         return canary.summarize(r, prompts.categories, prompts.lines, context_length, train_length)
     return canary.summarize(r, [None] * len(bodies), list(range(1, len(bodies) + 1)), context_length, train_length)
+
+
+def served_limit(host: str, probe: dict) -> int | None:
+    """The longest context the host's server serves: its context length (/server_info, else the model's
+    config), else the longest prompt it accepts (/server_info max_req_input_len)."""
+    return served_from_probe(host, probe)["context_length"] or probe.get("max_req_input_len")
 
 
 def canary_words(m: dict) -> list[str]:
@@ -93,7 +100,7 @@ def run_bench(app: App, opts: DrafterOptions) -> int:
                         "code": 3}
             try:
                 r = measure(run.session(h), ps, opts.max_new_tokens, concurrency=opts.concurrency,
-                            request_timeout=opts.request_timeout, context_length=p.get("context_length"))
+                            request_timeout=opts.request_timeout, context_length=served_limit(h.name, p))
             except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
                 return _failed(h.name, e)
             return dict({"host": h.name, "ok": True, "code": 0, "serving": serving(r.get("speculative"))}, **r)

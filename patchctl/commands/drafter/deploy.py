@@ -31,6 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from patchctl.commands.drafter import bench, check
+from patchctl.commands.drafter.bench import served_limit
 from patchctl.commands.drafter.gate import Gate, accept_of, describe, describe_categories
 from patchctl.core import artifact, drafter
 from patchctl.core import prompts as promptsets
@@ -237,7 +238,8 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
                 ctx["not_sent"][r["host"]] = ("needs attention", f"nothing sent: {r['error']}")
                 continue
             ctx["not_sent"][r["host"]] = ((host_error(e)[0] if e else "unknown"), f"not probed: {r['error']}")
-    ctx["probes"].update({r["host"]: r["probe"] for r in rows if r.get("probe")})
+    ctx["probes"].update({r["host"]: {"context_length": served_limit(r["host"], r["probe"])} for r in rows
+                          if r.get("probe")})
     bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in rows if r.get("probe")})
     if bad:
         raise BadInput("the draft does not fit what the hosts serve:\n  " + "\n  ".join(bad) + "\nnothing sent")
