@@ -469,6 +469,12 @@ def _drafter_deploy(cmd: Commands) -> None:
                     help="the new arm's acceptance length must be at least X (default 1.5)")
     dp.add_argument("--min-gain", type=float, default=0.0, metavar="X",
                     help="... and at least the baseline's + X (default 0: never less than what serves)")
+    dp.add_argument("--min-category-gain", type=float, default=0.0, metavar="X",
+                    help="... and, for each category of the prompt set, at least that category's baseline + X (default "
+                         "0: no category below what serves; negative relaxes it)")
+    dp.add_argument("--max-loop-share", type=fraction, default=0.5, metavar="P%",
+                    help="... and at most P%% of the speculative gain from completions that degenerate into a loop "
+                         "(default 50%%)")
     dp.add_argument("--max-tps-loss", type=fraction, default=None, metavar="P%",
                     help="... and output tokens/s at most P%% below the baseline's (default: not checked)")
     dp.add_argument("--keep-free", type=size_spec, default=2**30, metavar="SIZE",

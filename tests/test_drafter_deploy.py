@@ -157,6 +157,44 @@ def test_bad_draft_directories_are_refused_before_anything_is_sent(fleet, tmp_pa
     assert {h.name: drafters_on(h) for h in f.hosts} == before
 
 
+
+@pytest.mark.parametrize("spec,fragments", [
+    pytest.param({"algorithm": "EAGLE"}, ["algorithm", "'EAGLE'", "spec_aux_hidden_state.py:185",
+                                          "accept length 1.0"], id="eagle-for-an-eagle3-draft"),
+    pytest.param({"algorithm": "NEXTN"}, ["'NEXTN'", "speculative_hook.py:109-116"], id="nextn-alias"),
+    pytest.param({"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 8},
+                 ["num_draft_tokens", "speculative_hook.py:1255-1266", "= 4"], id="topk1-tokens-changed"),
+    pytest.param({"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 9},
+                 ["num_draft_tokens", "eagle_utils.py:110", "at most 7"], id="tree-too-few-candidates"),
+    pytest.param({"args": ["--speculative-draft-attention-backend", "trtllm_mla"]},
+                 ["--speculative-draft-attention-backend", "MHA draft LlamaForCausalLMEagle3", "draft_utils.py:335-345"],
+                 id="mla-only-backend-for-a-llama-draft"),
+    pytest.param({"args": ["--speculative-draft-attention-backend=torch_native"]},
+                 ["torch_native", "builds no draft worker", "draft_utils.py:55-64"], id="no-draft-worker-backend"),
+])
+def test_flags_sglang_accepts_but_that_cannot_work_are_refused_before_a_restart(fleet, spec, fragments):
+    """The inventory's [server.speculative] names a config SGLang 0.5.23 starts and serves wrongly (or changes
+    silently, or fails at its first decode): refused with SGLang's file and line, exit 2, nothing sent,
+    measured or restarted on any host."""
+    f = fleet
+    pids = {h.name: f.server_pid(h) for h in f.hosts}
+    argv = {h.name: f.server_argv(h) for h in f.hosts}
+    stores = {h.name: drafters_on(h) for h in f.hosts}
+    f.write_inventory(server={"speculative": spec})
+    try:
+        p, res = deploy(f, f.good)
+    finally:
+        f.write_inventory()
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out
+    for frag in fragments:
+        assert frag in out, (frag, out)
+    assert not res or all(r["outcome"] == "refused" for r in res.values()), res
+    assert {h.name: f.server_pid(h) for h in f.hosts} == pids
+    assert {h.name: f.server_argv(h) for h in f.hosts} == argv
+    assert {h.name: drafters_on(h) for h in f.hosts} == stores
+    assert '"step": "baseline"' not in p.stdout  # nothing measured either
+
 def test_capture_and_drafter_never_share_a_server(fleet):
     f = fleet
     h1 = f.hosts[1]
@@ -439,3 +477,100 @@ def test_every_command_patchctl_printed_in_this_module_parses(fleet):
             if e.code:
                 bad.append(f"{shlex.join(argv)}: {err.getvalue().strip().splitlines()[-1:]}")
     assert not bad, "\n".join(bad)
+
+
+# --- canaries that cannot be fooled (issue 39 item 4) ----------------------------------------------------------
+
+WRONG = (400, 512)  # the tokens the regressing drafter never proposes
+
+
+def greedy_next(model_dir) -> list[int]:
+    """The stand-in's greedy next token after each token (its next token depends on the last token only)."""
+    import torch
+
+    from patchctl.simserver.model import TinyModel
+
+    m = TinyModel(8, 64, 512, None, model_dir=model_dir)
+    _, _, logits = m.forward(torch.arange(512), torch.arange(512))
+    return logits.argmax(-1).tolist()
+
+
+def blind_to(good, dest, rows):
+    """The fitted drafter with its head's rows for tokens [lo, hi) negated: the same drafter everywhere else,
+    and never proposing those tokens (a drafter that regresses on one kind of traffic)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(good, dest)
+    t = load_file(str(dest / "model.safetensors"))
+    t["lm_head.weight"][rows[0]:rows[1]] *= -1
+    save_file(t, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def category_prompts(f, path):
+    """chat prompts ending on tokens whose completion stays below WRONG, code prompts on tokens inside it."""
+    nxt = greedy_next(f.hosts[0].dir / "model")
+    stay = [t for t in range(3, 512) if nxt[t] == t]  # the completion repeats the prompt's last token
+    chat = [t for t in stay if t < WRONG[0]][:4]
+    code = [t for t in stay if t >= WRONG[0]][:2]
+    assert len(chat) == 4 and len(code) == 2, (chat, code)
+    lines = [{"input_ids": [(5 * i + j) % 290 + 3 for j in range(11)] + [t], "category": cat}
+             for cat, toks in (("chat", chat), ("code", code)) for i, t in enumerate(toks)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_a_drafter_that_regresses_on_one_category_is_rolled_back(fleet):
+    """About as good on chat, far worse on code: the whole set's acceptance is let through (--min-gain -5 takes
+    the overall rule out of the way; --min-category-gain -0.5 lets chat's small loss pass), the code
+    category's is not: rolled back to the drafter before, proven serving."""
+    f = fleet
+    h0 = f.hosts[0]
+    prompts = category_prompts(f, f.base / "categories.jsonl")
+    wrong = blind_to(f.good, f.base / "blind-on-code", WRONG)
+    p = f.patchctl("--json", "drafter", "deploy", str(f.good), "--prompts", str(prompts), "--max-new-tokens", "24",
+                   "--limit", h0.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    before, good_argv = status(f)[h0.name]["drafter"], f.server_argv(h0)
+    p = f.patchctl("--json", "drafter", "deploy", str(wrong), "--prompts", str(prompts), "--max-new-tokens", "24",
+                   "--limit", h0.name, "--min-gain", "-5", "--min-accept-length", "1", "--min-category-gain", "-0.5")
+    res = {e["host"]: e for e in map(json.loads, filter(str.strip, p.stdout.splitlines()))
+           if e.get("event") == "host_result"}
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = res[h0.name]
+    assert r["outcome"] == "failed, rolled back (verified)", r
+    m = re.search(r"category code: acceptance length (\d\.\d\d) < the baseline's (\d\.\d\d) \+ --min-category-gain -0.5 "
+                  r"\(2 prompts\)", r["message"])
+    assert m and float(m.group(1)) < float(m.group(2)) - 0.5, r["message"]
+    # chat lost a little (the head's change), within the -0.5 the flag allows: not named
+    assert "category chat" not in r["message"].split("(baseline")[0], r["message"]
+    assert "per category: chat " in r["message"] and ", code " in r["message"], r["message"]
+    assert f.server_argv(h0) == good_argv and f.healthy(h0)
+    after = status(f)[h0.name]["drafter"]
+    assert after["digest"] == before["digest"] and after["status"] == "verified"
+    # the length distribution is reported, and a canary of 12-token prompts says it covers no long length
+    assert "prompts 12/12/12 tokens (min/median/max), context " in r["message"], r["message"]
+    assert "covers none of the long lengths" in p.stdout + p.stderr
+
+
+def test_a_canary_of_looping_completions_is_refused(fleet):
+    """The stand-in's own outputs loop (its tokenizer-less model repeats a prompt's last token): with
+    completions of 64 tokens every one is a period-1 loop, a drafter predicts them all, and the gate refuses
+    a canary whose gain is all loops; rolled back, proven serving."""
+    f = fleet
+    h0 = f.hosts[0]
+    other = fit_good_draft(f.base / "good-2", target_model_dir=h0.dir / "model", layer_ids=IDS, seed=5)
+    p = f.patchctl("--json", "drafter", "deploy", str(f.good), "--prompts", str(f.prompts), "--max-new-tokens", "24",
+                   "--limit", h0.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    good_argv = f.server_argv(h0)
+    p, res = deploy(f, other, "--limit", h0.name, "--max-new-tokens", "64", "--min-gain", "-5")
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = res[h0.name]
+    assert r["outcome"] == "failed, rolled back (verified)", r
+    assert re.search(r"6 of 6 completions degenerate into a loop \(period 1; prompts at lines 1, 2, 3, 4, 5, \.\.\.\) "
+                     r"and give 100% of the speculative gain \(> --max-loop-share 50%\)", r["message"]), r["message"]
+    assert f.server_argv(h0) == good_argv and f.healthy(h0)
+    assert status(f)[h0.name]["drafter"]["status"] == "verified"

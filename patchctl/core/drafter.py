@@ -292,6 +292,7 @@ def read_data(dir) -> dict:
         ds = {}
     meta = datasetmeta.read(ds["path"], ds.get("sha256")) if ds.get("path") and os.path.isfile(ds["path"]) else None
     if meta:
+        out.update(train_length=meta.get("max_length"))  # capture prepare --max-length: the longest sample trained on
         out.update(tokenizer=(meta.get("tokenizer") or {}).get("digest"), template=meta.get("template"),
                    tokenizer_source=str(datasetmeta.meta_path(ds["path"])))
     else:

@@ -92,6 +92,8 @@ class DrafterOptions(DeployOptions):
     request_timeout: int = 600
     min_accept_length: float = 1.5
     min_gain: float = 0.0
+    min_category_gain: float = 0.0  # each category of the prompt set: at least its baseline + this
+    max_loop_share: float = 0.5  # at most this share of the speculative gain from looping completions
     max_tps_loss: float | None = None  # a fraction: 0.1 = at most 10 % fewer output tokens/s than the baseline
     keep_free: int = 2**30
     pending: bool = False  # rollback --pending: only an unfinished (pending) deploy is taken back

@@ -9,6 +9,10 @@ JSONL, one prompt a line (blank lines skipped), each one of:
     {"messages": [{"role", "content"}, ...]}      OpenAI: a conversation (e.g. a held-out part of a
                                          `capture regenerate` output)
 
+Any of them may carry `"category": "chat"` (a name up to 64 characters: chat, math, code, ..., as SpecForge's
+benchmarks group their prompts): the canary reports and gates each category as well as the whole set
+(commands/drafter/gate.py); a prompt without one is in no category (counted in the whole set only).
+
 A conversation's prompt is its turns up to its last assistant turn (that turn is what the model is asked to
 produce; a conversation with no assistant turn is used whole), rendered as the server renders a chat
 request: the served tokenizer's chat template with the generation prompt, tokenized without special tokens
@@ -45,6 +49,12 @@ class PromptSet:
     lines: list  # the file's line number of each prompt
     kinds: dict = field(default_factory=dict)  # input_ids / text / conversation -> count
     tokenizer: str | None = None  # the digest of the tokenizer conversations were rendered with
+    categories: list = field(default_factory=list)  # each prompt's category, or None
+
+    @property
+    def category_names(self) -> list:
+        """The categories the set names, in order of first appearance."""
+        return list(dict.fromkeys(c for c in self.categories if c is not None))
 
     @property
     def digest(self) -> str:
@@ -86,6 +96,10 @@ def _one(obj) -> tuple[str | None, object, str | None]:
     if len(keys) != 1:
         return None, None, ("none of input_ids, text, conversations, messages" if not keys
                             else f"both {' and '.join(keys)}; expected exactly one")
+    cat = obj.get("category")
+    if "category" in obj and (not isinstance(cat, str) or not cat.strip() or len(cat) > 64
+                              or any(ord(ch) < 32 for ch in cat)):
+        return None, None, f"category {cat!r:.70}: expected a name (a non-empty string of at most 64 characters)"
     k = keys[0]
     v = obj[k]
     if k == "input_ids":
@@ -125,17 +139,17 @@ def load_prompts(path, tokenizer_dir=None, vocab_size: int | None = None) -> Pro
         elif kind == "input_ids" and vocab_size and max(value) >= vocab_size:
             problems.append((n, f"token id {max(value)} >= vocab_size {vocab_size} of the served model"))
         else:
-            items.append((n, kind, value))
+            items.append((n, kind, value, obj.get("category")))
     if not items and not problems:
         problems.append((1, "no prompt in the file"))
-    if any(k == "conversation" for _, k, _ in items) and tokenizer_dir is None:
-        first = next(n for n, k, _ in items if k == "conversation")
+    if any(k == "conversation" for _, k, _, _ in items) and tokenizer_dir is None:
+        first = next(n for n, k, _, _ in items if k == "conversation")
         problems.append((first, "a conversation: its prompt is rendered with the served model's chat template, so "
                                 "give --tokenizer DIR (the served tokenizer's files)"))
     _raise(p, problems)
     ps = PromptSet(p, sha256_bytes(raw), [], [])
     render = _renderer(tokenizer_dir, ps) if tokenizer_dir is not None else None
-    for n, kind, value in items:
+    for n, kind, value, cat in items:
         ps.kinds[kind] = ps.kinds.get(kind, 0) + 1
         if kind == "conversation":
             try:
@@ -146,6 +160,7 @@ def load_prompts(path, tokenizer_dir=None, vocab_size: int | None = None) -> Pro
             kind = "input_ids"
         ps.prompts.append({kind: value})
         ps.lines.append(n)
+        ps.categories.append(cat)
     _raise(p, problems)
     return ps
 

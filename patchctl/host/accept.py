@@ -13,6 +13,10 @@ sum(spec_num_correct_drafts) / sum(spec_num_proposed_drafts). Without speculatio
 field: acceptance is None ("off"), never invented. /server_info's internal_states avg_spec_accept_length
 (per DP rank, lifetime, refreshed every 40 decode steps) is read before and after, for the record only.
 
+Per request the op also answers its prompt and completion tokens, spec_verify_ct and whether the completion
+degenerated into a loop (`loop_of`, judged on /generate's `output_ids`), in prompt order ("per_request"): the
+controller groups them by the prompt set's categories and gates on them (commands/drafter/gate.py).
+
 Requests go to the server bound to the host's loopback, from worker threads; the op's own thread waits
 and beats, so the controller sees a live agent through minutes of generation. Standard library only.
 """
@@ -28,6 +32,40 @@ from .served import avg_accept_lengths, simulated_acceptance
 DEFAULT_CONCURRENCY = 1  # specforge benchmark --concurrency
 DEFAULT_MAX_NEW_TOKENS = 2048  # specforge benchmark --max-new-tokens
 SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 1}  # specforge benchmark's defaults: greedy
+# A completion degenerates into a loop when its last LOOP_MIN_TOKENS tokens or more are one block of at most
+# LOOP_MAX_PERIOD tokens repeated (token i equals token i - period throughout): at least two full periods,
+# 32 tokens. A shorter completion is not judged.
+LOOP_MAX_PERIOD = 16
+LOOP_MIN_TOKENS = 32
+
+
+def loop_of(ids):
+    """{"period", "tokens", "start"} of the repeated tail of `ids` (the smallest period; `tokens` counts the
+    whole looping tail, its first period included; `start` its index), or None: no loop of at least
+    LOOP_MIN_TOKENS tokens with a period of at most LOOP_MAX_PERIOD."""
+    n = len(ids)
+    for p in range(1, LOOP_MAX_PERIOD + 1):
+        if n < max(LOOP_MIN_TOKENS, 2 * p):
+            break
+        i = n - 1
+        while i - p >= 0 and ids[i] == ids[i - p]:
+            i -= 1
+        start = i - p + 1  # ids[start:] repeats its first p tokens
+        if n - start >= LOOP_MIN_TOKENS and n - start >= 2 * p:
+            return {"period": p, "tokens": n - start, "start": start}
+    return None
+
+
+def per_request(answers):
+    """The per-request rows of (meta_info, output_ids) answers: tokens, verify steps, loop (or None)."""
+    rows = []
+    for meta, ids in answers:
+        v = meta.get("spec_verify_ct")
+        rows.append({"prompt_tokens": int(meta.get("prompt_tokens") or 0),
+                     "completion_tokens": int(meta.get("completion_tokens") or 0),
+                     "verify_ct": None if v is None else int(v),
+                     "loop": loop_of(ids) if isinstance(ids, list) else None})
+    return rows
 
 
 def aggregate(metas, seconds):
@@ -76,7 +114,7 @@ class Measure(object):
         status, res = http_once(self.cfg["host"], self.cfg["port"], "POST", "/generate", self.body(prompt), self.timeout)
         if status != 200 or not isinstance(res, dict):
             raise AgentError("failed", "POST /generate answered HTTP %s: %s" % (status, str(res)[:300]))
-        return res.get("meta_info") or {}
+        return res.get("meta_info") or {}, res.get("output_ids")
 
     def run(self):
         fake = simulated_acceptance(self.env)
@@ -92,17 +130,18 @@ class Measure(object):
         try:
             self.gather(pool, [self.prompts[i % len(self.prompts)] for i in range(self.warmup)], "warm-up")
             t0 = time.time()
-            metas = self.gather(pool, self.prompts, "measure")
+            answers = self.gather(pool, self.prompts, "measure")
             seconds = time.time() - t0
         finally:  # a failure or a gone controller does not wait for the requests still in flight
             pool.shutdown(wait=False)
-        out = aggregate(metas, seconds)
+        out = aggregate([m for m, _ in answers], seconds)
+        out["per_request"] = per_request(answers)
         out.update(max_new_tokens=self.max_new, concurrency=self.concurrency, warmup=self.warmup, flush=flush,
                    server_accept_before=before, server_accept_after=self.server_figures())
         return out
 
     def gather(self, pool, prompts, step):
-        """Every prompt's meta_info, in order; the first failure ends the measurement (nothing half-counted)."""
+        """Every prompt's (meta_info, output_ids), in order; the first failure ends the measurement (nothing half-counted)."""
         futures = [pool.submit(self.post, p) for p in prompts]
         pending = set(futures)
         try:

@@ -349,6 +349,7 @@ class AcceptAnswer(Result):
     flush: str = None
     server_accept_before: list = None
     server_accept_after: list = None
+    per_request: list = None  # in prompt order: prompt/completion tokens, verify_ct, loop (accept.per_request)
     speculative: dict = None
     env: dict = None
     hostname: str = None

@@ -40,6 +40,33 @@ MANAGED_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path", "-
 FAKING_ENV = ("SGLANG_SIMULATE_ACC_LEN",)
 STATES = ("pending", "verified")
 
+# Where SGLang 0.5.23 decides what the refusals below name (paths under sglang/srt/ of the 0.5.23 wheel)
+SG = {
+    "eagle3_aux": "model_executor/model_runner_components/spec_aux_hidden_state.py:185 (`if spec_algorithm.is_eagle3(): "
+                  "config.eagle_use_aux_hidden_state = True`)",
+    "nextn_alias": "arg_groups/speculative_hook.py:109-116 (NEXTN and EAGLE resolve to EAGLE)",
+    "steps_assert": "arg_groups/speculative_hook.py:1159-1163",
+    "topk1_tokens": "arg_groups/speculative_hook.py:1255-1266",
+    "tree_topk": "speculative/eagle_utils.py:110",
+    "trtllm_mha_topk": "arg_groups/speculative_hook.py:1176-1180",
+    "page_tree": "arg_groups/speculative_hook.py:1271-1283",
+    "draft_backend": "speculative/draft_utils.py:55-64 (the draft runs --speculative-draft-attention-backend, else the "
+                     "target's prefill/decode attention backend; one not in its table is a ValueError at start)",
+    "mla_only": "speculative/draft_utils.py:335-345, 358-362, 378-382, 512-516, 532-538",
+    "mha_only": "speculative/draft_utils.py:346-357, 504-511 (layers/attention/trtllm_mha_backend.py has no MLA path)",
+}
+WHY_EAGLE3 = ("an EAGLE-3 draft (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM) is fed the target's aux hidden "
+              "states, and SGLang 0.5.23 captures them only for EAGLE3 (%s; %s): with EAGLE or NEXTN the draft loads, "
+              "serves without an error and accepts nothing (accept length 1.0)" % (SG["eagle3_aux"], SG["nextn_alias"]))
+# the attention backends speculative/draft_utils.py:96-143 builds a draft worker on
+DRAFT_BACKENDS = ("flashinfer", "triton", "intel_amx", "intel_xpu", "aiter", "fa3", "hybrid_linear_attn", "flashmla",
+                  "trtllm_mha", "trtllm_mla", "cutedsl_mla", "dsa", "nsa", "ascend", "fa4", "dsv4")
+MLA_ONLY_BACKENDS = ("flashmla", "trtllm_mla", "cutedsl_mla")
+MHA_ONLY_BACKENDS = ("trtllm_mha",)
+MLA_DRAFTS = ("Eagle3DeepseekV2ForCausalLM",)
+PAGE_TREE_BACKENDS = ("flashinfer", "fa3", "triton")
+BACKEND_FLAGS = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
+
 
 def accept_of(m):
     """A measured arm's acceptance length: SGLang's figure, or 1.0 for a server that does not speculate."""
@@ -55,7 +82,8 @@ def check_speculative(table):
             problems.append((k, "unknown key; expected one of: %s" % ", ".join(KEYS)))
         elif k == "algorithm":
             if v not in ALGORITHMS:
-                problems.append((k, "%r: patchctl deploys EAGLE-3 drafters (expected %s)" % (v, " or ".join(ALGORITHMS))))
+                problems.append((k, "%r: patchctl deploys EAGLE-3 drafters (expected %s): %s" % (
+                    v, " or ".join(ALGORITHMS), WHY_EAGLE3)))
             out[k] = v
         elif k == "args":
             if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -71,17 +99,80 @@ def check_speculative(table):
             out[k] = v
     given = set((table or {}).keys())
     if given & set(("eagle_topk", "num_draft_tokens")) and "num_steps" not in given:
-        # arg_groups/speculative_hook.py:1159-1163 asserts exactly this
         problems.append(("num_steps", "SGLang 0.5.23 refuses eagle_topk or num_draft_tokens without num_steps "
-                                      "(arg_groups/speculative_hook.py)"))
-    elif not problems and out["eagle_topk"] == 1 and out["num_draft_tokens"] != out["num_steps"] + 1:
-        problems.append(("num_draft_tokens", "%d: with eagle_topk 1 SGLang 0.5.23 sets num_draft_tokens to num_steps "
-                                             "+ 1 = %d (arg_groups/speculative_hook.py); set that"
-                                             % (out["num_draft_tokens"], out["num_steps"] + 1)))
-    elif not problems and out["num_draft_tokens"] > out["num_steps"] * out["eagle_topk"] + 1:
-        problems.append(("num_draft_tokens", "%d: more than num_steps x eagle_topk + 1 = %d draft tokens can be proposed"
-                                             % (out["num_draft_tokens"], out["num_steps"] * out["eagle_topk"] + 1)))
+                                      "(a bare assert: %s)" % SG["steps_assert"]))
+    elif not problems:
+        problems += _combination(out)
     return out, problems
+
+
+def _combination(s):
+    """[(key, problem)] for the steps / top-k / draft-token combinations SGLang 0.5.23 changes or cannot run."""
+    steps, topk, ntok = s["num_steps"], s["eagle_topk"], s["num_draft_tokens"]
+    if topk == 1 and ntok != steps + 1:
+        return [("num_draft_tokens", "%d: with eagle_topk 1 SGLang 0.5.23 sets num_draft_tokens to num_steps + 1 = %d "
+                                     "with only a log warning (%s), so the canary would measure another config than "
+                                     "the inventory names; set that" % (ntok, steps + 1, SG["topk1_tokens"]))]
+    most = topk + (steps - 1) * topk * topk + 1  # the tree's candidates plus the verified root
+    if ntok > most:
+        return [("num_draft_tokens", "%d: the draft tree of num_steps %d, eagle_topk %d has %d candidates, so at most %d "
+                                     "draft tokens; SGLang 0.5.23 picks num_draft_tokens - 1 of them with torch.topk "
+                                     "(%s), which fails at the first decode" % (ntok, steps, topk, most - 1, most,
+                                                                               SG["tree_topk"]))]
+    return []
+
+
+def flag_values(words):
+    """{flag: last value} of a command line's `--flag value` and `--flag=value` words."""
+    out = {}
+    for i, w in enumerate(words):
+        if w.startswith("--"):
+            if "=" in w:
+                k, v = w.split("=", 1)
+                out[k] = v
+            elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+                out[w] = words[i + 1]
+    return out
+
+
+def launch_problems(settings, command_words, draft_arch):
+    """[(flag, problem)]: what the server command (`command_words`, the inventory's `command` split plus
+    `[server.speculative] args`) and the settings would start that SGLang 0.5.23 refuses at start, or starts
+    and serves wrongly, for a draft of architecture `draft_arch`. Only what the words name is judged: a backend
+    SGLang picks itself (none given) is not known here."""
+    s = settings or DEFAULTS
+    f = flag_values(list(command_words or []) + list(s.get("args") or []))
+    out = []
+    if s.get("algorithm", "EAGLE3") != "EAGLE3" and draft_arch:
+        out.append(("--speculative-algorithm", "%s for a %s draft: %s" % (s.get("algorithm"), draft_arch, WHY_EAGLE3)))
+    target = [f[k] for k in BACKEND_FLAGS if k in f]
+    explicit = f.get("--speculative-draft-attention-backend")
+    topk = s.get("eagle_topk", 1)
+    if "trtllm_mha" in target and topk > 1:
+        out.append(("--attention-backend", "trtllm_mha with eagle_topk %d: SGLang 0.5.23 refuses it (\"trtllm_mha backend "
+                                           "only supports topk = 1\", %s)" % (topk, SG["trtllm_mha_topk"])))
+    page = f.get("--page-size")
+    main = f.get("--attention-backend")
+    if topk > 1 and page and page.isdigit() and int(page) > 1 and main and main not in PAGE_TREE_BACKENDS:
+        out.append(("--page-size", "%s with eagle_topk %d on attention backend %s: SGLang 0.5.23 refuses it (only %s "
+                                   "draft a tree over pages, %s)" % (page, topk, main, ", ".join(PAGE_TREE_BACKENDS),
+                                                                      SG["page_tree"])))
+    for b in ([explicit] if explicit else sorted(set(target))):
+        how = "--speculative-draft-attention-backend %s" % b if explicit else "the target's attention backend %s (no " \
+              "--speculative-draft-attention-backend given, so the draft inherits it)" % b
+        flag = "--speculative-draft-attention-backend"
+        if b not in DRAFT_BACKENDS:
+            out.append((flag, "%s: SGLang 0.5.23 builds no draft worker on it (%s)" % (how, SG["draft_backend"])))
+        elif draft_arch in MLA_DRAFTS and b in MHA_ONLY_BACKENDS:
+            out.append((flag, "%s for the MLA draft %s: the draft's KV cache is MLA-shaped and SGLang 0.5.23 runs it "
+                              "through an MHA-only backend (%s; %s); give --speculative-draft-attention-backend fa3, "
+                              "flashinfer or triton in [server.speculative] args" % (how, draft_arch, SG["mha_only"],
+                                                                                     SG["draft_backend"])))
+        elif draft_arch and draft_arch not in MLA_DRAFTS and b in MLA_ONLY_BACKENDS:
+            out.append((flag, "%s for the MHA draft %s: SGLang 0.5.23 builds an MLA-only draft backend (%s), which "
+                              "refuses or misreads an MHA draft; give --speculative-draft-attention-backend fa3, "
+                              "flashinfer or triton in [server.speculative] args" % (how, draft_arch, SG["mla_only"])))
+    return out
 
 
 def speculative_args(settings, draft_path):

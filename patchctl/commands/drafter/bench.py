@@ -16,8 +16,10 @@ sent there; 3: a host could not be reached.
 
 from __future__ import annotations
 
+from patchctl.core import canary
 from patchctl.core import prompts as promptsets
 from patchctl.core.console import App, table
+from patchctl.core.drafter import served_from_probe
 from patchctl.core.errors import BadInput
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import HostSession, Run, host_error, worst
@@ -25,10 +27,13 @@ from patchctl.host.accept import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 
 
 def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-            concurrency: int = DEFAULT_CONCURRENCY, request_timeout: int = 600) -> dict:
+            concurrency: int = DEFAULT_CONCURRENCY, request_timeout: int = 600, context_length: int | None = None,
+            train_length: int | None = None) -> dict:
     """One host's figures on `prompts` (a core.prompts.PromptSet, or a list of {"input_ids"} / {"text"} bodies):
     the AcceptAnswer's fields (accept_length = sum(completion_tokens) / sum(spec_verify_ct), None without
-    speculation; accept_length_mean; tokens_per_s; requests; ...) plus "prompt_digest" where known. Raises the
+    speculation; accept_length_mean; tokens_per_s; requests; ...) plus "prompt_digest" where known and, from
+    the per-request rows (summarized, then dropped: core/canary.py), "categories", "loops" and "lengths"
+    (against `context_length` and the draft's `train_length` when given). Raises the
     agent's failure (AgentFailure: bad_input for SGLANG_SIMULATE_ACC_LEN, failed for a failed request)."""
     bodies = prompts.prompts if isinstance(prompts, promptsets.PromptSet) else list(prompts)
     r = session.call("accept_measure", prompts=bodies, max_new_tokens=int(max_new_tokens),
@@ -36,7 +41,34 @@ def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW
     r = {k: v for k, v in r.items() if k != "notes"}
     if isinstance(prompts, promptsets.PromptSet):
         r["prompt_digest"] = prompts.digest
-    return r
+        return canary.summarize(r, prompts.categories, prompts.lines, context_length, train_length)
+    return canary.summarize(r, [None] * len(bodies), list(range(1, len(bodies) + 1)), context_length, train_length)
+
+
+def served_limit(host: str, probe: dict) -> int | None:
+    """The longest context the host's server serves: its context length (/server_info, else the model's
+    config), else the longest prompt it accepts (/server_info max_req_input_len)."""
+    return served_from_probe(host, probe)["context_length"] or probe.get("max_req_input_len")
+
+
+def canary_words(m: dict) -> list[str]:
+    """What a measurement says beyond its acceptance: per category, loops, lengths (and their warning)."""
+    from patchctl.commands.drafter.gate import describe_categories
+
+    out = []
+    if m.get("categories"):
+        out.append(f"per category: {describe_categories(m)}")
+    lp = m.get("loops") or {}
+    if lp.get("requests"):
+        share = lp.get("gain_share")
+        out.append(f"{lp['requests']} of {lp['of']} completions loop (period {', '.join(map(str, lp['periods']))}; "
+                   f"prompt lines {', '.join(map(str, lp['lines']))})"
+                   + (f", {share:.0%} of the speculative gain" if share is not None else ""))
+    if m.get("lengths"):
+        out.append(canary.describe_lengths(m["lengths"]))
+        if m["lengths"].get("long_gap"):
+            out.append("warning: " + m["lengths"]["long_gap"])
+    return out
 
 
 def tokenizer_dir(app: App, opts: DrafterOptions):
@@ -68,7 +100,7 @@ def run_bench(app: App, opts: DrafterOptions) -> int:
                         "code": 3}
             try:
                 r = measure(run.session(h), ps, opts.max_new_tokens, concurrency=opts.concurrency,
-                            request_timeout=opts.request_timeout)
+                            request_timeout=opts.request_timeout, context_length=served_limit(h.name, p))
             except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
                 return _failed(h.name, e)
             return dict({"host": h.name, "ok": True, "code": 0, "serving": serving(r.get("speculative"))}, **r)
@@ -79,6 +111,9 @@ def run_bench(app: App, opts: DrafterOptions) -> int:
     for r in rows:
         if not r["ok"]:
             app.info(f"{r['host']}: {r['outcome']}: {r['error']}")
+        else:
+            for words in canary_words(r):
+                app.info(f"{r['host']}: {words}")
     out = {"prompts": {"path": str(ps.path), "sha256": ps.sha256, "digest": ps.digest, "count": len(ps.prompts),
                        "kinds": ps.kinds, "tokenizer": ps.tokenizer},
            "max_new_tokens": opts.max_new_tokens, "concurrency": opts.concurrency, "hosts": rows}

@@ -17,6 +17,7 @@ from patchctl.core import drafter, drafter_mla
 from patchctl.core.console import App, table
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import Run, host_error, worst
+from patchctl.host.drafter import launch_problems
 from patchctl.host.protocol import EXIT_BAD_INPUT
 
 
@@ -49,9 +50,34 @@ def _against_hosts(app: App, opts: DrafterOptions, facts, data, local) -> list[d
         run.close()
 
 
+def launch_rows(h, facts) -> list[dict]:
+    """The flags this host's server would be restarted with that SGLang 0.5.23 refuses at start or serves wrongly
+    for this draft (host/drafter.py launch_problems: each names SGLang's file and line), as problem rows."""
+    import shlex
+
+    try:
+        words = shlex.split(h.server.command or "")
+    except ValueError:
+        words = []
+    arch = (facts.config.get("architectures") or [None])[0] if isinstance(facts.config.get("architectures"), list) else None
+    where = f"{h.name}'s server command and [server.speculative]"
+    return [{"field": flag, "found": None, "expected": None, "where": where, "expected_from": "SGLang 0.5.23",
+             "why": why, "message": f"{where}: {flag}: {why}"} for flag, why in launch_problems(h.server.speculative, words, arch)]
+
+
 def judge_host(run: Run, h, facts, data, seen=frozenset()) -> dict:
     """One host asked once (`drafter_probe`, read-only) and the draft judged against what it serves: its row,
-    with the probe's answer in "probe" (or the error it raised in "error_obj")."""
+    with the probe's answer in "probe" (or the error it raised in "error_obj"). The flags its server would be
+    restarted with are judged whether or not it answers (`launch_rows`)."""
+    row = _judge_host(run, h, facts, data, seen)
+    flags = launch_rows(h, facts)
+    if flags:
+        row["problems"] = flags + row["problems"]
+        row["code"] = EXIT_BAD_INPUT
+    return row
+
+
+def _judge_host(run: Run, h, facts, data, seen) -> dict:
     try:
         r = run.session(h).call("drafter_probe")
     except Exception as e:  # noqa: BLE001 - one host's error never takes the others down

@@ -32,7 +32,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from patchctl.commands.drafter import bench, check
-from patchctl.commands.drafter.gate import Gate, accept_of, describe
+from patchctl.commands.drafter.bench import served_limit
+from patchctl.commands.drafter.gate import Gate, accept_of, describe, describe_categories
 from patchctl.core import artifact, drafter
 from patchctl.core import prompts as promptsets
 from patchctl.core.console import App
@@ -113,6 +114,14 @@ class DrafterUnit:
             return self._roll_back(f"canary measurement failed: {e}", None)
         missed = self.ctx["gate"].verdict(base, new)
         figures = f"baseline {describe(base)} -> new {describe(new)}; prompts {self.ctx['prompts_digest'][:12]}"
+        if base.get("categories"):
+            figures += f"; baseline per category: {describe_categories(base)}"
+        words = bench.canary_words(new)
+        if words:
+            figures += "; new " + "; ".join(words)
+        for w in words:
+            if w.startswith("warning: "):
+                self.run.app.info(f"{self.name}: {w}")
         acceptance = {"baseline": base, "new": new, "prompts_sha256": self.ctx["prompts_digest"],
                       "max_new_tokens": self.opts.max_new_tokens, "gate": self.ctx["gate_words"]}
         if missed:
@@ -155,7 +164,9 @@ class DrafterUnit:
         rec = rep.step_start(self.name, step) if rep else None
         try:
             m = bench.measure(self.session, self.ctx["prompts"], self.opts.max_new_tokens,
-                              concurrency=self.opts.concurrency, request_timeout=self.opts.request_timeout)
+                              concurrency=self.opts.concurrency, request_timeout=self.opts.request_timeout,
+                              context_length=(self.ctx["probes"].get(self.name) or {}).get("context_length"),
+                              train_length=(self.ctx["data"] or {}).get("train_length"))
         except PatchctlError as e:
             if rec:
                 rep.step_end(rec, False, str(e))
@@ -197,10 +208,11 @@ def _prepare(opts: DrafterOptions, app: App | None = None) -> dict:
     ps = promptsets.load_prompts(opts.prompts, bench.tokenizer_dir(app, opts) if app else opts.tokenizer)
     send, left = drafter.what_sglang_reads(opts.dir)
     art = artifact.Artifact.from_dir(opts.dir, only=send)  # what SGLang's draft loader reads, nothing else
-    gate = Gate(opts.min_accept_length, opts.min_gain, opts.max_tps_loss)
-    words = {"min_accept_length": gate.min_accept_length, "min_gain": gate.min_gain, "max_tps_loss": gate.max_tps_loss}
+    gate = Gate(opts.min_accept_length, opts.min_gain, opts.max_tps_loss, opts.min_category_gain, opts.max_loop_share)
+    words = {"min_accept_length": gate.min_accept_length, "min_gain": gate.min_gain, "max_tps_loss": gate.max_tps_loss,
+             "min_category_gain": gate.min_category_gain, "max_loop_share": gate.max_loop_share}
     return {"facts": facts, "data": data, "artifact": art, "prompts": ps, "prompts_digest": ps.digest, "gate": gate,
-            "gate_words": words, "not_sent": {}, "sent": {}, "left_out": left,
+            "gate_words": words, "not_sent": {}, "sent": {}, "probes": {}, "left_out": left,
             "drafter": {"digest": art.digest, "source": str(Path(opts.dir).resolve()),
                         "data_run": (data or {}).get("run")}}
 
@@ -235,6 +247,8 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
                 ctx["not_sent"][r["host"]] = ("needs attention", f"nothing sent: {r['error']}")
                 continue
             ctx["not_sent"][r["host"]] = ((host_error(e)[0] if e else "unknown"), f"not probed: {r['error']}")
+    ctx["probes"].update({r["host"]: {"context_length": served_limit(r["host"], r["probe"])} for r in rows
+                          if r.get("probe")})
     bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in rows if r.get("probe")})
     if bad:
         raise BadInput("the draft does not fit what the hosts serve:\n  " + "\n  ".join(bad) + "\nnothing sent")
