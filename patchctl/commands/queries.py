@@ -21,40 +21,8 @@ from patchctl.core.preflight import Reachability
 from patchctl.core.redact import MASK
 from patchctl.core.remote import AgentFailure
 from patchctl.core.series import Series, load_series
-from patchctl.core.session import HostSession, Run, describe_holder, holder_is_stale, host_error, worst
+from patchctl.core.session import HostSession, ask_hosts, describe_holder, holder_is_stale
 from patchctl.host.drafter import accept_of
-
-
-def _simple(app: App, opts: QueryOptions, command: str, per_host, render, exit_of=None, after=None, page: bool = False,
-            public_env=()) -> int:
-    """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
-    run = Run(app, opts, command, public_env=public_env)
-
-    def one(h: Host):
-        s = run.session(h)
-        try:
-            return h.name, per_host(s), None
-        except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
-            return h.name, None, e
-
-    try:
-        outs = run.parallel(one, run.hosts)
-    finally:
-        run.close()
-    data, codes = [], []
-    for name, res, err in outs:
-        if err is not None:
-            outcome, msg = host_error(err)
-            data.append({"host": name, "ok": False, "outcome": outcome, "error": msg})
-            app.info(f"{name}: {outcome}: {msg}")
-            codes.append(getattr(err, "exit_code", 3))
-        else:
-            data.append(dict({"host": name, "ok": True}, **res))
-            codes.append(exit_of(res) if exit_of else 0)
-    app.result(data, render(data), page=page)
-    if after:
-        after(data)
-    return worst(codes)
 
 
 def attention_of(app: App, d: dict) -> list[dict]:
@@ -152,7 +120,7 @@ def run_status(app: App, opts: QueryOptions) -> int:
         d["attention"] = attention_of(app, dict(d, host=s.host.name))
         return d
 
-    return _simple(app, opts, "status", with_attention, render, exit_of=exit_of, after=hints)
+    return ask_hosts(app, opts, "status", with_attention, render, exit_of=exit_of, after=hints)
 
 
 def uptime_text(seconds) -> str:
@@ -296,7 +264,7 @@ def run_history(app: App, opts: QueryOptions) -> int:
                 t.add_row(d["host"], hid, time_, op, series, _short(outcome), _short(why, 240), run)
         return t
 
-    return _simple(app, opts, "history", per_host, render)
+    return ask_hosts(app, opts, "history", per_host, render)
 
 
 def run_unlock(app: App, opts: QueryOptions) -> int:
@@ -316,7 +284,7 @@ def run_unlock(app: App, opts: QueryOptions) -> int:
             t.add_row(d["host"], d.get("message") or d.get("error", ""))
         return t
 
-    return _simple(app, opts, "unlock", per_host, render)
+    return ask_hosts(app, opts, "unlock", per_host, render)
 
 
 def run_image(app: App, opts: QueryOptions) -> int:
@@ -330,7 +298,7 @@ def run_image(app: App, opts: QueryOptions) -> int:
             t.add_row(d["host"], d.get("message") or d.get("error", ""))
         return t
 
-    return _simple(app, opts, "image", per_host, render)
+    return ask_hosts(app, opts, "image", per_host, render)
 
 
 def run_plan(app: App, opts: QueryOptions) -> int:
@@ -356,7 +324,7 @@ def run_plan(app: App, opts: QueryOptions) -> int:
     def render(data):
         return render_plan(app, series, data, show_diff=opts.diff)
 
-    return _simple(app, opts, "plan", per_host, render,
+    return ask_hosts(app, opts, "plan", per_host, render,
                    exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2),
                    page=opts.diff, public_env=series.smoke.env)
 

@@ -3,7 +3,7 @@ one HostSession per host (one reused transport; agent calls as reported steps, a
 broken once); host errors mapped to outcomes (protocol.Outcome, which carries the exit code).
 
 The porcelain in `deploy` (apply, rollback, smoke) and `queries` (status, history, plan, unlock) is
-built on this.
+built on this; `ask_hosts` is the one-call-per-host question the queries and `drafter gc` share.
 """
 
 from __future__ import annotations
@@ -356,3 +356,35 @@ def host_error(e: Exception) -> tuple[Outcome, str]:
             return Outcome.LOCKED, f"locked by {describe_holder(h)}"
         return ErrorKind.parse(e.kind).outcome, str(e)
     return Outcome.NEEDS_ATTENTION, f"{e.__class__.__name__}: {e}"
+
+
+def ask_hosts(app: App, opts: RunOptions, command: str, per_host, render, exit_of=None, after=None, page: bool = False,
+            public_env=()) -> int:
+    """Run `per_host(session)` on every selected host concurrently; collect JSON; print a table."""
+    run = Run(app, opts, command, public_env=public_env)
+
+    def one(h: Host):
+        s = run.session(h)
+        try:
+            return h.name, per_host(s), None
+        except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
+            return h.name, None, e
+
+    try:
+        outs = run.parallel(one, run.hosts)
+    finally:
+        run.close()
+    data, codes = [], []
+    for name, res, err in outs:
+        if err is not None:
+            outcome, msg = host_error(err)
+            data.append({"host": name, "ok": False, "outcome": outcome, "error": msg})
+            app.info(f"{name}: {outcome}: {msg}")
+            codes.append(getattr(err, "exit_code", 3))
+        else:
+            data.append(dict({"host": name, "ok": True}, **res))
+            codes.append(exit_of(res) if exit_of else 0)
+    app.result(data, render(data), page=page)
+    if after:
+        after(data)
+    return worst(codes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from patchctl.core.console import App, table
 from patchctl.core.options import DrafterOptions
-from patchctl.core.session import Run, host_error, worst
+from patchctl.core.session import ask_hosts
 
 
 def _mb(n: int) -> str:
@@ -29,32 +29,15 @@ def words(d: dict) -> str:
 
 
 def run_drafter_gc(app: App, opts: DrafterOptions) -> int:
-    run = Run(app, opts, "drafter gc")
-
-    def one(h):
-        try:
-            s = run.session(h)
-            return h.name, s.call("drafter_gc_plan" if opts.dry_run else "drafter_gc"), None
-        except Exception as e:  # noqa: BLE001 - one host's error never takes the others down
-            return h.name, None, e
-
-    try:
-        outs = run.parallel(one, run.hosts)
-    finally:
-        run.close()
-    data, codes = [], []
-    for name, res, err in outs:
-        if err is not None:
-            outcome, msg = host_error(err)
-            data.append({"host": name, "ok": False, "outcome": outcome, "error": msg})
-            app.info(f"{name}: {outcome}: {msg}")
-            codes.append(getattr(err, "exit_code", 3))
-            continue
+    def per_host(s):
+        res = s.call("drafter_gc_plan" if opts.dry_run else "drafter_gc")
         res.pop("notes", None)
-        data.append(dict({"host": name, "ok": True}, **res))
-        codes.append(0)
-    t = table("drafter gc" + (" --dry-run (nothing touched)" if opts.dry_run else ""), "host", "store")
-    for d in data:
-        t.add_row(d["host"], words(d) if d["ok"] else d["error"])
-    app.result(data, t)
-    return worst(codes)
+        return res
+
+    def render(data):
+        t = table("drafter gc" + (" --dry-run (nothing touched)" if opts.dry_run else ""), "host", "store")
+        for d in data:
+            t.add_row(d["host"], words(d) if d["ok"] else d["error"])
+        return t
+
+    return ask_hosts(app, opts, "drafter gc", per_host, render)
