@@ -28,9 +28,9 @@ from patchctl.core.errors import BadInput
 from patchctl.core.fsutil import sha256_file, write_atomic
 from patchctl.core.session import worst
 from patchctl.host import convert as hconvert
+from patchctl.host.collection import PARTIAL  # our own temporary names: a crashed collect's leftovers are overwritten
 
 INDEX, SUMMARY, DRAFT = "index.jsonl", "index.json", "draft-config.json"
-PARTIAL = ".patchctl-partial"  # our own temporary names: a crashed collect's leftovers are overwritten
 ALL_ONES = "all ones (no loss_mask in the dataset)"
 OK_STATES = ("collected", "present", "indexed", "converted")
 

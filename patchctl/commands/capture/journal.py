@@ -55,7 +55,9 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SHOWN = 20  # failures listed in human output of `capture status` and `collect` (--json lists all)
 
 
-def captures_root() -> Path:
+def run_records_root() -> Path:
+    """The controller's records of its capture runs (journal, summary, run.json): not a host's dumps
+    (host/pull.py captures_root)."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "patchctl" / "captures"
 
@@ -70,8 +72,8 @@ def check_run_name(name: str) -> str:
 def run_dir(name: str, create: bool = False) -> Path:
     check_run_name(name)
     if create:
-        return private_dir(captures_root(), name, tighten_root=True)
-    return captures_root() / name
+        return private_dir(run_records_root(), name, tighten_root=True)
+    return run_records_root() / name
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.commands.capture.dataset import MAX_PROBLEMS, JsonLines, short, again
-from patchctl.commands.capture.journal import (Journal, RunState, captures_root, check_run_name, failure_lines,
+from patchctl.commands.capture.journal import (Journal, RunState, run_records_root, check_run_name, failure_lines,
                                                status_table, tally, write_run_info)
 from patchctl.commands.capture.messages import content_problem, role_of
 from patchctl.commands.capture.progress import Progress, eta
@@ -264,7 +264,7 @@ class RegenerateRun(CaptureRun):
 
 
 def regen_dir(name: str, create: bool = False) -> Path:
-    root = captures_root().parent / "regenerations"
+    root = run_records_root().parent / "regenerations"
     return private_dir(root, check_run_name(name), tighten_root=True) if create else root / name
 
 
