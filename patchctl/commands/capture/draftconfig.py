@@ -168,16 +168,7 @@ def draft_model_config(fields: dict, facts: dict) -> tuple[dict, list[str]]:
         if mc.get(k) is not None:
             cfg[k] = mc[k]
             prov[k] = "the target's config.json"
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if special.get(k) is not None:
-            cfg[k], prov[k] = special[k], "the served tokenizer (tokenizer_config.json's token, its id in tokenizer.json)"
-        elif mc.get(k) is not None:
-            cfg[k], prov[k] = mc[k], "the target's config.json"
-    if cfg.get("pad_token_id") is None:
-        cfg["pad_token_id"], prov["pad_token_id"] = 0, "0: SpecForge's own default when the target names no pad token"
-    bad = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-           if vocab and any(not isinstance(i, int) or not 0 <= i < vocab for i in _ids(cfg.get(k)))]
-    problems += [f"{k} {cfg[k]} is outside the vocabulary of {vocab}" for k in bad]
+    problems += _token_ids(cfg, prov, special, mc, vocab)
     cfg.update(tie_word_embeddings=False, torch_dtype="bfloat16",
                eagle_config=fields.get("eagle_config"))
     p["provenance"] = dict(p.get("provenance") or {}, **prov)
@@ -188,6 +179,21 @@ def draft_model_config(fields: dict, facts: dict) -> tuple[dict, list[str]]:
                     "change; the others are fixed by the target and the capture.")
     cfg["_patchctl"] = p
     return cfg, problems
+
+
+def _token_ids(cfg: dict, prov: dict, special: dict, mc: dict, vocab) -> list[str]:
+    """bos/eos/pad ids into `cfg` (the served tokenizer's first, else the target's config.json; pad 0 as
+    SpecForge's default), each with its provenance; the problems of ids outside the vocabulary."""
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if special.get(k) is not None:
+            cfg[k], prov[k] = special[k], "the served tokenizer (tokenizer_config.json's token, its id in tokenizer.json)"
+        elif mc.get(k) is not None:
+            cfg[k], prov[k] = mc[k], "the target's config.json"
+    if cfg.get("pad_token_id") is None:
+        cfg["pad_token_id"], prov["pad_token_id"] = 0, "0: SpecForge's own default when the target names no pad token"
+    bad = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if vocab and any(not isinstance(i, int) or not 0 <= i < vocab for i in _ids(cfg.get(k)))]
+    return [f"{k} {cfg[k]} is outside the vocabulary of {vocab}" for k in bad]
 
 
 def _ids(v) -> list:
