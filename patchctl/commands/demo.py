@@ -243,6 +243,25 @@ def close_the_loop(d: DemoHost, training: Path, work: Path) -> tuple[int, int]:
     return rc_good, rc_bad
 
 
+def _closing_words(d, training, rc_capture: int, rc_good: int) -> None:
+    """What the demo leaves running and where its files are."""
+    pid = pid_on_port(d.port)
+    drafting = " with the trained drafter (step 8)" if rc_good == 0 and rc_capture == 0 else ""
+    say(f"the demo host's server is still running on {d.host}:{d.port}" + (f" (pid {pid})" if pid else "")
+        + ", unpatched, serving the demo tree" + drafting)
+    print(f"    its log:       {d.log}")
+    print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
+    print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
+    if rc_capture == 0:
+        from patchctl.core import drafttrain
+
+        print(f"    training data: {training} (SpecForge offline format, from step 3), its drafter: "
+              f"{drafttrain.run_paths(training)['draft']}")
+        print(f"    train again:   {drafttrain.command_line(training, cpu=True)}")
+    else:
+        print(f"    training data: step 3 failed (exit {rc_capture}); see its output above")
+
+
 def main() -> int:
     missing = missing_packages()
     if missing:
@@ -290,21 +309,7 @@ def main() -> int:
     rc = patchctl("rollback", "--limit", "local", "--to", "clean")
     patchctl("status", "--limit", "local")
     rc_good, rc_bad_drafter = close_the_loop(d, training, d.root.parent / "work" / name) if rc_capture == 0 else (0, 1)
-    pid = pid_on_port(d.port)
-    say(f"the demo host's server is still running on {d.host}:{d.port}" + (f" (pid {pid})" if pid else "")
-        + ", unpatched, serving the demo tree" + (" with the trained drafter (step 8)" if rc_good == 0 and rc_capture == 0
-                                                  else "") + "")
-    print(f"    its log:       {d.log}")
-    print(f"    stop it:       {f'kill {pid}' if pid else f'kill the process listening on port {d.port}'}")
-    print(f"    demo files:    {d.root.parent} (remove the directory to start afresh)")
-    if rc_capture == 0:
-        from patchctl.core import drafttrain
-
-        print(f"    training data: {training} (SpecForge offline format, from step 3), its drafter: "
-              f"{drafttrain.run_paths(training)['draft']}")
-        print(f"    train again:   {drafttrain.command_line(training, cpu=True)}")
-    else:
-        print(f"    training data: step 3 failed (exit {rc_capture}); see its output above")
+    _closing_words(d, training, rc_capture, rc_good)
     # step 8 ends either way the gate decides (0 kept, 1 refused and rolled back); anything else is a failure
     return 0 if (rc == 0 and rc_capture == 0 and rc_bad == 1 and rc_refused == 2 and rc_good in (0, 1)
                  and rc_bad_drafter == 1) else 1

@@ -406,11 +406,9 @@ class _Checks:
         return ids
 
     # the weights
-    def tensors(self, s: dict, ids):
-        if not self.f.files:
-            self.add("weights", None, "*.safetensors", where=str(self.f.dir), why="no weight file: SGLang would serve "
-                     "an untrained draft")
-            return
+    def _wanted(self, s: dict, ids):
+        """The tensors SGLang 0.5.23's llama_eagle3.py loads for this config, each with its shape and where the
+        shape comes from: (required, optional)."""
         c = self.c
         H, Ht, hd, I = s["H"], s["Ht"], s["hd"], s["I"]
         naux = _int(c.get("num_aux_hidden_states")) or (len(ids) if ids else 3)
@@ -436,6 +434,14 @@ class _Checks:
             want["input_norm.weight"] = ([naux * Ht], "config.json (norm_before_fc)")
         if c.get("fc_norm") or c.get("use_aux_norm"):
             want.update({f"fc_norm.{k}.weight": ([Ht], "config.json (fc_norm)") for k in range(naux)})
+        return want, optional
+
+    def tensors(self, s: dict, ids):
+        if not self.f.files:
+            self.add("weights", None, "*.safetensors", where=str(self.f.dir), why="no weight file: SGLang would serve "
+                     "an untrained draft")
+            return
+        want, optional = self._wanted(s, ids)
         vocab = {"d2t": ("I64", [s["DV"]]), "t2d": ("BOOL", [s["V"]])}
         seen = set()
         for raw, t in sorted(self.f.tensors.items()):

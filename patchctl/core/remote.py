@@ -94,6 +94,16 @@ def build_script(request: dict) -> str:
     return f"{_bundle_lines()}_REQUEST = {json.dumps(request)!r}\n{_BOOTSTRAP}"
 
 
+def _last_json(stdout: str):
+    """The agent's answer: the last line of its stdout that is JSON (None when there is none)."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
          timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None,
          stdout=None) -> dict:
@@ -130,13 +140,7 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
 
     res = transport.run_python(build_script(request), timeout=timeout, silence=silence, on_stderr_line=on_line,
                                stream=stream, **({"stdout": stdout} if stdout is not None else {}))
-    answer = None
-    for line in reversed(res.stdout.strip().splitlines()):
-        try:
-            answer = json.loads(line)
-            break
-        except ValueError:
-            continue
+    answer = _last_json(res.stdout)
     if not isinstance(answer, dict) or "ok" not in answer:
         refused = become.refusal(transport.host, other, bool(saw_agent), res.exit_code)
         if refused is not None:  # sudo answered instead of the agent: nothing ran on the host
