@@ -289,3 +289,44 @@ def test_readme_is_at_most_650_lines_with_the_users_path_before_the_reference():
     path = ["Install", "The demo", "Your own fleet", "The capture path", "Serving a trained drafter"]
     assert [h for h in heads if h in path] == path
     assert heads.index("Serving a trained drafter") < heads.index("Reference")
+
+
+def test_a_core_dependency_that_an_extra_narrows_is_narrowed_in_the_core_too():
+    """Command 1 (no [fabric]) took invoke 3.0.3 through paramiko; command 2's Fabric 3.2.3 needs invoke < 3 and
+    downgraded it to 2.2.1 (seen in a fresh clone, 2026-12-07). Every upper-bounded requirement of a package an
+    extra pins, on a package the core already brings in, must be held by the core's own range for it."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    core = {_norm(Requirement(r).name): Requirement(r) for r in project["dependencies"]}
+    brought = set(core)
+    for r in list(core.values()):  # one level down: what the core's own dependencies require
+        brought |= {_norm(Requirement(q).name) for q in md.requires(r.name) or [] if "extra ==" not in q}
+    problems = []
+    for extra, reqs in project["optional-dependencies"].items():
+        for r in map(Requirement, reqs):
+            if not any(str(s).startswith("==") for s in r.specifier):
+                continue
+            for q in map(Requirement, md.requires(r.name) or []):
+                name = _norm(q.name)
+                if q.marker or name not in brought or not any(s.operator in ("<", "<=", "==") for s in q.specifier):
+                    continue  # only an upper bound can make command 2 downgrade what command 1 took
+                if name not in core or not _within(core[name].specifier, q.specifier):
+                    problems.append(f"[{extra}] {r} needs {q}; the core allows {core.get(name, q.name)}")
+    assert not problems, problems
+
+
+def _within(core, need) -> bool:
+    """Does the core's range stay inside what the extra's package needs: its lower bounds allowed, and an upper
+    bound at or below the one needed?"""
+    from packaging.version import Version
+
+    lows = [s.version for s in core if s.operator in (">=", "==", "~=")]
+    if not lows or not all(need.contains(v, prereleases=True) for v in lows):
+        return False
+    need_up = [Version(s.version) for s in need if s.operator in ("<", "<=")]
+    core_up = [Version(s.version) for s in core if s.operator in ("<", "<=", "==")]
+    return not need_up or bool(core_up) and min(core_up) <= min(need_up)
