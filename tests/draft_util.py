@@ -10,7 +10,8 @@ mlp.{gate,up}_proj [I, H], mlp.down_proj [H, I], {hidden_norm,input_layernorm,po
 as SpecForge's post_init does: Linear weights N(0, initializer_range=0.02), norms 1, d2t 0, t2d 1.
 
 `fit_good_draft` trains such a directory's weights in plain torch, for a few seconds, to predict the
-stand-in's next token (which depends on the last token only), so it accepts almost every draft.
+stand-in's next token (which depends on the last token only), so it accepts almost every draft;
+`fit_good_mla_draft` does the same for an MLA draft (Eagle3DeepseekV2ForCausalLM) on an MLA-config target.
 """
 
 from __future__ import annotations
@@ -221,6 +222,55 @@ def write_mla_draft_dir(path, *, target_model_dir=None, target_cfg=None, layer_i
     tensors = {n: t for n, t in mla_tensors(cfg, seed).items() if n not in drop}
     tensors.update(replace or {})
     return save_draft(path, cfg, tensors, extra_tensors)
+
+
+def fit_good_mla_draft(path, *, target_model_dir, layer_ids, iters=200, seed=0) -> Path:
+    """An MLA draft (write_mla_draft_dir's names and layout) trained as fit_good_draft trains the Llama-shaped
+    one: plain torch, Adam, the stand-in's greedy next token from its real aux states, two chain steps, through
+    the stand-in's own MLA forward (patchctl/simserver/draft_mla.py). The target's config.json is an MLA one
+    (write_mla_target_config), its text_config where it nests one, as the stand-in reads it. MLA learns slower
+    than the Llama layer: 200 steps (~7 s of one core) reach ~4 of at most 4 tokens per verify step."""
+    import torch
+
+    from patchctl.simserver.draft_mla import MLADraft
+    from patchctl.simserver.model import TinyModel
+
+    write_mla_draft_dir(path, target_model_dir=target_model_dir, layer_ids=layer_ids, seed=seed)
+    tcfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    if isinstance(tcfg.get("text_config"), dict):
+        tcfg = {**tcfg["text_config"], "architectures": tcfg.get("architectures")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = TinyModel(tcfg["num_hidden_layers"], tcfg["hidden_size"], tcfg["vocab_size"], None,
+                           model_dir=target_model_dir)
+        draft = MLADraft(path, tcfg, target.embed, target.embed)
+        _fit(torch, target, draft, tcfg["vocab_size"], iters, seed)
+    finally:
+        torch.set_num_threads(threads)
+    init = mla_tensors(draft.cfg, seed)
+    tensors = {n: t.detach() for n, t in draft.w.items()}
+    tensors["d2t"], tensors["t2d"] = init["d2t"], init["t2d"]
+    return save_draft(path, draft.cfg, tensors)
+
+
+def _fit(torch, target, draft, V, iters, seed):
+    """Adam on draft.w: position j sees embed(ids[j+1]) and the target's states of j, label the target's token
+    after ids[j+1]; the second chain step is fed the draft's own outputs (as serving feeds it)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    opt = torch.optim.Adam([t.requires_grad_() for t in draft.w.values()], lr=1e-2)
+    B, T = 64, 8
+    ce = torch.nn.functional.cross_entropy
+    for _ in range(iters):
+        ids = torch.randint(0, V, (B, T), generator=g)
+        aux, _, logits = target.forward(ids.reshape(-1), torch.arange(B * T), capture_ids=draft.target_layers)
+        aux, nxt = aux.float().view(B, T, -1), logits.argmax(-1).view(B, T)
+        opt.zero_grad()
+        pre, lg = draft.forward(ids[:, 1:], draft.project(aux[:, :-1]))
+        pre2, lg2 = draft.forward(ids[:, 2:], pre[:, :-1])
+        loss = ce(lg.flatten(0, 1), nxt[:, 1:].flatten()) + ce(lg2.flatten(0, 1), nxt[:, 2:].flatten())
+        loss.backward()
+        opt.step()
 
 
 def write_mla_target_config(path, *, kimi=False, layers=8, hidden=64, vocab=512, heads=4, kv_lora_rank=32,

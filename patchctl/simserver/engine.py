@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from patchctl.host import limits
 from patchctl.simserver import knobs
@@ -57,6 +58,21 @@ def _finish_abort(message):
     """SGLang's FINISH_ABORT as set_finish_with_abort makes it (status 400, BadRequestError)."""
     j = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
     return NS(message=message, status_code=400, err_type="BadRequestError", to_json=lambda: dict(j))
+
+
+def open_draft(path):
+    """The draft class SGLang would build for the directory: MLADraft (draft_mla.py) when config.json's
+    architectures name Eagle3DeepseekV2ForCausalLM, else Draft (draft.py, which judges everything else)."""
+    import json  # noqa: PLC0415
+
+    from patchctl.simserver.draft import Draft  # noqa: PLC0415
+    from patchctl.simserver.draft_mla import ARCH, MLADraft  # noqa: PLC0415
+
+    try:
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return Draft  # Draft names the unreadable file
+    return MLADraft if ARCH in archs else Draft
 
 
 class Engine:
@@ -109,12 +125,12 @@ class Engine:
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
     def _load_draft(self):
-        from patchctl.simserver.draft import Draft  # noqa: PLC0415
         from patchctl.simserver.spec import Speculator  # noqa: PLC0415
         from patchctl.simserver.weights import load_weights  # noqa: PLC0415
 
         params = load_weights(self.args.model_path, self.layers, self.hidden, self.vocab)
-        draft = Draft(self.spec_cfg.draft_path, self.cfg, params["model.embed_tokens.weight"], params["lm_head.weight"])
+        draft = open_draft(self.spec_cfg.draft_path)(self.spec_cfg.draft_path, self.cfg,
+                                                     params["model.embed_tokens.weight"], params["lm_head.weight"])
         self._check_draft_context(draft)
         bad = [L for L in draft.target_layers if L < 0 or L >= self.layers]
         if bad:
