@@ -8,6 +8,9 @@ rollback` of the unit takes both back; `status` answers per node."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 
 import pytest
 
@@ -15,6 +18,7 @@ from draft_util import fit_good_draft, write_draft_dir
 from fleet import Fleet, wait_for
 from sshhosts import free_ports
 from test_fleet import cmdlines_with
+from test_operator import Terminal, controller_saw, run_pasted
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +32,7 @@ def unit(tmp_path_factory, sglang_tree):
     f = Fleet(tmp_path_factory.mktemp("drafter-mn"), 2, sglang_tree)
     dist = f"127.0.0.1:{free_ports('127.0.0.1', 1, avoid={h.server_port for h in f.hosts})[0]}"
     f.mn = lambda rank: ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
-    f.write_inventory(servers={"kimi": ["host0", "host1"]}, host_overrides={
-        h.name: {"server": {"command": CMD + " ".join(f.mn(i))}} for i, h in enumerate(f.hosts)})
+    inventory(f)
     f.start_server(f.hosts[1], extra=f.mn(1), wait=False)
     f.start_server(f.hosts[0], extra=f.mn(0))  # ready once the worker joined
     model = f.hosts[0].dir / "model"
@@ -40,6 +43,14 @@ def unit(tmp_path_factory, sglang_tree):
                                  for i in range(6)))
     yield f
     f.close()
+
+
+def inventory(f, head_env: dict | None = None) -> None:
+    """host0 and host1 as the two-node server "kimi", each node its own rank in its command."""
+    over = {h.name: {"server": {"command": CMD + " ".join(f.mn(i))}} for i, h in enumerate(f.hosts)}
+    if head_env:
+        over["host0"]["server"]["env"] = head_env
+    f.write_inventory(servers={"kimi": ["host0", "host1"]}, host_overrides=over)
 
 
 def deploy(f, draft, *args):
@@ -64,9 +75,9 @@ def configs(f) -> dict:
     return {"host0": (cfg(f.hosts[0]), f.server_argv(f.hosts[0])), "host1": (cfg(f.hosts[1]), worker_argv(f))}
 
 
-def status(f) -> dict:
+def status(f, rc: int = 0) -> dict:
     p = f.patchctl("--json", "status", "--limit", "kimi")
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode == rc, p.stdout + p.stderr
     return {d["host"]: d for d in json.loads(p.stdout)}
 
 
@@ -116,6 +127,14 @@ def test_unit_deployed_canaried_through_the_head_and_a_bad_draft_rolled_back_on_
         assert [e["op"] for e in hist[-2:]] == ["drafter-deploy", "drafter-rollback"], hist[-3:]
         assert hist[-2]["drafter"]["digest"] != digest and hist[-1]["drafter"]["digest"] == digest  # both restarted
 
+    # `--pending` with nothing unfinished: both nodes left as they are, nothing restarted
+    pid = f.server_pid(f.hosts[0])
+    p = f.patchctl("--json", "drafter", "rollback", "--pending", "--limit", "host0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [e["outcome"] for e in map(json.loads, filter(str.strip, p.stdout.splitlines()))
+            if e.get("event") == "host_result"] == ["unchanged", "unchanged"], p.stdout
+    assert f.server_pid(f.hosts[0]) == pid and configs(f) == good
+
     # `drafter rollback` of the unit: both nodes to no drafter, the unit ready on the config it started with
     p = f.patchctl("--json", "drafter", "rollback", "--limit", "kimi")
     assert p.returncode == 0, p.stdout + p.stderr
@@ -127,3 +146,52 @@ def test_unit_deployed_canaried_through_the_head_and_a_bad_draft_rolled_back_on_
         assert "--speculative-draft-model-path" not in argv and "--node-rank" in argv
     st = status(f)
     assert st["host0"]["drafter"] is None and st["host1"]["drafter"] is None, st
+
+
+def test_a_unit_cut_off_in_its_restart_is_recovered_on_both_nodes_by_the_printed_command(unit):
+    """A second Ctrl-C while the head loads the drafter (both nodes recorded pending, restarted with it): the
+    command printed for the unit, pasted, puts both nodes back on exactly the config before, ready."""
+    f = unit
+    before, drafters = configs(f), {h: status(f)[h]["drafter"] for h in ("host0", "host1")}
+    gate = f.base / f"start-gate-{os.urandom(4).hex()}"  # the head with the drafter loads until it opens: never
+    inventory(f, head_env={"PATCHCTL_SIM_START_GATE": str(gate)})
+    try:
+        earlier = f.run_dirs()
+        term = Terminal(f.cmd("drafter", "deploy", str(f.good), "--prompts", str(f.prompts), "--max-new-tokens",
+                              "24", "--limit", "kimi"), f.env())
+        log = f.hosts[0].dir / "server.log"
+        wait_for(lambda: str(gate) in log.read_text(errors="replace") or term._eof.is_set(), 300,
+                 what="the head with the drafter loading")
+        assert controller_saw(f, earlier, "host1", "restart"), term.text[-3000:]
+        term.ctrl_c()
+        wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
+        term.ctrl_c()
+        rc = term.wait(120)
+        out = term.text
+        f.outputs.append(out)
+        assert rc == 3, out[-3000:]
+        m = re.search(r"host0: aborted — (cut off during 'restart'.*)\n\s+recover: (.*)", out)
+        assert m, out[-3000:]
+        recover = m.group(2).strip()
+        assert shlex.split(recover)[-4:] == ["rollback", "--pending", "--limit", "host0,host1"], recover
+        st = status(f, rc=3)  # needs attention: both nodes' drafter recorded, never measured
+        assert all(st[h]["drafter"]["status"] == "pending" for h in ("host0", "host1")), st
+    finally:
+        inventory(f)
+    p = run_pasted(f, recover)
+    assert p.returncode == 0, p.stdout + p.stderr
+    wait_for(lambda: f.healthy(f.hosts[0]), 60, what="the unit ready")
+    assert configs(f) == before
+    st = status(f)
+    assert {h: st[h]["drafter"] for h in ("host0", "host1")} == drafters, st
+    for h in f.hosts:
+        assert not list((h.state / "trees").glob("*/lock.json")), h.name
+
+
+def test_every_command_printed_here_parses(unit):
+    """The next / recovery commands this module's runs printed parse as patchctl's parser parses them."""
+    from test_drafter_deploy import parses, printed_commands
+
+    cmds = printed_commands(unit.outputs)
+    assert any(c[-4:] == ["rollback", "--pending", "--limit", "host0,host1"] for c in cmds), cmds  # not vacuous
+    assert not [c for c in cmds if not parses(c)], cmds

@@ -41,9 +41,9 @@ def restart(unit) -> dict:
     prepared = unit.run.parallel(lambda s: s.call("drafter_deploy", "restart", phase="prepare", **fields),
                                  unit.sessions)
     for s in unit.sessions:
-        s.call("drafter_deploy", "stop", phase="stop", **fields)
-    starts = [s.call("drafter_deploy", "start", phase="start", **fields) for s in unit.sessions]
-    ready = unit.session.call("drafter_deploy", "ready", phase="ready", **fields)
+        s.call("drafter_deploy", "restart", phase="stop", **fields)
+    starts = [s.call("drafter_deploy", "restart", phase="start", **fields) for s in unit.sessions]
+    ready = unit.session.call("drafter_deploy", "restart", phase="ready", **fields)
     head = dict(prepared[0], ready_seconds=ready.get("ready_seconds"))
     head["node_argv"] = {s.host.name: r.get("argv") for s, r in zip(unit.sessions, starts)}
     return head
@@ -52,21 +52,33 @@ def restart(unit) -> dict:
 def roll_back(run, sessions, to: str, reason: str, pending: bool = False) -> dict:
     """Every node of the unit one step back along its own chain (or `to` a drafter of it, or none), each
     restarted on exactly the config it served with, the head proven ready, then the workers' records:
-    {changed, to (the head's), server, nodes: {node: its answer}}. Nodes with nothing to roll back answer
-    unchanged and are left as they are. Raises the first failure (the rest left for `drafter rollback`)."""
+    {changed, to (the head's), server, nodes: {node: its answer}}. A node with nothing to roll back (a rollback
+    cut off after its head was restored) keeps its record and is restarted as it is configured now (`service`:
+    a stopped node takes the others down). Raises the first failure (the rest left for `drafter rollback`)."""
     limit = ",".join(s.host.name for s in sessions)
     fields = dict(to=to, reason=reason, host_name=limit, pending=pending)
-    stops = [s.call("drafter_rollback", "stop", phase="stop", **fields) for s in sessions]
-    moving = [s for s, r in zip(sessions, stops) if r.get("changed")]
-    nodes = {s.host.name: r for s, r in zip(sessions, stops)}
+    nodes = {s.host.name: s.call("drafter_rollback", "rollback", phase="stop", **fields) for s in sessions}
+    moving = {s.host.name for s in sessions if nodes[s.host.name].get("changed")}
     if not moving:
         return {"changed": False, "note": "; ".join(sorted({r.get("note") or "nothing to roll back"
-                                                            for r in stops})), "nodes": nodes}
-    for s in moving:
-        s.call("drafter_rollback", "start", phase="start", **fields)
-    for s in moving:  # the head first: a worker's record is restored once the head proved the unit serves
-        nodes[s.host.name] = s.call("drafter_rollback", "ready" if s is sessions[0] else "record",
-                                    phase="ready" if s is sessions[0] else "record", **fields)
-    head = nodes[moving[0].host.name]
+                                                            for r in nodes.values()})), "nodes": nodes}
+    still = [s for s in sessions if s.host.name not in moving]
+    for s in still:
+        s.call("service", "rollback", action="restart", phase="stop", keep_lock=True, smoke=False)
+    for s in sessions:  # the head first, then the others: each not waited for (the head waits for them)
+        if s.host.name in moving:
+            s.call("drafter_rollback", "rollback", phase="start", **fields)
+        else:
+            s.call("service", "rollback", action="restart", phase="start", keep_lock=True, smoke=False)
+    head = sessions[0]
+    if head.host.name not in moving:
+        head.call("service", "rollback", action="restart", phase="ready", keep_lock=True, smoke=False)
+    for s in sessions:  # a worker's record is restored once the head proved the unit serves
+        if s.host.name in moving:
+            last = "ready" if s is head else "record"
+            nodes[s.host.name] = s.call("drafter_rollback", "rollback", phase=last, **fields)
+    for s in still:
+        s.call("release", "rollback")
+    first = nodes[next(s.host.name for s in sessions if s.host.name in moving)]
     words = "; ".join(f"{n}: {r.get('server') or r.get('note')}" for n, r in nodes.items())
-    return {"changed": True, "to": head.get("to"), "server": words, "nodes": nodes}
+    return {"changed": True, "to": first.get("to"), "server": words, "nodes": nodes}
