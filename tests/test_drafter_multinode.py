@@ -127,6 +127,12 @@ def test_unit_deployed_canaried_through_the_head_and_a_bad_draft_rolled_back_on_
         assert [e["op"] for e in hist[-2:]] == ["drafter-deploy", "drafter-rollback"], hist[-3:]
         assert hist[-2]["drafter"]["digest"] != digest and hist[-1]["drafter"]["digest"] == digest  # both restarted
 
+    rollback_the_unit(f, good)
+
+
+def rollback_the_unit(f, good: dict) -> None:
+    """`drafter rollback` of the unit: `--pending` leaves a verified unit as it is; without it both nodes go
+    one step back (to no drafter), the unit ready."""
     # `--pending` with nothing unfinished: both nodes left as they are, nothing restarted
     pid = f.server_pid(f.hosts[0])
     p = f.patchctl("--json", "drafter", "rollback", "--pending", "--limit", "host0")
