@@ -458,25 +458,33 @@ def printed_commands(texts) -> list[list[str]]:
 def test_every_command_patchctl_printed_in_this_module_parses(fleet):
     """Each recovery / next command this module's runs printed, parsed as patchctl's parser parses it: no usage
     error (argparse exits 2) for any of them."""
+    cmds = printed_commands(fleet.outputs)
+    lines = {shlex.join(c) for c in cmds}
+    assert any(c[-4:-1] == ["rollback", "--pending", "--limit"] for c in cmds), lines  # not vacuous
+    assert any("--to" in c and "clean" in c for c in cmds), lines
+    bad = [f"{shlex.join(argv)}: {why}" for argv in cmds for why in [parse_error(argv)] if why]
+    assert not bad, "\n".join(bad)
+
+
+def parse_error(argv) -> str | None:
+    """What patchctl's parser says of one printed command line (argparse exits 2), or None: it parses."""
     import contextlib
     import io
 
     from patchctl.cli import build_parser
 
-    cmds = printed_commands(fleet.outputs)
-    lines = {shlex.join(c) for c in cmds}
-    assert any(c[-4:-1] == ["rollback", "--pending", "--limit"] for c in cmds), lines  # not vacuous
-    assert any("--to" in c and "clean" in c for c in cmds), lines
-    bad = []
-    for argv in cmds:
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                build_parser().parse_args(argv[1:])
-        except SystemExit as e:
-            if e.code:
-                bad.append(f"{shlex.join(argv)}: {err.getvalue().strip().splitlines()[-1:]}")
-    assert not bad, "\n".join(bad)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            build_parser().parse_args(argv[1:])
+    except SystemExit as e:
+        if e.code:
+            return str(err.getvalue().strip().splitlines()[-1:])
+    return None
+
+
+def parses(argv) -> bool:
+    return parse_error(argv) is None
 
 
 # --- canaries that cannot be fooled (issue 39 item 4) ----------------------------------------------------------

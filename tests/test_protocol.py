@@ -232,6 +232,24 @@ def test_the_dispatcher_refuses_what_the_table_does_not_declare(tmp_path):
     assert not Path(state).exists()  # refused before anything was made
 
 
+def test_drafter_phases_are_declared_optional_and_an_unknown_phase_is_refused_lock_given_back(tmp_path):
+    """A multi-node unit's drafter ops carry `phase` (docs/design.md "Drafters": multi-node); a request
+    without it (the previous version's) still reads; a phase the op does not know is refused before anything
+    changed, and the lock that call took is given back."""
+    from patchctl.host import agent
+    from patchctl.host.state import TreeState
+
+    root, state = _tree(tmp_path)
+    for op in ("drafter_deploy", "drafter_rollback"):
+        assert "phase" in P.OPS[op].fields
+        P.check_request(_req(op, root, state))  # no phase: as before
+        P.check_request(_req(op, root, state, phase="stop"))
+        with pytest.raises(AgentError, match="phase 'reboot' is not one of") as e:
+            agent.handle(_req(op, root, state, phase="reboot"))
+        assert e.value.kind == "bad_input"
+        assert TreeState(state, root).lock_holder() is None, op
+
+
 def test_a_streamed_op_answers_its_probe_first_and_a_host_that_takes_no_part_is_left_as_it_was(tmp_path, capsys):
     """capture and regenerate answer their own probe as a `probed` event (its facts of the op's `probed` type)
     before any work; on a host patchctl never worked on, one that takes no part creates and locks nothing."""

@@ -9,6 +9,11 @@ deploy:   the drafter's files already in the host's store (`artifact`) -> record
 finalize: the canary measured it and let it through: verified, with the acceptance measured.
 rollback: one step back along the chain (`drafter.steps`), or `to` a drafter of it or none: that record and
           the exact server config it served with, restarted and proven ready.
+A multi-node unit's controller calls the phases (`phase`) node by node, as apply restarts a unit: deploy
+`prepare` (every node records its drafter and the config in force before any stops: stopping one node takes
+the others down) -> `stop` -> `start` (no wait) -> `ready` (the head); rollback `stop` -> `start` -> `ready`
+(the head waits, then records) or `record` (a worker: the head proved the unit serves). The same chain
+(`pick_step`) picks every node's step.
 The tree's lock is taken as `apply` takes it and kept from deploy to finalize or rollback, so no other
 run changes this server while its acceptance is measured; a refusal (before anything changed) gives it
 back (`agent.handle`). Standard library only, Python 3.8 syntax.
@@ -43,6 +48,14 @@ def _refuse(agent, kind, message, **details):
     """A refusal before anything changed: marked so, `agent.handle` gives back the lock this call took."""
     details.pop("refused", None)
     return AgentError(kind, message, refused=True, **details)
+
+
+def _phase_known(agent, known):
+    phase = agent.req.get("phase")
+    if phase not in known:
+        raise _refuse(agent, "bad_input", "%s: phase %r is not one of %s" % (agent.req.get("op"), phase, ", ".join(
+            k for k in known if k)))
+    return phase
 
 
 def _planned(agent):
@@ -98,6 +111,9 @@ def deploy(agent):
     """Record the drafter (pending) and restart with it, ready; a start-up that fails is rolled back here.
     With `check_unchanged`: only say whether this host already serves it, verified ("unchanged"), changing
     nothing, so the controller measures no baseline there."""
+    _phase_known(agent, (None, "prepare", "stop", "start", "ready"))
+    if agent.req.get("phase") in ("stop", "start", "ready"):
+        return _deploy_phase(agent, agent.req["phase"])
     rec, cfg, before, same = _planned(agent)
     if same is not None or agent.req.get("check_unchanged"):
         if agent.took_lock:
@@ -110,6 +126,8 @@ def deploy(agent):
     mgr = manager_for(state_dir, cfg)
     out = {"changed": True, "drafter": summary(rec), "argv": cfg["argv"], "argv_before": before.get("argv"),
            "previous": rec["previous"]}
+    if agent.req.get("phase") == "prepare":  # a multi-node unit: recorded; the controller stops every node next
+        return out
     try:
         out["stop"] = mgr.stop()
         mgr.start(cfg)
@@ -125,6 +143,25 @@ def deploy(agent):
         e.details["rolled_back"] = _back(agent, rec, "previous", "start-up with the drafter failed: %s" % e)
         agent.tree.release(agent.run_id)
         raise
+    return out
+
+
+def _deploy_phase(agent, phase):
+    """A multi-node unit's node after `prepare`: stop, start with the drafter (not waited for: the head waits
+    until every node joined), or wait until ready (the head). A failure is the controller's to roll back, on
+    every node of the unit (the record stays pending, the lock held)."""
+    rec = read_record(agent.state_dir)
+    if not rec or rec.get("run_id") != agent.run_id or rec.get("status") != "pending":
+        raise AgentError("attention", "no drafter deploy of this run (%s) prepared here to %s" % (agent.run_id, phase))
+    cfg = build_server_config(agent.req, None, None, drafter=rec)
+    mgr = manager_for(agent.state_dir, cfg)
+    out = {"changed": True, "drafter": summary(rec), "argv": cfg["argv"]}
+    if phase == "stop":
+        out["stop"] = mgr.stop()
+    elif phase == "start":
+        mgr.start(cfg)
+    else:
+        out["ready_seconds"] = wait_ready(mgr, cfg)
     return out
 
 
@@ -144,6 +181,9 @@ def rollback(agent):
     """Back one step of the chain (`to` previous, the default), to a drafter of it (`to` a digest or a unique
     prefix) or to none, with the server config that drafter served with, proven ready. With `pending`: only an
     unfinished (pending) deploy is taken back; a verified drafter is left as it is."""
+    phase = _phase_known(agent, (None, "stop", "start", "ready", "record"))
+    if phase in ("start", "ready", "record"):
+        return _rollback_phase(agent, phase)
     agent.recover()
     rec = read_record(agent.state_dir)
     to = agent.req.get("to") or "previous"
@@ -164,16 +204,19 @@ def rollback(agent):
                 "drafter": summary(rec)}
     pick_step(rec, to)  # an unknown or ambiguous digest: refused (bad input) before anything changes
     _note_cut_off(agent, rec)
+    if phase == "stop":  # a multi-node unit: this node stopped; start and ready (or record) follow, lock kept
+        target, cfg_run, running = _step_config(agent, rec, to)
+        return {"changed": True, "to": summary(target), "from": summary(rec),
+                "stop": manager_for(agent.state_dir, cfg_run).stop(), "argv": cfg_run.get("argv")}
     out = _back(agent, rec, to, agent.req.get("reason") or "drafter rollback")
     agent.tree.release(agent.run_id)
     return out
 
 
-def _back(agent, rec, to, reason):
-    """Restore the record `to` names in `rec`'s chain (`host.drafter.pick_step`: previous, none or a digest)
-    and restart the server config that drafter served with (recorded at the deploy that replaced it; unknown
-    for a record written before the chain: the inventory's server, with the drafter); wait until it serves."""
-    state_dir = agent.state_dir
+def _step_config(agent, rec, to):
+    """(the record `to` names in `rec`'s chain (`host.drafter.pick_step`: previous, none or a digest), the
+    server config that drafter served with (recorded at the deploy that replaced it; unknown for a record
+    written before the chain: the inventory's server, with the drafter), whether it ran)."""
     target, server = pick_step(rec, to)
     if server is not None:
         cfg = launch_config(server)
@@ -183,6 +226,47 @@ def _back(agent, rec, to, reason):
         cfg["running"] = True
     cfg_run = dict(cfg)
     running = cfg_run.pop("running", None) is not False  # a config recorded without it ran
+    return target, cfg_run, running
+
+
+def _rollback_phase(agent, phase):
+    """A multi-node unit's node after `stop`: start the step's config (not waited for), then `ready` (the
+    head: wait until the unit serves) or `record` (a worker, once the head is ready): the record restored,
+    the history written, the lock given back. The record is unchanged until then, so `pick_step` picks the
+    same step in every phase."""
+    rec = read_record(agent.state_dir)
+    if not rec:
+        raise AgentError("attention", "no drafter record here to roll back (%s)" % phase)
+    to = agent.req.get("to") or "previous"
+    target, cfg_run, running = _step_config(agent, rec, to)
+    mgr = manager_for(agent.state_dir, cfg_run)
+    out = {"changed": True, "to": summary(target), "from": summary(rec), "argv": cfg_run.get("argv")}
+    if phase == "start":
+        if running:
+            mgr.start(cfg_run)
+        return out
+    if running and phase == "ready":
+        try:
+            out["ready_seconds"] = wait_ready(mgr, cfg_run)
+        except AgentError as e:
+            _history(agent, "drafter-rollback", "failed", rec, reason="%s; the server before did not come back: %s" % (
+                agent.req.get("reason") or "drafter rollback", e))
+            raise
+    out["server"] = ("restarted on the previous config, ready" if phase == "ready" else
+                     "restarted on the previous config (the head proved the unit ready)") if running else \
+        "left stopped (it was not running before the deploy)"
+    write_record(agent.state_dir, target)
+    _history(agent, "drafter-rollback", "to %s" % (("drafter %s" % target["digest"][:12]) if target else "no drafter"),
+             target, reason=agent.req.get("reason") or "drafter rollback")
+    agent.tree.release(agent.run_id)
+    return out
+
+
+def _back(agent, rec, to, reason):
+    """Restore the record `to` names in `rec`'s chain and restart the server config that drafter served with
+    (`_step_config`); wait until it serves."""
+    state_dir = agent.state_dir
+    target, cfg_run, running = _step_config(agent, rec, to)
     mgr = manager_for(state_dir, cfg_run)
     # the record changes only once the server is back on the config before: a rollback cut off midway leaves the
     # deploy's record (pending), so running it again is what finishes it (`drafter rollback --pending`)

@@ -18,8 +18,9 @@ Then the units go through apply's rollout (canary, batches, --max-fail, Ctrl-C; 
             before (or none) and the exact server config before, restarted and ready.
 
 A unit that already serves this drafter, verified, is left as it is ("unchanged"), said after the send (0
-bytes) and before the baseline: no prompt is measured there. One-node units only:
-a multi-node server's drafter deploy is refused (see docs/design.md "Drafters").
+bytes) and before the baseline: no prompt is measured there. A multi-node server is one unit
+(`multinode`): every node receives the draft, all restart together with it, the canary runs through the
+head, and a failed gate rolls back every node (see docs/design.md "Drafters").
 
 Ctrl-C: the first stops every send at its next MiB (what arrived stays in the host's store, as a `.part` the
 next deploy resumes) and starts nothing a unit has not started: a unit not yet restarted with the drafter ends
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from patchctl.commands.drafter import bench, check
+from patchctl.commands.drafter import bench, check, multinode
 from patchctl.commands.drafter.bench import served_limit
 from patchctl.commands.drafter.gate import Gate, accept_of, describe, describe_categories
 from patchctl.core import artifact, drafter
@@ -56,17 +57,19 @@ class DrafterUnit:
 
     def __init__(self, run: Run, nodes, opts: DrafterOptions, ctx: dict):
         self.run, self.opts, self.ctx = run, opts, ctx
-        self.session = run.session(nodes[0])
+        self.sessions = [run.session(h) for h in nodes]
+        self.session = self.sessions[0]  # the head: the baseline and the canary run through it
         self.name = nodes[0].name
         self.names = [h.name for h in nodes]
+        self.limit = ",".join(self.names)
 
     def run_unit(self) -> UnitResult:
         if self.run.stopping.is_set():
             return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
-        if self.name in self.ctx["not_sent"]:
-            outcome, msg = self.ctx["not_sent"][self.name]
-            return UnitResult(self.names, outcome, msg)
-        s = self.session
+        left = next((n for n in self.names if n in self.ctx["not_sent"]), None)
+        if left is not None:
+            outcome, msg = self.ctx["not_sent"][left]
+            return UnitResult(self.names, outcome, msg if len(self.names) == 1 else f"{left}: {msg}")
         try:
             self._send()
         except TransferIncomplete as e:
@@ -82,8 +85,8 @@ class DrafterUnit:
         if self.run.stopping.is_set():
             return UnitResult(self.names, Outcome.INTERRUPTED, f"stopped by Ctrl-C after the send ({self._sent()}), "
                               f"before the baseline; {NOT_DEPLOYED}")
-        try:  # a host already serving this drafter, verified, is unchanged before a prompt is measured
-            res = s.call("drafter_deploy", drafter=self.ctx["drafter"], host_name=self.name, check_unchanged=True)
+        try:  # a unit already serving this drafter, verified, is unchanged before a prompt is measured
+            res = self._check_unchanged()
         except PatchctlError as e:
             return self._failed(e)
         if res.get("changed") is False:
@@ -96,15 +99,35 @@ class DrafterUnit:
         if self.run.stopping.is_set():
             return UnitResult(self.names, Outcome.INTERRUPTED, f"stopped by Ctrl-C after the baseline ({describe(base)}), "
                               f"before the restart with the drafter; {NOT_DEPLOYED}")
+        return self._deploy_on(base)
+
+    def _check_unchanged(self) -> dict:
+        """Every node asked (changing nothing): unchanged only where every node serves this drafter, verified."""
+        ask = lambda s: s.call("drafter_deploy", drafter=self.ctx["drafter"], host_name=self.limit,  # noqa: E731
+                               check_unchanged=True)
+        answers = [ask(self.session)] if len(self.sessions) == 1 else self.run.parallel(ask, self.sessions)
+        if all(r.get("changed") is False for r in answers):
+            return answers[0]
+        return next(r for r in answers if r.get("changed") is not False)
+
+    def _deploy_on(self, base: dict) -> UnitResult:
+        """Restart with the drafter, canary through the head, gate: verified on every node or rolled back."""
         try:
-            res = s.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
+            if len(self.sessions) > 1:
+                res = multinode.restart(self)
+            else:
+                res = self.session.call("drafter_deploy", "restart", drafter=self.ctx["drafter"], host_name=self.name)
         except AgentFailure as e:
             if e.details.get("rolled_back") is not None:
                 return UnitResult(self.names, "failed, rolled back (verified)",
                                   f"restart with the drafter failed: {e}; {e.details['rolled_back'].get('server')}",
                                   touched=True)
+            if len(self.sessions) > 1:
+                return self._roll_back(str(e), None, "restart with the drafter failed")
             return self._failed(e)
         except PatchctlError as e:
+            if len(self.sessions) > 1:
+                return self._roll_back(str(e), None, "restart with the drafter failed")
             return self._failed(e)
         if not res.get("changed"):
             return self._unchanged(res)
@@ -127,7 +150,8 @@ class DrafterUnit:
         if missed:
             return self._roll_back("; ".join(missed), figures)
         try:
-            s.call("drafter_finalize", "verified", acceptance=acceptance)
+            for node in self.sessions:
+                node.call("drafter_finalize", "verified", acceptance=acceptance)
         except PatchctlError as e:
             return self._failed(e)
         gain = accept_of(new) - accept_of(base)
@@ -139,22 +163,31 @@ class DrafterUnit:
                           + (f"; last measured {describe(last)}" if last else ""))
 
     def _sent(self) -> str:
-        r = self.ctx["sent"].get(self.name) or {}
-        return f"{r.get('bytes_sent', 0)} bytes sent ({r.get('bytes_present', 0)} already there)"
+        rows = [self.ctx["sent"].get(n) or {} for n in self.names]
+        words = (f"{sum(r.get('bytes_sent', 0) for r in rows)} bytes sent "
+                 f"({sum(r.get('bytes_present', 0) for r in rows)} already there)")
+        return words + (f" to {len(rows)} nodes" if len(rows) > 1 else "")
 
     def _send(self) -> None:
-        """The draft to this host (`core.artifact.send`: what it has is not sent again), as the unit's first
-        step: a host the run never reaches (a canary refused the drafter) receives nothing."""
-        rep = self.run.reporter
-        rec = rep.step_start(self.name, "send") if rep else None
+        """The draft to this unit's hosts (`core.artifact.send`: what one has is not sent again; every node of
+        a multi-node unit at once), as the unit's first step: a host the run never reaches (a canary refused
+        the drafter) receives nothing."""
+        if len(self.sessions) > 1:
+            multinode.send_all(self)
+        else:
+            self._send_one(self.session)
+
+    def _send_one(self, session) -> None:
+        rep, name = self.run.reporter, session.host.name
+        rec = rep.step_start(name, "send") if rep else None
         try:
-            r = artifact.send(self.session, self.ctx["artifact"], keep_free=self.opts.keep_free,
+            r = artifact.send(session, self.ctx["artifact"], keep_free=self.opts.keep_free,
                               stop=self.run.stopping)  # a first Ctrl-C ends the stream at its next MiB
         except PatchctlError as e:
             if rec:
                 rep.step_end(rec, False, str(e))
             raise
-        self.ctx["sent"][self.name] = r
+        self.ctx["sent"][name] = r
         if rec:
             rep.step_end(rec, True, f"{r['bytes_sent']} bytes sent, {r['bytes_present']} already there")
 
@@ -175,16 +208,19 @@ class DrafterUnit:
             rep.step_end(rec, True, describe(m))
         return m
 
-    def _roll_back(self, why: str, figures: str | None) -> UnitResult:
+    def _roll_back(self, why: str, figures: str | None, what: str = "canary refused the drafter") -> UnitResult:
         try:
-            rb = self.session.call("drafter_rollback", "rollback", to="previous", reason=f"canary: {why}",
-                                   host_name=self.name)
+            if len(self.sessions) > 1:  # every node, each one step back along its own chain
+                rb = multinode.roll_back(self.run, self.sessions, "previous", f"canary: {why}")
+            else:
+                rb = self.session.call("drafter_rollback", "rollback", to="previous", reason=f"canary: {why}",
+                                       host_name=self.name)
         except PatchctlError as e:
             outcome, msg = host_error(e)
-            return UnitResult(self.names, "rollback failed", f"canary refused the drafter ({why}); rollback failed: {msg}; "
-                              f"next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.name)}", touched=True)
+            return UnitResult(self.names, "rollback failed", f"{what} ({why}); rollback failed: {msg}; "
+                              f"next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.limit)}", touched=True)
         return UnitResult(self.names, "failed, rolled back (verified)",
-                          f"canary refused the drafter: {why}" + (f" ({figures})" if figures else "")
+                          f"{what}: {why}" + (f" ({figures})" if figures else "")
                           + f"; {rb.get('server')}", touched=True)
 
     def _failed(self, e: Exception) -> UnitResult:
@@ -192,7 +228,7 @@ class DrafterUnit:
         if outcome == "failed":
             outcome = "failed, left as is"
             if "drafter rollback" not in msg:  # an agent's refusal may name it already
-                msg += f"; next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.name)}"
+                msg += f"; next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.limit)}"
         return UnitResult(self.names, outcome, msg, touched=outcome not in ("refused", "locked", "unreachable"))
 
 
@@ -233,7 +269,10 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
     against its vocabulary and tokenizer, no faked acceptance, no capture series deployed. A problem anywhere
     refuses the run (exit 2); a host that cannot be read, or that is left with an unfinished deploy or locked
     by another run, is left out of the deploy (its unit says why): nothing is sent or measured there."""
-    rows = run.parallel(lambda h: check.judge_host(run, h, ctx["facts"], ctx["data"]), run.hosts)
+    hosts = run.hosts + [h for u in run.units() for h in u if h not in run.hosts]  # a unit's other nodes too
+    rows = [_worker_row(run, ctx, h, r) for h, r in
+            zip(hosts, run.parallel(lambda h: check.judge_host(run, h, ctx["facts"], ctx["data"]), hosts))]
+    heads = [r for r in rows if r["host"] not in ctx.get("workers", ())]
     bad = [f"{r['host']}: {p['message']}" for r in rows for p in r["problems"]]
     for r in rows:
         why = _host_state(run, r["host"], r.get("probe") or {})
@@ -247,11 +286,21 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
                 ctx["not_sent"][r["host"]] = ("needs attention", f"nothing sent: {r['error']}")
                 continue
             ctx["not_sent"][r["host"]] = ((host_error(e)[0] if e else "unknown"), f"not probed: {r['error']}")
-    ctx["probes"].update({r["host"]: {"context_length": served_limit(r["host"], r["probe"])} for r in rows
+    ctx["probes"].update({r["host"]: {"context_length": served_limit(r["host"], r["probe"])} for r in heads
                           if r.get("probe")})
-    bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in rows if r.get("probe")})
+    bench.refuse_before_sending(ctx["prompts"], {r["host"]: r["probe"] for r in heads if r.get("probe")})
     if bad:
         raise BadInput("the draft does not fit what the hosts serve:\n  " + "\n  ".join(bad) + "\nnothing sent")
+
+
+def _worker_row(run: Run, ctx: dict, h, row: dict) -> dict:
+    """A multi-node unit's worker serves no HTTP (SGLang's non-zero ranks): the model is judged on its head;
+    the worker on its state (series, drafter, lock: `_host_state`) and on the flags its own launch config would
+    be restarted with (`check.launch_rows`). One that cannot be reached at all is left out as any host is."""
+    if h.name not in ctx.get("workers", ()) or row.get("error_obj") is not None:
+        return row
+    flags = check.launch_rows(h, ctx["facts"])
+    return dict(row, ok=True, problems=flags, outcome=None)
 
 
 def _host_state(run: Run, host: str, p: dict) -> tuple[Outcome, str] | None:
@@ -330,10 +379,7 @@ def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
               recovery=_recovery(app), stop_words=STOP_WORDS)
     try:
         units = run.units()
-        multi = [u for u in units if len(u) > 1]
-        if multi:
-            raise BadInput("drafter deploy: multi-node servers are not supported yet: "
-                           + ", ".join("+".join(h.name for h in u) for u in multi))
+        ctx["workers"] = {h.name for u in units for h in u[1:]}  # serve no HTTP: judged on their state and flags
         try:
             _fleet_checks(run, ctx)  # read-only, every host: exit 2 before anything is sent
         except BadInput as e:
@@ -355,16 +401,21 @@ def run_drafter_deploy(app: App, opts: DrafterOptions) -> int:
 class RollbackUnit:
     def __init__(self, run: Run, nodes, opts: DrafterOptions):
         self.run, self.opts = run, opts
-        self.session = run.session(nodes[0])
+        self.sessions = [run.session(h) for h in nodes]
+        self.session = self.sessions[0]
         self.names = [h.name for h in nodes]
 
     def run_unit(self) -> UnitResult:
         if self.run.stopping.is_set():
             return UnitResult(self.names, "not reached", "left untouched: the run was interrupted before this unit")
+        reason = "drafter rollback" + (" --pending" if self.opts.pending else "")
         try:
-            res = self.session.call("drafter_rollback", "rollback", to=self.opts.to or "previous",
-                                    reason="drafter rollback" + (" --pending" if self.opts.pending else ""),
-                                    host_name=self.names[0], pending=bool(self.opts.pending))
+            if len(self.sessions) > 1:  # every node of the unit, each along its own chain
+                res = multinode.roll_back(self.run, self.sessions, self.opts.to or "previous", reason,
+                                          pending=bool(self.opts.pending))
+            else:
+                res = self.session.call("drafter_rollback", "rollback", to=self.opts.to or "previous", reason=reason,
+                                        host_name=self.names[0], pending=bool(self.opts.pending))
         except PatchctlError as e:
             outcome, msg = host_error(e)
             return UnitResult(self.names, "rollback failed" if outcome == "failed" else outcome, msg, touched=True)
