@@ -14,7 +14,10 @@ import json
 import signal
 
 from fleet import wait_for
-from test_capture_run import agent_lock_free, dataset, deploy, done_records, fleet, fleet3, journal  # noqa: F401
+from test_capture_run import agent_lock_free, dataset, done_records, journal
+from test_capture_run import fleet, fleet3  # noqa: F401,F811 (the fixtures)
+
+FIXTURES = (fleet, fleet3)  # (used: pytest finds them here by name)
 
 
 def run_info(f, name: str) -> dict:
@@ -25,7 +28,7 @@ def sent_ids(recs) -> set[str]:
     return {r["id"] for r in recs if r["rec"] == "sent"}
 
 
-def test_a_bad_line_late_in_the_dataset_stops_the_run_before_it_is_sent(fleet, tmp_path):
+def test_a_bad_line_late_in_the_dataset_stops_the_run_before_it_is_sent(fleet, tmp_path):  # noqa: F811
     f = fleet
     ds = tmp_path / "late.jsonl"
     samples = dataset(ds, 120, seed=7)
