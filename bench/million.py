@@ -2,7 +2,7 @@
 """Issue 41's table, before and after side by side in one run: a capture run's controller costs at 10k and 1M
 samples, on generated journals (no host is contacted).
 
-    python bench/million.py [--sizes 10000,1000000] [--before 31b2591 | --before-tree DIR] [--keep DIR]
+    python bench/million.py [--sizes 10000,1000000] [--before 4866fef | --before-tree DIR] [--keep DIR]
 
 The "before" controller is commit --before's `patchctl/` (`git archive` into a temporary directory); "after"
 is this tree. Each row runs in a process of its own (PYTHONPATH: that tree), its wall time and its peak RSS
@@ -20,13 +20,18 @@ Rows:
   status killed   the same for `half` (after: the journal folded, no summary stands for it)
   status killed+  after only: the same with the summary.json a running run writes every 30 s, as of 30 s
                   (6 000 samples at 200/s) before the kill: the summary and the records after it
-  resume          `capture run`'s controller work before its first sample goes out on `half`: the dataset
-                  validated (load_dataset), the journal folded, the samples not done listed, the first line
-                  built (each host's own start is apart: it overlaps, and it is the same in both trees)
+  new run         `capture run`'s controller work before the first sample of a new run goes out: before, the
+                  dataset validated whole (load_dataset), the first line read; after, the dataset prescanned
+                  (sha256, count) and validated in a thread beside the sending (open_dataset), the first
+                  line the validation passed read. The time is the first line's; the process then waits
+                  for the validation's end, so its peak RSS is the whole validation's (it ends mid-run)
+  resume          the same on `half`, with the journal folded (light) and the samples done skipped (each
+                  host's own start is apart: it overlaps, and it is the same in both trees)
   run end         what the last invocation does after its last sample: before, the journal folded again;
                   after, summary.json written from the fold the run kept as it wrote (Journal.follow): the
                   time is the write's (its RSS: the process holding that fold, as the run does)
-  collect fold    the journal as `capture collect` folds it (load_run: every first "done" record kept)
+  collect fold    the journal as `capture collect` folds it (load_run: before, every first "done" record kept;
+                  after, lazy: each one's offset in the journal, read back when collect plans it)
 
 The load average is printed before and after; one run of each row (a row at 1M takes seconds to tens).
 """
@@ -44,7 +49,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BEFORE = "31b2591"  # main before issue 41
+BEFORE = "4866fef"  # main before issue 41's second pass (31b2591: before the first)
 HOSTS = ("host0", "host1", "host2")
 
 
@@ -102,19 +107,40 @@ import sys, time
 t0 = time.monotonic()
 from patchctl.commands.capture import dataset as datasets
 from patchctl.commands.capture.journal import Journal, run_dir
-d = run_dir("half")
-ds = datasets.load_dataset(sys.argv[1], "patchctl-cap-half-")
+name = sys.argv[2]
+d = run_dir(name)
+streaming = hasattr(datasets, "open_dataset")
+if streaming:  # after: validated beside the sending, in a thread of its own (runner.run_capture)
+    ds = datasets.open_dataset(sys.argv[1], "patchctl-cap-%s-" % name)
+else:
+    ds = datasets.load_dataset(sys.argv[1], "patchctl-cap-%s-" % name)
 t_valid = time.monotonic() - t0
 try:
     from patchctl.commands.capture.journal import CAPTURE_COUNTS
-    st = Journal(d).state(CAPTURE_COUNTS)
-    stale = {h: st.stale(h) for h in ("host0", "host1", "host2")}
+    st = Journal(d).state(CAPTURE_COUNTS) if name != "new" else None
+    stale = {h: st.stale(h) for h in ("host0", "host1", "host2")} if st else {}
 except ImportError:  # before
-    st = Journal(d).state()
-done = st.done
-todo = [s for s in ds.samples if s.id not in done]
-first = ds.read(todo[0])
-print("%.3f %.3f %d" % (t_valid, time.monotonic() - t0, len(todo)))
+    st = Journal(d).state() if name != "new" else None
+done = st.done if st else {}
+if streaming:
+    feed = datasets.DatasetFeed(ds, done)
+    with ds.cv:  # the sender's wait for the validation to pass its next sample (fleetjob.CaptureRun.on_validated)
+        while True:
+            s = feed.take()
+            if s is not None or not feed.more():
+                break
+            ds.cv.wait()
+    todo = feed.todo
+else:
+    todo_list = [x for x in ds.samples if x.id not in done]
+    s, todo = todo_list[0], len(todo_list)
+first = ds.read(s)
+t_first = time.monotonic() - t0
+if streaming:  # the validation goes on beside the run: its end is in the process's peak RSS too
+    ds.finished.wait()
+    assert ds.failure() is None and len(ds) == ds.count
+    t_valid = time.monotonic() - t0
+print("%.3f %.3f %d" % (t_valid, t_first, todo))
 """
 
 RUN_END = r"""
@@ -152,7 +178,10 @@ COLLECT = r"""
 import time
 t0 = time.monotonic()
 from patchctl.commands.capture.journal import load_run
-info, st = load_run("done")
+try:
+    info, st = load_run("done", lazy=True)  # after: each done record's offset in the journal (collect.py)
+except TypeError:  # before
+    info, st = load_run("done")
 print("%.3f %d" % (time.monotonic() - t0, len(st.done)))
 """
 
@@ -195,7 +224,8 @@ def main() -> int:
                 ("status killed", [py, "-m", "patchctl", "--json", "capture", "status", "half"], ("before", "after")),
                 ("summary at", [py, "-c", SUMMARY_AT], ("after",)),
                 ("status killed+", [py, "-m", "patchctl", "--json", "capture", "status", "half"], ("after",)),
-                ("resume", [py, "-c", RESUME, str(g["dataset"])], ("before", "after")),
+                ("new run", [py, "-c", RESUME, str(g["dataset"]), "new"], ("before", "after")),
+                ("resume", [py, "-c", RESUME, str(g["dataset"]), "half"], ("before", "after")),
                 ("collect fold", [py, "-c", COLLECT], ("before", "after"))):
             cells = {}
             for which in trees_for:
@@ -203,9 +233,9 @@ def main() -> int:
                 extra = ""
                 if label == "run end" and out.strip():
                     wall = float(out.split()[0])
-                if label == "resume" and out.strip():
+                if label in ("resume", "new run") and out.strip():
                     v, first, todo = out.split()
-                    extra = f" (validation {float(v):.1f}s; first line ready {float(first):.1f}s; {todo} to do)"
+                    extra = f" (validation ended {float(v):.1f}s; first line ready {float(first):.1f}s; {todo} to do)"
                     wall_shown = float(first)
                 else:
                     wall_shown = wall

@@ -260,7 +260,7 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     from patchctl.core.report import Reporter
 
     name = opts.name
-    info, st = load_run(name)
+    info, st = load_run(name, lazy=True)  # the done records stay in the journal until planned
     fmt = _format(opts, info)
     if opts.on_host is not None:
         return run_on_host(app, opts, name, info, st, opts.on_host)

@@ -237,7 +237,7 @@ def loss_mask(dataset, sid: str) -> tuple[list | None, str]:
     """A sample's loss mask from the run's dataset (None: all ones) and where it came from."""
     if dataset is None:
         return None, ALL_ONES
-    s = dataset.samples[dataset.by_id[sid]]
+    s = dataset.get(sid)
     if not s.has_loss_mask:
         return None, "all ones (no loss_mask on its line of the dataset)"
     return dataset.read(s)["loss_mask"], "dataset"

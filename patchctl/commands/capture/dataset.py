@@ -1,13 +1,27 @@
-"""The tokenized JSONL dataset of an extraction run, validated before anything is sent.
+"""The tokenized JSONL dataset of an extraction run: validated, and never a bad line sent.
 
 One sample a line: `{"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}`.
 
-`load_dataset(path)` reads the file once (sha256 on the way) and refuses it (BadInput, exit 2)
-with every problem up to MAX_PROBLEMS, each as `FILE:LINE: what was expected`:
-bad JSON, a line that is not an object, an id that is missing, not a string or empty, the same
-id twice (both lines named), two ids whose dump files would get the same name (`safe_name`),
-input_ids empty or not integers (true/false are not integers) or negative, a loss_mask of
-another length or with values other than 0 and 1, and unknown keys.
+The checks (each problem as `FILE:LINE: what was expected`, every one up to MAX_PROBLEMS listed in one
+BadInput, exit 2, the total always counted): bad JSON, a line that is not an object, an id that is missing,
+not a string or empty, the same id twice (both lines named), two ids whose dump files would get the same
+name (`safe_name`), input_ids empty or not integers (true/false are not integers) or negative, a loss_mask
+of another length or with values other than 0 and 1, and unknown keys; then (check_against_model) token
+ids >= a served model's vocab_size and prompts the server would abort as too long.
+
+How a run reads it (`open_dataset`): a prescan (sha256, size, non-blank lines, in 1 MiB chunks: ~0.1 s for
+a million samples), then the validation in a thread of its own, waited for up to SYNC_S (0.5 s): a file
+validated by then is refused or accepted whole before any host is contacted, as `load_dataset` (the whole
+file, in the caller's thread) does. A larger one goes on validating beside the hosts' probes and the
+sending. What guarantees that no bad line is sent: the sender takes samples only through DatasetFeed, in
+file order, and only below `Dataset.ok`, which the validation moves up (under its lock) to the samples
+before the first line with any problem, and never past it; the model's checks join the validation as soon
+as the hosts' probes gave their limits (check_against_model: what was validated by then is checked at once,
+before anything is sent; the rest before `ok` passes it). A bad line found while samples are out stops the
+run (no new sample is sent; those out finish and are journalled), and `capture run` exits 2 once the
+validation ended, listing every problem of the file; run.json records the refusal, so the same file is
+refused at once from then on. The validation reads the file again and compares its sha256 with the
+prescan's: a file changed in between is a problem too.
 
 Decisions:
 - Unknown keys are refused: a misspelled `loss_mask` ("loss_masks", "lossmask") would otherwise
@@ -15,32 +29,37 @@ Decisions:
 - Blank (whitespace-only) lines are skipped: they carry no sample, and a trailing empty line is
   what many writers leave. Line numbers stay physical (1-based), so editors agree with them.
 
-The dataset is not kept in memory (a million samples of thousands of tokens would be tens of
-GB of Python ints): each Sample records its line's byte offset and length, its token count and
-largest token id; `Dataset.read()` / `Dataset.records()` read input_ids and loss_mask back when
-the runner sends a sample (checked against the id recorded, so a file changed since is noticed).
+The dataset is not kept in memory (a million samples of thousands of tokens would be tens of GB of Python
+ints), nor an object per sample: the index holds each sample's id, and its line, byte offset, length, token
+count and largest token id in arrays (~100 bytes a sample with the id); `Dataset.sample(i)` makes a Sample
+when one is asked for, and `Dataset.read()` reads input_ids and loss_mask back when the runner sends it
+(checked against the id recorded, so a file changed since is noticed).
 
-`check_against_model(dataset, facts_by_host)` then refuses token ids >= a served model's
-vocab_size and prompts the server would abort as too long: SGLang 0.5.23 aborts `T >= max_req_input_len`
+`check_against_model(dataset, facts_by_host)` refuses token ids >= a served model's vocab_size and prompts
+the server would abort as too long: SGLang 0.5.23 aborts `T >= max_req_input_len`
 (`min(context_len - 1, kv_pool - 1) - 5`, patchctl.host.limits), a bound each server reports in
 /server_info; without it, the same rule on the context length (KV pool unknown); with neither, the run
 is refused unless the length check is turned off. It says which bound it used.
 """
-
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+import threading
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
+from patchctl.commands.capture.problems import MAX_PROBLEMS, JsonLines, Problems, again, short
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
 from patchctl.host.capture import safe_name
 
-MAX_PROBLEMS = 20  # problems listed in one error; the total is always counted
 KEYS = ("id", "input_ids", "loss_mask")
 ALLOWED = frozenset(KEYS)
+AN_OBJECT = 'an object {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}'
 
 # --- the capture module's file names: patchctl.host.capture.safe_name, the module's exact twin (tested
 # against the module's own function loaded from the patch text). It is injective (plain names never start
@@ -55,6 +74,7 @@ def file_name(rid: str) -> str:
 
 @dataclass(slots=True)
 class Sample:
+    """One sample of the index, made when it is asked for (the index itself holds arrays, not objects)."""
     id: str
     line: int  # 1-based physical line
     offset: int  # byte offset of the line in the file
@@ -62,17 +82,63 @@ class Sample:
     tokens: int
     max_id: int  # largest token id (checked against the model's vocab_size)
     has_loss_mask: bool
+    index: int = 0  # its place among the dataset's samples
 
 
-@dataclass
 class Dataset:
-    path: Path  # absolute
-    samples: list[Sample]
-    tokens: int
-    sha256: str
-    bytes: int
-    has_loss_mask: bool  # any line had a loss_mask
-    by_id: dict[str, int] = field(repr=False, default_factory=dict)  # id -> index in samples
+    """A dataset's compact index (per sample: its id, and its line, offset, length, token count and largest
+    token id in arrays: ~100 bytes a sample), filled by its validation (`validate`: in this thread, or in
+    one of its own beside the sending, open_dataset). `ok`: the samples [0, ok) passed every check (the
+    model's too, once check_against_model gave its limits); it stops short of the first bad line for good.
+    The sender takes only samples below `ok` (DatasetFeed), so no line at or after a bad one is ever sent.
+    Only the prescan's facts (sha256, bytes, count) are known before the validation ends."""
+
+    def __init__(self, path: Path, rid_prefix: str, sha256: str, size: int, count: int, maybe_mask: bool):
+        self.path, self.rid_prefix, self.sha256, self.bytes = path, rid_prefix, sha256, size
+        self.count = count  # non-blank lines (the prescan's): the number of samples of a valid dataset
+        self.maybe_mask = maybe_mask  # the prescan's: a line may hold a loss_mask (False: none does)
+        self.ids: list[str] = []
+        self.lines, self.lengths, self.ntokens = array("i"), array("i"), array("i")
+        self.offsets, self.max_ids = array("q"), array("q")
+        self.masks = bytearray()
+        self.tokens = 0
+        self.has_loss_mask = False  # any line had a loss_mask
+        self.problems = Problems(path)
+        self.ok = 0
+        self.finished = threading.Event()
+        self.limits: tuple | None = None  # check_against_model's (vocab, tight): every sample checked against it
+        self.model_checked = 0  # samples [0, model_checked) checked against `limits`
+        self.cv = threading.Condition()
+        self.listeners: list = []  # called (no lock held) as `ok` advances and once at the end
+        self._seen: set[str] = set()
+        self._names: dict[str, str] = {}  # file name -> id, of encoded rids only (see _add)
+        self._stop = False
+        self._by_id: dict[str, int] | None = None
+        # tests: PATCHCTL_TEST_DATASET_GATE=LINE:PATH holds the validation before line LINE until PATH exists
+        gate = (os.environ.get("PATCHCTL_TEST_DATASET_GATE") or "").partition(":")
+        self._gate = (int(gate[0]), gate[2]) if gate[2] else (0, "")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def sample(self, i: int) -> Sample:
+        return Sample(self.ids[i], self.lines[i], self.offsets[i], self.lengths[i], self.ntokens[i],
+                      self.max_ids[i], bool(self.masks[i]), i)
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample as a Sample (a list made now: for small datasets and tests)."""
+        return [self.sample(i) for i in range(len(self.ids))]
+
+    @property
+    def by_id(self) -> dict[str, int]:
+        """id -> index (built when first asked; the validation keeps only a set of the ids)."""
+        if self._by_id is None or len(self._by_id) != len(self.ids):
+            self._by_id = {sid: i for i, sid in enumerate(self.ids)}
+        return self._by_id
+
+    def get(self, sid: str) -> Sample:
+        return self.sample(self.by_id[sid])
 
     def read(self, sample: Sample) -> dict:
         """{"id", "input_ids", "loss_mask" (None when the line has none)} of one sample, from the file."""
@@ -98,40 +164,162 @@ class Dataset:
                            f"validated (sha256 was {self.sha256})", file=str(self.path), line=sample.line)
         return {"id": sample.id, "input_ids": obj["input_ids"], "loss_mask": obj.get("loss_mask")}
 
+    # the validation -------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Every line checked in file order (see the module docstring), the index filled; the file read in
+        1 MiB chunks and hashed again, so that what was validated is what the prescan hashed."""
+        h, carry, pos, ln, since = hashlib.sha256(), b"", 0, 0, 0
+        try:
+            with open(self.path, "rb") as f:
+                while not self._stop:
+                    chunk = f.read(1 << 20)
+                    h.update(chunk)
+                    parts = (carry + chunk).split(b"\n")
+                    if chunk:
+                        carry = parts.pop()
+                    for raw in parts if chunk else ([carry] if carry else []):
+                        ln += 1
+                        self._line(ln, pos, raw)
+                        pos += len(raw) + 1
+                        since += 1
+                        if since >= 256:
+                            since = 0
+                            self._advance()
+                    if not chunk:
+                        break
+            if not self._stop and h.hexdigest() != self.sha256:
+                self.problems.add(max(1, ln), f"the file changed while it was read (sha256 {h.hexdigest()}, "
+                                              f"{self.sha256} before); expected it unchanged")
+        except OSError as e:
+            self.problems.add(max(1, ln), f"cannot read it: {e.strerror}")
+        finally:
+            if not self.ids and not self.problems.count and not self._stop:
+                self.problems.add(1, "no samples; expected one JSON object a line")
+            self._advance(end=True)
 
-class Problems:
-    """Problems of a file, the first MAX_PROBLEMS kept; raised as one BadInput."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.kept: list[tuple[int, str]] = []
-        self.count = 0
-
-    def add(self, line: int, msg: str) -> None:
-        self.count += 1
-        if len(self.kept) < MAX_PROBLEMS:
-            self.kept.append((line, msg))
-
-    def raise_if_any(self, what: str) -> None:
-        if not self.count:
+    def _line(self, ln: int, start: int, raw: bytes) -> None:
+        if ln == self._gate[0]:
+            self._advance()
+            while not os.path.exists(self._gate[1]) and not self._stop:
+                self.finished.wait(0.05)
+        line = raw.rstrip(b"\r")
+        if not line.strip():
             return
-        lines = [f"{self.path}:{ln}: {msg}" for ln, msg in self.kept]
-        more = f" (the first {len(self.kept)} shown)" if self.count > len(self.kept) else ""
-        if self.count > 1:
-            lines.append(f"{self.path}: {self.count} problems{more}; {what}")
-        else:
-            lines[0] += f"; {what}"
-        err = BadInput("\n".join(lines))
-        err.file, err.line = str(self.path), self.kept[0][0]
-        err.problems = list(self.kept)
-        err.problem_count = self.count
-        raise err
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            self.problems.add(ln, f"not valid JSON ({e}); expected one JSON object a line")
+            return
+        if not isinstance(obj, dict):
+            self.problems.add(ln, f"a JSON {type(obj).__name__}, expected " + AN_OBJECT)
+            return
+        sid, n, max_id = _check_sample(self.problems, ln, line, obj)
+        mask = "loss_mask" in obj
+        self.has_loss_mask |= mask
+        if sid is not None and self._add(sid, ln):  # (appended without the lock: readers stay below `ok`)
+            self.ids.append(sid)
+            self.lines.append(ln)
+            self.offsets.append(start)
+            self.lengths.append(len(line))
+            self.ntokens.append(n)
+            self.max_ids.append(min(max_id, 1 << 62))  # (a larger one is refused as >= vocab_size all the same)
+            self.masks.append(mask)
+            self.tokens += n
+
+    def _add(self, sid: str, ln: int) -> bool:
+        """Each id once, and no two ids dumped to the same file name."""
+        listed = len(self.problems.kept) < MAX_PROBLEMS  # (only a listed problem looks its first line up)
+        if sid in self._seen:
+            self.problems.add(ln, again(sid, self.lines[self.ids.index(sid)]) if listed else "")
+            return False
+        rid = self.rid_prefix + sid
+        name = safe_name(rid)
+        if name != rid:  # a plain rid is its own file name, unique as ids are, and never one an encoded rid
+            #              gets (those start with "rid-", which no plain name does): only encoded ones are kept
+            if name in self._names:
+                other = self._names[name]
+                self.problems.add(ln, f"id {short(sid)} and id {short(other)} (line {self.lines[self.ids.index(other)]}) "
+                                      f"would be dumped to the same file {name}.safetensors; rename one" if listed else "")
+                return False
+            self._names[name] = sid
+        self._seen.add(sid)
+        return True
+
+    def _advance(self, end: bool = False) -> None:
+        """`ok` moved up to what passed (never past a problem), the listeners told."""
+        with self.cv:
+            self._check_model()
+            n = len(self.ids)
+            first = self.problems.first  # the first bad line: `ok` stops at the samples before it
+            self.ok = n if first is None else max(self.ok, bisect.bisect_left(self.lines, first, self.ok, n))
+            if end:
+                self._seen.clear()
+                self.finished.set()
+            self.cv.notify_all()
+        for fn in list(self.listeners):
+            fn()
+
+    def _check_model(self) -> None:
+        """The samples validated since the last call checked against the model's limits, once they are known
+        (caller holds cv)."""
+        if self.limits is None:
+            return
+        for i in range(self.model_checked, len(self.ids)):
+            _model_problems(self.problems, self.limits, self.lines[i], self.ids[i], self.max_ids[i], self.ntokens[i])
+        self.model_checked = len(self.ids)
+
+    def stop(self) -> None:
+        """The validation ends at its next chunk (a run refused or over)."""
+        self._stop = True
+
+    def failure(self, what: str = "nothing was sent") -> BadInput | None:
+        """Once finished: the problems as one BadInput (`what`: what became of the run), or None."""
+        try:
+            self.problems.raise_if_any(what)
+        except BadInput as e:
+            return e
+        return None
+
+    def info(self) -> dict:
+        """run.json's "dataset" entry (before the validation ends: tokens unknown, loss_mask as the prescan saw)."""
+        done = self.finished.is_set()
+        return {"path": str(self.path), "sha256": self.sha256, "samples": len(self.ids) if done else self.count,
+                "tokens": self.tokens if done else None,
+                "loss_mask": self.has_loss_mask if done else self.maybe_mask}
 
 
-def short(v, n: int = 60) -> str:
-    """A bad value as problem messages quote it (JSON, or repr for a string), cut to n characters."""
-    text = json.dumps(v) if not isinstance(v, str) else repr(v)
-    return text if len(text) <= n else text[: n - 1] + "…"
+class DatasetFeed:
+    """The samples of a dataset still to do, in file order, as its validation passes them: `take()` gives the
+    next one below `ok` whose id is not in `done` (None: none validated yet, or none left); `left()` how many
+    are still to come; `more()` whether any may still come (False once the validation ended, or stopped at a
+    bad line, and every passed sample was taken)."""
+
+    def __init__(self, ds: Dataset, done):
+        self.ds, self.done = ds, done
+        self.cursor = 0
+        self.todo = ds.count - len(done)  # the dataset's ids are unique: every done id is one of its lines
+        self.taken = 0
+
+    def take(self) -> Sample | None:
+        ds = self.ds
+        with ds.cv:
+            while self.cursor < ds.ok:
+                i = self.cursor
+                self.cursor += 1
+                if ds.ids[i] not in self.done:
+                    self.taken += 1
+                    return ds.sample(i)
+        return None
+
+    def left(self) -> int:
+        return max(0, self.todo - self.taken) if self.more() else 0
+
+    def more(self) -> bool:
+        ds = self.ds
+        with ds.cv:
+            if self.cursor < ds.ok:
+                return True
+            return not ds.finished.is_set() and not ds.problems.count
 
 
 def _bad_ints(values: list, maybe_negative: bool) -> str | None:
@@ -147,70 +335,56 @@ def _bad_ints(values: list, maybe_negative: bool) -> str | None:
     return None
 
 
-class JsonLines:
-    """A JSONL file read once, as one JSON object a line: each line hashed and counted as read (sha256,
-    bytes), blank lines passed over, a line that is not JSON or not an object named in `problems` with
-    what was expected (`a_line`, `an_object`). Yields (line number, byte offset, the line without its
-    newline, object). Closes the file when done."""
+SYNC_S = 0.5  # a dataset validated within this long is refused (or not) before any host is contacted
 
-    def __init__(self, f, problems: "Problems", a_line: str, an_object: str):
-        self.f, self.problems, self.a_line, self.an_object = f, problems, a_line, an_object
-        self.sha256 = hashlib.sha256()
-        self.bytes = 0
 
-    @classmethod
-    def open(cls, path: Path, what: str, a_line: str, an_object: str) -> "JsonLines":
-        """The file at `path` (absolute) with its own `problems`, or BadInput "cannot read WHAT" naming it."""
-        try:
-            f = open(path, "rb")
-        except OSError as e:
-            raise BadInput(f"cannot read {what}: {e.strerror}", file=str(path)) from None
-        return cls(f, Problems(path), a_line, an_object)
+def prescan(path: Path) -> tuple[str, int, int, bool]:
+    """(sha256, bytes, non-blank lines, whether a line may hold a loss_mask), in 1 MiB chunks: ~0.1 s for a
+    million samples. Unreadable: BadInput naming it."""
+    h, size, count, carry, mask = hashlib.sha256(), 0, 0, b"", False
+    try:
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(1 << 20)
+                h.update(chunk)
+                size += len(chunk)
+                data = carry + chunk
+                mask = mask or b"loss_mask" in data or b"\\u" in data  # an escaped key spells it otherwise
+                parts = data.split(b"\n")
+                carry = parts.pop() if chunk else b""
+                count += sum(1 for p in parts if p.strip())
+                if not chunk:
+                    break
+    except OSError as e:
+        raise BadInput(f"cannot read the dataset: {e.strerror}", file=str(path)) from None
+    return h.hexdigest(), size, count, mask
 
-    def finish(self, found: int, none: str) -> None:
-        """After the last line: BadInput listing every problem, `none` when no line held anything (`found`)."""
-        if not found and not self.problems.count:
-            self.problems.add(1, none)
-        self.problems.raise_if_any("nothing was sent")
 
-    def __iter__(self):
-        with self.f:
-            for ln, raw in enumerate(self.f, 1):
-                self.sha256.update(raw)
-                start = self.bytes
-                self.bytes += len(raw)
-                line = raw.rstrip(b"\r\n")
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    self.problems.add(ln, f"not valid JSON ({e}); expected {self.a_line}")
-                    continue
-                if not isinstance(obj, dict):
-                    self.problems.add(ln, f"a JSON {type(obj).__name__}, expected {self.an_object}")
-                    continue
-                yield ln, start, line, obj
+def open_dataset(path, rid_prefix: str = "", sync_s: float | None = None) -> Dataset:
+    """The dataset prescanned (sha256, size, count) and its validation started in a thread of its own;
+    waited for up to `sync_s` (default SYNC_S, or $PATCHCTL_DATASET_SYNC_S): a dataset validated by then
+    is refused (BadInput, exit 2, every problem up to MAX_PROBLEMS) as load_dataset would, before anything
+    is sent; a larger one goes on validating beside the sending (Dataset.ok, DatasetFeed)."""
+    path = Path(path).expanduser().absolute()
+    ds = Dataset(path, rid_prefix, *prescan(path))
+    threading.Thread(target=ds.validate, name="dataset validation", daemon=True).start()
+    if sync_s is None:
+        sync_s = float(os.environ.get("PATCHCTL_DATASET_SYNC_S") or SYNC_S)
+    if ds.finished.wait(sync_s) and ds.problems.count:
+        raise ds.failure()
+    return ds
 
 
 def load_dataset(path, rid_prefix: str = "") -> Dataset:
-    """Read and validate a JSONL dataset (see the module docstring); BadInput (exit 2) lists every problem
+    """Read and validate a JSONL dataset whole (see the module docstring); BadInput (exit 2) lists every problem
     up to MAX_PROBLEMS. `rid_prefix`: the run's rid prefix, so that file-name collisions are judged on the
     rids the capture module will see."""
     path = Path(path).expanduser().absolute()
-    lines = JsonLines.open(path, "the dataset", "one JSON object a line",
-                           'an object {"id": str, "input_ids": [int, ...], "loss_mask": [0|1, ...]?}')
-    ids = _Ids(lines.problems, rid_prefix)
-    tokens = 0
-    any_mask = False
-    for ln, start, line, obj in lines:
-        sid, n, max_id = _check_sample(lines.problems, ln, line, obj)
-        any_mask |= "loss_mask" in obj
-        if sid is not None and ids.add(Sample(sid, ln, start, len(line), n, max_id, "loss_mask" in obj)):
-            tokens += n
-    lines.finish(len(ids.samples), "no samples; expected one JSON object a line")
-    return Dataset(path=path, samples=ids.samples, tokens=tokens, sha256=lines.sha256.hexdigest(), bytes=lines.bytes,
-                   has_loss_mask=any_mask, by_id=ids.by_id)
+    ds = Dataset(path, rid_prefix, *prescan(path))
+    ds.validate()
+    if ds.problems.count:
+        raise ds.failure()
+    return ds
 
 
 def _check_sample(problems: Problems, ln: int, line: bytes, obj: dict) -> tuple[str | None, int, int]:
@@ -253,39 +427,6 @@ def _bad_mask(mask, n: int | None) -> str | None:
         bad = next(v for v in mask if type(v) is not int or v not in (0, 1))
         return f"loss_mask holds {short(bad)}: expected only 0 and 1"
     return None
-
-
-class _Ids:
-    """The samples kept so far: each id once, and no two ids dumped to the same file name."""
-
-    def __init__(self, problems: Problems, rid_prefix: str):
-        self.problems, self.rid_prefix = problems, rid_prefix
-        self.samples: list[Sample] = []
-        self.by_id: dict[str, int] = {}
-        self.names: dict[str, str] = {}  # file name -> id
-
-    def add(self, s: Sample) -> bool:
-        if s.id in self.by_id:
-            self.problems.add(s.line, again(s.id, self.samples[self.by_id[s.id]].line))
-            return False
-        rid = self.rid_prefix + s.id
-        name = safe_name(rid)
-        if name != rid:  # a plain rid is its own file name, unique as ids are, and never one an encoded rid
-            #              gets (those start with "rid-", which no plain name does): only encoded ones are kept
-            if name in self.names:
-                other = self.samples[self.by_id[self.names[name]]]
-                self.problems.add(s.line, f"id {short(s.id)} and id {short(other.id)} (line {other.line}) would be "
-                                          f"dumped to the same file {name}.safetensors; rename one")
-                return False
-            self.names[name] = s.id
-        self.by_id[s.id] = len(self.samples)
-        self.samples.append(s)
-        return True
-
-
-def again(sid: str, first_line: int) -> str:
-    """The problem of an id seen before (datasets, conversations, prepare's input)."""
-    return f"id {short(sid)} again (first on line {first_line}); ids must be unique"
 
 
 def length_bound(facts: dict) -> tuple[int | None, str]:
@@ -339,25 +480,48 @@ def check_against_model(dataset: Dataset, facts_by_host: dict[str, dict], *, len
                        "(--no-length-check sends without a bound)", file=str(dataset.path))
     vocab_min = min(((v, h + m) for h, m, v, _, _ in limits_ if v), default=None)
     tight = min(((b, h, src) for h, _, _, b, src in limits_ if b is not None), default=None)
-    problems = Problems(dataset.path)
-    for s in dataset.samples:
-        if vocab_min and s.max_id >= vocab_min[0]:
-            problems.add(s.line, f"id {short(s.id)}: token id {s.max_id} >= vocab_size {vocab_min[0]} of the model "
-                                 f"served on {vocab_min[1]}; expected ids below {vocab_min[0]}")
-        if tight and s.tokens > tight[0]:
-            problems.add(s.line, f"id {short(s.id)}: {s.tokens} tokens; SGLang on {tight[1]} aborts prompts of "
-                                 f"{tight[0] + 1} tokens or more ({tight[2]}); expected at most {tight[0]}")
-    problems.raise_if_any("nothing was sent")
+    _check_all(dataset, (vocab_min, tight))
     if not length_check:
         return "prompt length: not checked (--no-length-check): a sample its server finds too long fails on the host"
     others = f"; the smallest of {len(limits_)} hosts" if len(limits_) > 1 else ""
     return f"prompt length: at most {tight[0]} tokens ({tight[1]}: {tight[2]}{others})"
 
 
+def _check_all(ds: Dataset, limits: tuple) -> None:
+    """Every sample against the model's limits (check_against_model): a dataset validated whole, here (BadInput
+    listing the problems); one still validating, what it has so far, and the rest as it is validated (its
+    `ok` stops short of the first that fails). A problem found before anything is sent: BadInput once the
+    validation ended (every problem of the file listed, nothing sent)."""
+    if ds.problems.count:
+        ds.finished.wait()
+        raise ds.failure()
+    if ds.finished.is_set():
+        problems = Problems(ds.path)
+        for i in range(len(ds)):
+            _model_problems(problems, limits, ds.lines[i], ds.ids[i], ds.max_ids[i], ds.ntokens[i])
+        problems.raise_if_any("nothing was sent")
+        return
+    with ds.cv:
+        ds.limits = limits
+        ds._check_model()
+    if ds.problems.count:
+        ds.finished.wait()
+        raise ds.failure()
+
+
+def _model_problems(problems: Problems, limits: tuple, ln: int, sid: str, max_id: int, tokens: int) -> None:
+    vocab_min, tight = limits
+    if vocab_min and max_id >= vocab_min[0]:
+        problems.add(ln, f"id {short(sid)}: token id {max_id} >= vocab_size {vocab_min[0]} of the model "
+                         f"served on {vocab_min[1]}; expected ids below {vocab_min[0]}")
+    if tight and tokens > tight[0]:
+        problems.add(ln, f"id {short(sid)}: {tokens} tokens; SGLang on {tight[1]} aborts prompts of "
+                         f"{tight[0] + 1} tokens or more ({tight[2]}); expected at most {tight[0]}")
+
+
 def dataset_info(ds: Dataset) -> dict:
     """run.json's "dataset" entry."""
-    return {"path": str(ds.path), "sha256": ds.sha256, "samples": len(ds.samples), "tokens": ds.tokens,
-            "loss_mask": ds.has_loss_mask}
+    return ds.info()
 
 
 def open_run_dataset(info: dict, rid_prefix: str = "") -> Dataset:
@@ -369,5 +533,5 @@ def open_run_dataset(info: dict, rid_prefix: str = "") -> Dataset:
     return ds
 
 
-__all__ = ["Dataset", "Sample", "load_dataset", "check_against_model", "safe_name", "file_name", "dataset_info",
-           "open_run_dataset", "length_bound", "MAX_PROBLEMS"]
+__all__ = ["Dataset", "DatasetFeed", "Sample", "load_dataset", "open_dataset", "prescan", "check_against_model", "safe_name", "file_name", "dataset_info",
+           "open_run_dataset", "length_bound", "MAX_PROBLEMS", "JsonLines", "Problems", "again", "short"]

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from patchctl.core import remote
+from patchctl.commands.capture.dataset import Dataset, DatasetFeed
 from patchctl.commands.capture.journal import CAPTURE_COUNTS, SUMMARY_EVERY_S, Journal
 from patchctl.commands.capture.progress import Progress
 from patchctl.core.console import App
@@ -68,6 +69,50 @@ class Lane:
 
     def rate(self) -> float:
         return self.done / max(1e-9, time.monotonic() - self.started)
+
+
+class ListFeed:
+    """DatasetFeed's interface (capture/dataset.py) over a list of work items known up front (regenerate's)."""
+
+    def __init__(self, items: list):
+        self.items = deque(items)
+        self.todo = len(items)
+
+    def take(self):
+        return self.items.popleft() if self.items else None
+
+    def left(self) -> int:
+        return len(self.items)
+
+    def more(self) -> bool:
+        return bool(self.items)
+
+
+class Pending:
+    """The samples still to send: what came back (in front), then the feed's, taken as its validation passes
+    them. Its length is what is left to send; it is true while anything may still be sent."""
+
+    def __init__(self, feed):
+        self.front: deque[Item] = deque()
+        self.feed = feed
+
+    def popleft(self) -> "Item | None":
+        if self.front:
+            return self.front.popleft()
+        s = self.feed.take()
+        return None if s is None else Item(s)
+
+    def appendleft(self, it: Item) -> None:
+        self.front.appendleft(it)
+
+    def extend(self, items) -> None:
+        self.front.extend(items)
+
+    def __len__(self) -> int:
+        return len(self.front) + self.feed.left()
+
+    def __bool__(self) -> bool:
+        return bool(self.front) or self.feed.more()
 
 
 class Stream:
@@ -244,7 +289,7 @@ class CaptureRun:
         self.progress = progress
         self.lock = threading.RLock()
         self.lanes: dict[str, Lane] = {}
-        self.pending: deque[Item] = deque()
+        self.pending = Pending(ListFeed([]))
         self.retries: list[Item] = []
         self.host_failures = 0
         self.max_fail = 0
@@ -259,7 +304,7 @@ class CaptureRun:
         for i, it in enumerate(self.retries):
             if it.avoid != lane.host.name or not others:
                 return self.retries.pop(i)
-        return self.pending.popleft() if self.pending else None
+        return self.pending.popleft()  # None: nothing to send now (a dataset's validation may pass more)
 
     def _fill(self, lane: Lane) -> None:
         """Top the host up to PREFETCH x in-flight outstanding samples, and to no more than its share of the work
@@ -419,10 +464,20 @@ class CaptureRun:
                 if not self.running:
                     self.finished.set()
 
-    def go(self, lanes: list[Lane], todo: list) -> None:
+    def on_validated(self) -> None:
+        """The dataset's validation passed more samples (or ended, or found a bad line: the run stops, no
+        sample at or after that line is sent; run_job refuses the dataset once the validation ended)."""
+        with self.lock:
+            if self.ds.problems.count and not self.stopping:
+                self.stop(f"the dataset has a bad line ({self.ds.path}:{self.ds.problems.first})")
+            self._fill_all()
+
+    def go(self, lanes: list[Lane], feed) -> None:
         self.lanes = {l.host.name: l for l in lanes}
         self.max_fail = parse_max_fail(self.opts.max_fail, len(lanes))  # of the taking-part hosts
-        self.pending.extend(Item(s) for s in todo)
+        self.pending = Pending(feed)
+        if isinstance(feed, DatasetFeed):
+            self.ds.listeners.append(self.on_validated)
         self.running = len(lanes)
         for l in lanes:  # the ops run already (start_hosts); from now on their events are the job's
             l.started = time.monotonic()
@@ -470,33 +525,40 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
     counts = CAPTURE_COUNTS if job is CaptureRun else {"tokens": lambda r: int(r.get("tokens") or 0)}
     if state is None:
         state = journal.state(counts)  # light: the done ids and their hosts
-    todo = [s for s in ds.samples if s.id not in state.done]
-    resumed = len(ds.samples) - len(todo)
+    feed, total = _feed(ds, state.done)
+    todo = feed.todo
+    resumed = total - todo
     journal.follow(state, counts)  # what this invocation writes is folded in as it is written
-    progress = job.progress_cls(app, directory, run.run_id, total=len(ds.samples), already=resumed,
+    progress = job.progress_cls(app, directory, run.run_id, total=total, already=resumed,
                                 hosts=[l.host.name for l in lanes], log_dir=opts.log_dir)
     progress.tokenizer_check = tokenizer_check
     cr = job(app, opts, run, name, prefix, ds, journal, progress)
     if job is CaptureRun:
         cr.live = state
     journal.append({"rec": "run", "event": "start", "run_id": run.run_id, "hosts": [l.host.name for l in lanes],
-                    "todo": len(todo), "already_done": resumed, "skipped_hosts": skipped,
+                    "todo": todo, "already_done": resumed, "skipped_hosts": skipped,
                     "command": cr.resume_command()})
     if resumed:
-        app.info(progress.resuming(name, resumed, len(todo)))
+        app.info(progress.resuming(name, resumed, todo))
     interrupted = False
     with progress:
         try:
             if todo:
-                cr.go(lanes, todo)
+                cr.go(lanes, feed)
             else:  # nothing left: the ops end unsent
                 end_hosts(run, lanes)
         except KeyboardInterrupt:
             interrupted = True
     final = state  # the journal's start fold and every record written since: the whole journal, not read again
     failed = dict(final.failed)
-    pending = sum(1 for s in ds.samples if s.id not in final.done and s.id not in failed)
+    bad = _dataset_failure(ds, feed, interrupted or cr.stopping == "Ctrl-C")
+    if isinstance(ds, Dataset):  # every done or failed id is one of its lines (its sha256 is the run's)
+        total = len(ds) if ds.finished.is_set() and not bad else total
+        pending = max(0, total - len(final.done) - len(failed))
+    else:
+        pending = sum(1 for s in ds.samples if s.id not in final.done and s.id not in failed)
     code = 130 if interrupted or cr.stopping == "Ctrl-C" else (0 if not pending and not failed else 1)
+    code = 2 if bad is not None else code
     journal.append({"rec": "run", "event": "end", "run_id": run.run_id, "exit_code": code,
                     "done": len(final.done), "failed": len(failed), "pending": pending})
     journal.close()
@@ -504,7 +566,32 @@ def run_job(app: App, opts: CaptureOptions, run: Run, name: str, prefix: str, ds
         journal.write_summary(final)
     output = cr.finish()
     down = down + [l.host.name for l in lanes if l.server_down]
-    progress.summary(name, lanes, skipped, done=len(final.done), total=len(ds.samples), failed=failed,
+    progress.summary(name, lanes, skipped, done=len(final.done), total=total, failed=failed,
                      pending=pending, duplicates=len(final.duplicates), stopping=cr.stopping, exit_code=code,
                      servers_down=down, restart=restart_hint(app, down) if down else None, output=output)
+    if bad is not None:
+        raise bad
     return code
+
+
+def _feed(ds, done) -> tuple:
+    """(what is left to send, the number of samples): a Dataset's as its validation passes them (it may still
+    be going; the count is its prescan's), or a list known up front (regenerate's conversations)."""
+    if isinstance(ds, Dataset):
+        return DatasetFeed(ds, done), ds.count
+    return ListFeed([s for s in ds.samples if s.id not in done]), len(ds.samples)
+
+
+def _dataset_failure(ds, feed, interrupted: bool):
+    """A dataset validated beside the sending: its problems (BadInput) once the validation ended, or None.
+    Interrupted, the validation is stopped (not waited for) and only what it found counts."""
+    if not isinstance(ds, Dataset):
+        return None
+    if interrupted:
+        ds.stop()
+    ds.finished.wait()
+    if not feed.taken:
+        return ds.failure()
+    return ds.failure(f"the run stopped there: no sample from line {ds.problems.first} on was sent; the {feed.taken} "
+                      f"sent before it are in the journal (done ones stay verified); fix the file and start another "
+                      f"run with --name (this one, with this file, is refused from now on)")

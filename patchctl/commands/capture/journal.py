@@ -259,6 +259,10 @@ class Journal:
     # reading -------------------------------------------------------------------------------
     def records(self, offset: int = 0):
         """The journal's records, a line at a time (from byte `offset`, a line's start); a torn line is skipped."""
+        return (rec for _, rec in self.positioned(offset))
+
+    def positioned(self, offset: int = 0):
+        """(byte offset of its line, record) for each of records()."""
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
@@ -266,7 +270,9 @@ class Journal:
         with f:
             if offset:
                 f.seek(offset)
+            pos = offset
             for line in f:
+                at, pos = pos, pos + len(line)
                 if not line.strip():
                     continue
                 try:
@@ -274,15 +280,16 @@ class Journal:
                 except ValueError:
                     continue  # a torn line from a crash: the record was never acted on
                 if isinstance(rec, dict) and "rec" in rec:
-                    yield rec
+                    yield at, rec
 
-    def state(self, counts: dict | None = None) -> RunState:
+    def state(self, counts: dict | None = None, lazy: bool = False) -> RunState:
         """The journal folded, read once. `counts` (key -> its value in one "done" record): a light fold,
         `done` maps each done id to its host only and `per_host` sums each key over the first "done"
-        records; a duplicate then names its first's host (its path: `first_paths`)."""
-        fold = Fold(counts)
-        for r in self.records():
-            fold.add(r)
+        records; a duplicate then names its first's host (its path: `first_paths`). `lazy` (no counts):
+        `done` holds each first "done" record's place in the journal (DoneRecords), read back when asked."""
+        fold = Fold(counts, RunState(done=DoneRecords(self.path)) if lazy and counts is None else None)
+        for at, r in self.positioned():
+            fold.add(r, at)
         return fold.st
 
     def follow(self, st: RunState, counts: dict | None = None) -> None:
@@ -361,6 +368,42 @@ class Journal:
         return st
 
 
+class DoneRecords(dict):
+    """A lazy fold's `done` (Journal.state(lazy=True)): id -> the byte offset of its first "done" record in the
+    journal (~130 bytes a sample, not a dict of its own); read back, without its "t", when asked: one at a time
+    (`[]`, `get`) or all in journal order reading the file once (`items`, `values`)."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    @staticmethod
+    def _decode(line: bytes) -> dict:
+        r = json.loads(line)
+        r.pop("t", None)
+        return r
+
+    def __getitem__(self, sid: str) -> dict:
+        return self.get(sid) if sid in self else dict.__getitem__(self, sid)
+
+    def get(self, sid: str, default=None):
+        at = dict.get(self, sid)
+        if at is None:
+            return default
+        with open(self.path, "rb") as f:
+            f.seek(at)
+            return self._decode(f.readline())
+
+    def items(self):
+        with open(self.path, "rb") as f:
+            for sid, at in dict.items(self):
+                f.seek(at)
+                yield sid, self._decode(f.readline())
+
+    def values(self):
+        return (r for _, r in self.items())
+
+
 class Fold:
     """Records added one at a time into a RunState (Journal.state, Journal.follow); `counts`: light (see state)."""
 
@@ -371,7 +414,8 @@ class Fold:
             self.st.per_host = {}
         self.invocation = self.st.invocations
 
-    def add(self, r: dict) -> None:
+    def add(self, r: dict, at: int | None = None) -> None:
+        """One record (`at`: its line's offset in the journal, which a lazy fold keeps instead of the record)."""
         st, counts = self.st, self.counts
         kind, sid = r["rec"], r.get("id")
         if kind == "sent":  # a resume sends finally-failed samples again: they are pending once more
@@ -397,6 +441,8 @@ class Fold:
                     sums["done"] += 1
                     for key, of in counts.items():
                         sums[key] += of(r)
+                elif at is not None and isinstance(st.done, DoneRecords):
+                    st.done[sid] = at
                 else:
                     r.pop("t", None)
                     st.done[sid] = r
@@ -439,12 +485,12 @@ def read_run_info(name: str) -> dict:
                        f"{name}` starts one") from None
 
 
-def load_run(name: str, counts: dict | None = None) -> tuple[dict, RunState]:
+def load_run(name: str, counts: dict | None = None, lazy: bool = False) -> tuple[dict, RunState]:
     """A capture run's run.json and its journal's state (the name checked; no such run: BadInput);
-    `counts`: a light fold (Journal.state)."""
+    `counts`: a light fold, `lazy`: done records read back when asked (Journal.state)."""
     check_run_name(name)
     info = read_run_info(name)
-    return info, Journal(run_dir(name)).state(counts)
+    return info, Journal(run_dir(name)).state(counts, lazy)
 
 
 # what `capture status` and a resume sum per host over the done samples (the light fold's counts)

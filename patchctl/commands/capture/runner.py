@@ -17,6 +17,7 @@ summary are the fleet job's (capture/fleetjob.py), which `capture regenerate` ru
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from patchctl.commands.capture import dataset as datasets
@@ -34,8 +35,17 @@ from patchctl.core.session import Run
 def run_capture(app: App, opts: CaptureOptions) -> int:
     name = check_run_name(default_name(opts.dataset) if opts.name is None else opts.name)
     # bad input: exit 2 naming the lines, nothing sent (file names judged with the default series prefix;
-    # the module's naming is injective whatever the prefix)
-    ds = datasets.load_dataset(opts.dataset, run_prefix("patchctl-", name) + "-")
+    # the module's naming is injective whatever the prefix). A dataset validated within SYNC_S is refused
+    # here, before any host is contacted; a larger one goes on validating beside the probes and the sending,
+    # which takes only the lines it passed (dataset.Dataset.ok): no bad line is ever sent.
+    ds = datasets.open_dataset(opts.dataset, run_prefix("patchctl-", name) + "-")
+    try:
+        return _run(app, opts, name, ds)
+    finally:
+        ds.stop()  # (a no-op once it ended)
+
+
+def _run(app: App, opts: CaptureOptions, name: str, ds) -> int:
     run = Run(app, opts, "capture run")
     info_path = run_dir(name) / "run.json"
     before = json.loads(info_path.read_text()) if info_path.exists() else None
@@ -43,6 +53,9 @@ def run_capture(app: App, opts: CaptureOptions) -> int:
         raise BadInput(f"run {name!r} was started with dataset {before['dataset']['path']} (sha256 "
                        f"{before['dataset']['sha256'][:12]}…); {opts.dataset} differs: resume with that file, or "
                        f"start another run with --name")
+    refused = (before or {}).get("dataset_refused") or {}
+    if refused.get("sha256") == ds.sha256:  # its validation, beside an earlier invocation's sending, found these
+        raise BadInput(refused["message"])
     try:
         # the journal so far (light: done ids, and what each host was sent and never verified there)
         state = Journal(run_dir(name)).state(CAPTURE_COUNTS) if before else None
@@ -96,4 +109,24 @@ def _check(app: App, opts: CaptureOptions, name: str, ds, before: dict | None, l
             run_dir=f"{l.info['dump_dir']}/captures/{name}")
     info["tokenizer_check"] = tokenizer_check  # this invocation's (a resume may be checked otherwise)
     write_run_info(directory, info)
+    _record_when_validated(ds, directory, info)
     return prefix, directory, tokenizer_check
+
+
+def _record_when_validated(ds, directory, info: dict) -> None:
+    """run.json's dataset entry completed (tokens, loss_mask) once a validation still going ends well; or, ended
+    with problems, those recorded ("dataset_refused"), so that a resume with the same file is refused at once."""
+    written = threading.Lock()
+
+    def check() -> None:
+        if not ds.finished.is_set() or (not ds.problems.count and info["dataset"] == ds.info()):
+            return
+        if written.acquire(False):
+            if ds.problems.count:
+                info["dataset_refused"] = {"sha256": ds.sha256, "message": str(ds.failure())}
+            else:
+                info["dataset"] = dict(info["dataset"], **ds.info())
+            write_run_info(directory, info)
+
+    ds.listeners.append(check)
+    check()
