@@ -216,7 +216,7 @@ def create_origin(c):
     doc = would_be(c)
     root = c.container_root(doc, c.setting)
     cid = c.engine.create(c.name, _body(doc))
-    event("container_made", container=c.name, id=cid[:12], image=c.made["image"])
+    event("container_created", container=c.name, id=cid[:12], image=c.made["image"])
     doc = c.engine.inspect(cid)
     c.record_origin(doc, root, made=c.made)
     return doc
