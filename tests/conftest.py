@@ -37,6 +37,7 @@ FAST_LANE = {
     "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},
     "test_capture_regenerate.py": {"test_every_turn_is_the_servers_answer_to_its_regenerated_context"},
     # the drafter chain on a real sshd host: three deploys, three rollbacks, the unchanged re-deploy's request count
+    "test_drafter_multinode.py": {"test_a_unit_cut_off_in_its_restart_is_recovered_on_both_nodes_by_the_printed_command"},
     "test_drafter_state.py": {"test_three_verified_drafters_then_rollbacks_walk_back_to_none"},
 }
 

@@ -20,7 +20,6 @@ from sshhosts import free_ports
 from test_fleet import cmdlines_with
 from test_operator import Terminal, controller_saw, run_pasted
 
-pytestmark = pytest.mark.slow
 
 IDS = [1, 3, 4]  # the eagle_config ids of a Llama-convention target: capture layers [2, 4, 5]
 CMD = ("{python} -m patchctl.simserver --model-path {state_dir}/../model --sglang-root {sglang_root} "
