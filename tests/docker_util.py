@@ -94,6 +94,14 @@ def server_args(model: Path, port: int, host: str = "127.0.0.1") -> list[str]:
             "--host", host, "--port", str(port)]
 
 
+def code_volumes() -> list[str]:
+    """The repository and the test venv's site-packages, read-only (the venv is outside a git worktree's root)."""
+    out = [f"{REPO}:{REPO}:ro"]
+    if not Path(SITE).resolve().is_relative_to(REPO):
+        out.append(f"{SITE}:{SITE}:ro")
+    return out
+
+
 def run_server_container(name: str, model: Path, port: int, *, image: str = SGLANG_IMAGE, restart: str = "no",
                          env: dict | None = None, start: bool = True, cmd: list[str] | None = None) -> str:
     """The operator's container: the stand-in as `docker run ... lmsysorg/sglang python3 -m sglang.launch_server`
@@ -101,7 +109,7 @@ def run_server_container(name: str, model: Path, port: int, *, image: str = SGLA
     args = ["run" if start else "create"] + (["-d"] if start else []) + [
         "--name", name, "--label", f"{LABEL}=1", "--network", "host", "--ipc", "host", "--shm-size", "64m",
         "--restart", restart, "--ulimit", "nofile=4096:8192",
-        "-v", f"{REPO}:{REPO}:ro", "-v", f"{model}:{model}:ro",
+        *[w for v in code_volumes() for w in ("-v", v)], "-v", f"{model}:{model}:ro",
         "-e", f"PYTHONPATH={REPO}:{SITE}", "-e", "OPERATOR_SETTING=kept"]
     for k, v in (env or {}).items():
         args += ["-e", f"{k}={v}"]

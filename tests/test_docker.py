@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
 import pytest
-from docker_util import (IN_ROOT, LABEL, NOPYTHON_IMAGE, config_of, containers_named, differences, docker, ensure_images,
-                         file_in, fs_digest, inspect, remove_test_containers, run_server_container)
+from docker_util import (IN_ROOT, LABEL, NOPYTHON_IMAGE, REPO, SGLANG_IMAGE, SITE, code_volumes, config_of, containers_named, differences,
+                         docker, ensure_images, file_in, fs_digest, inspect, remove_test_containers, run_server_container,
+                         server_args)
 from fleet import Fleet, hidden_dump_patches, http_status, make_patch, wait_for, write_series
 
 PARKED = ".patchctl-parked"
@@ -470,3 +473,83 @@ def test_a_container_the_operator_replaced_after_a_rollback_is_learnt_anew(df):
     rec = json.loads((h.state / "containers" / name / "origin.json").read_text())
     assert rec["id"] == new != first
     assert "NEW_CONTAINER=1" in inspect(name)["Config"]["Env"]
+
+
+# --- the image form: patchctl creates the container from image = and [server.run] (host/docker_run.py) -------
+
+def _made_server(h, name, port, **run):
+    model = h.dir / "model"
+    opts = {"ipc": "host", "shm_size": "96m", "restart": "unless-stopped", "network": "host",
+            "volumes": code_volumes() + [f"{model}:{model}:ro"], "ulimits": {"nofile": "4096:8192"},
+            "labels": {LABEL: "1"}}
+    opts.update(run)
+    return {"manager": "docker", "container": name, "image": SGLANG_IMAGE, "port": port,
+            "command": " ".join(shlex.quote(a) for a in server_args(model, port)),
+            "env": {"PYTHONPATH": f"{REPO}:{SITE}"}, "run": opts}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_container_patchctl_creates_from_an_image_deploys_and_rolls_back_to_itself(df, tmp_path):
+    f, h = df, df.hosts[0]
+    name, port, state = f"pc-{f.tag}-made", _free_port(), tmp_path / "state"
+    state.mkdir()
+    f.write_inventory(host_overrides={h.name: {"state_dir": str(state), "server": _made_server(h, name, port)}})
+    try:
+        # a dry run makes nothing: the image's tree read through a container removed at once
+        p = f.patchctl("plan", "hidden-dump", "--limit", h.name)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert containers_named(name) == [] and listing(state) == []
+        p = f.patchctl("apply", "hidden-dump", "--limit", h.name)
+        assert p.returncode == 0 and "smoke passed" in p.stderr, p.stdout + p.stderr
+        origin, ours = inspect(name + PARKED), inspect(name)
+        assert origin["Config"]["Labels"].get("io.patchctl.made") and not origin["State"]["Running"]
+        assert ours["Config"]["Labels"].get("io.patchctl.managed") == "1" and ours["Image"] == origin["Image"]
+        for doc in (origin, ours):  # what [server.run] said, as docker inspect reports it
+            hc = doc["HostConfig"]
+            assert (hc["IpcMode"], hc["ShmSize"], hc["NetworkMode"]) == ("host", 96 * 1024 ** 2, "host")
+            assert {f"{REPO}:{REPO}:ro", f"{h.dir / 'model'}:{h.dir / 'model'}:ro"} <= set(hc["Binds"])
+            assert hc["Ulimits"] == [{"Name": "nofile", "Soft": 4096, "Hard": 8192}] and not hc.get("DeviceRequests")
+        assert ours["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped"
+        assert origin["HostConfig"]["RestartPolicy"]["Name"] == "no"  # parked: a reboot starts only what serves
+        assert "--enable-return-aux-hidden-states" in (ours["Config"]["Entrypoint"] or []) + ours["Config"]["Cmd"]
+        assert b"hidden_dump" in file_in(name, f"{IN_ROOT}/sglang/srt/model_executor/model_runner.py")
+        _, st = f.json("status", "--limit", h.name)
+        assert st[0]["state"] == "verified" and not st[0]["attention"], st
+        # back to clean: the origin as it was made (never started: left stopped), then served by `start`
+        p = f.patchctl("rollback", "--to", "clean", "--limit", h.name)
+        assert p.returncode == 0, p.stdout + p.stderr
+        made = inspect(name)
+        assert made["Id"] == origin["Id"] and inspect(name + PARKED) is None
+        assert made["HostConfig"]["RestartPolicy"] == {"Name": "unless-stopped", "MaximumRetryCount": 0}
+        assert config_of(made) == {**config_of(origin), "Name": "/" + name, "HostConfig": made["HostConfig"]}
+        assert {**made["HostConfig"], "RestartPolicy": None} == {**origin["HostConfig"], "RestartPolicy": None}
+        assert f.patchctl("start", "--limit", h.name).returncode == 0
+        assert inspect(name)["Id"] == origin["Id"] and http_status(port, "/health_generate") == 200
+        # from then on it is an operator's container: deploy and roll back, docker inspect the same before and after
+        before = config_of(inspect(name)), fs_digest(name)
+        assert f.patchctl("apply", "hidden-dump", "--limit", h.name).returncode == 0
+        assert inspect(name)["Id"] != origin["Id"]
+        p = f.patchctl("rollback", "--to", "clean", "--limit", h.name)
+        assert p.returncode == 0, p.stdout + p.stderr
+        now = inspect(name)
+        assert config_of(now) == before[0], differences(before[0], config_of(now))
+        assert fs_digest(name) == before[1] and now["State"]["Running"]
+        assert containers_named(name) == [name]
+    finally:
+        for n in containers_named(name):
+            docker("rm", "-f", n)
+
+
+def test_the_image_form_refuses_a_bad_run_option_naming_file_and_line(lonely):
+    f, h, before = lonely
+    # a bad value: the inventory's file and line, exit 2, before any host is reached
+    f.write_inventory(host_overrides={h.name: {"server": _made_server(h, f.container(h), h.server_port,
+                                                                      shm_size="sixteen")}})
+    p = f.patchctl("apply", "hidden-dump", "--limit", h.name)
+    line = next(i for i, l in enumerate(f.inventory.read_text().splitlines(), 1) if l.startswith("run = "))
+    _refused(f, h, before, p, f"{f.inventory}:{line}: ", "run.shm_size", "'sixteen'")

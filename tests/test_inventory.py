@@ -221,6 +221,8 @@ address = "127.0.9.1"
 address = "127.0.9.2"
 """
 
+RUN = BASE + "\n[hosts.b.server]\nmanager = \"docker\"\nimage = \"sglang:v1\"\n\n[hosts.b.server.run]\n"
+
 ERRORS = [
     # (text appended/replacing, line, expected fragments)
     pytest.param(BASE + "prot = 2222\n", 9, ["hosts.b.prot", "unknown key", "did you mean 'port'?"], id="typo-host"),
@@ -300,6 +302,38 @@ ERRORS = [
                  ["hosts.b.server.speculative.args", "set by patchctl"], id="speculative-managed-flag"),
     pytest.param(BASE + "\n[hosts.b.server.speculative]\nsteps = 3\n", 11,
                  ["hosts.b.server.speculative.steps", "unknown key"], id="speculative-typo"),
+    # the image form of manager = "docker": image = "NAME:TAG" and [server.run] (host/docker_run.py)
+    pytest.param(BASE + "\n[hosts.b.server]\nmanager = \"docker\"\nimage = \"lmsysorg/sglang\"\n", 12,
+                 ["hosts.b.server.image", "names no tag"], id="image-no-tag"),
+    pytest.param(BASE + "\n[hosts.b.server]\nmanager = \"docker\"\nimage = \"Bad Image:1\"\n", 12,
+                 ["hosts.b.server.image", "not an image reference"], id="image-bad"),
+    pytest.param(BASE + "\n[hosts.b.server]\nimage = \"sglang:v1\"\n", 11,
+                 ["hosts.b.server.image", "for manager = \"docker\""], id="image-process"),
+    pytest.param(BASE + "\n[hosts.b.server]\nmanager = \"docker\"\ncontainer = \"s\"\n\n[hosts.b.server.run]\n"
+                 "ipc = \"host\"\n", 14, ["hosts.b.server.run", "needs image"], id="run-without-image"),
+    pytest.param(BASE + "\n[hosts.b.server]\nmanager = \"docker\"\nimage = \"sglang:v1\"\n"
+                 "command = \"{python} -m sglang.launch_server\"\n", 13,
+                 ["hosts.b.server.command", "{python} is the host's"], id="image-python-placeholder"),
+    pytest.param(RUN + "ipc = \"host\"\nshm_size = \"lots\"\n", 16, ["hosts.b.server.run.shm_size", "'lots'"],
+                 id="run-shm-size"),
+    pytest.param(RUN + "gpus = \"some\"\n", 15, ["hosts.b.server.run.gpus", "\"all\", a number"], id="run-gpus"),
+    pytest.param(RUN + "gpus = 0\n", 15, ["hosts.b.server.run.gpus"], id="run-gpus-zero"),
+    pytest.param(RUN + "volumes = [\"/m:/m:ro\", \"models\"]\n", 15, ["hosts.b.server.run.volumes", "'models'"],
+                 id="run-volume"),
+    pytest.param(RUN + "volumes = [\"/m:/m:readonly\"]\n", 15, ["hosts.b.server.run.volumes", "readonly"],
+                 id="run-volume-option"),
+    pytest.param(RUN + "restart = \"sometimes\"\n", 15, ["hosts.b.server.run.restart", "unless-stopped"],
+                 id="run-restart"),
+    pytest.param(RUN + "ipc = \"shared\"\n", 15, ["hosts.b.server.run.ipc", "'shared'"], id="run-ipc"),
+    pytest.param(RUN + "network = \"a b\"\n", 15, ["hosts.b.server.run.network"], id="run-network"),
+    pytest.param(RUN + "ulimits = { nofile = \"8192:4096\" }\n", 15, ["hosts.b.server.run.ulimits", "nofile"],
+                 id="run-ulimit-soft-over-hard"),
+    pytest.param(RUN + "ulimits = { files = 1 }\n", 15, ["hosts.b.server.run.ulimits", "'files' is not a ulimit"],
+                 id="run-ulimit-name"),
+    pytest.param(RUN + "shm-size = \"1g\"\n", 15, ["hosts.b.server.run.shm-size", "did you mean 'shm_size'?"],
+                 id="run-typo"),
+    pytest.param(RUN + "labels = { \"io.patchctl.managed\" = \"1\" }\n", 15,
+                 ["hosts.b.server.run.labels", "patchctl's own"], id="run-own-label"),
     pytest.param(BASE + "address = \"127.0.9.3\n", 9, ["TOML syntax error"], id="toml-syntax"),
     pytest.param(BASE + "[hosts.a]\nport = 1\n", 9, ["TOML syntax error"], id="toml-duplicate-table"),
 ]
@@ -413,3 +447,28 @@ def test_speculative_settings_resolved_with_explicit_defaults(tmp_path):
     assert inv.hosts["b"].server.speculative == {"algorithm": "EAGLE3", "num_steps": 5, "eagle_topk": 1,
                                                  "num_draft_tokens": 6, "args": ["--x"]}
     assert inv.hosts["b"].server.to_spec().speculative == inv.hosts["b"].server.speculative
+
+
+def test_the_image_form_of_a_container_host_resolves_to_docker_run_options(tmp_path):
+    """image + [server.run] in [defaults.server] (a host table's [server.run] replaces it as a whole); the
+    container's name defaults to "sglang"; the options become the engine's HostConfig as `docker run` sends it."""
+    from patchctl.host.docker_run import host_config
+
+    text = ("[defaults.server]\nmanager = \"docker\"\nimage = \"lmsysorg/sglang:v0.5.3\"\n"
+            "command = \"python3 -m sglang.launch_server --port {port}\"\n\n[defaults.server.run]\ngpus = \"all\"\n"
+            "ipc = \"host\"\nshm_size = \"16g\"\nvolumes = [\"/models:/models:ro\"]\nrestart = \"unless-stopped\"\n"
+            "ulimits = { memlock = -1, nofile = \"65536:65536\" }\n\n[hosts.a]\n\n[hosts.b]\n\n[hosts.b.server]\n"
+            "container = \"sg-b\"\n\n[hosts.b.server.run]\ngpus = [\"0\", \"1\"]\nrestart = \"on-failure:3\"\n")
+    inv = load_inventory(write(tmp_path, text))
+    a, b = inv.hosts["a"].server, inv.hosts["b"].server
+    assert (a.container, a.image, b.container) == ("sglang", "lmsysorg/sglang:v0.5.3", "sg-b")
+    assert a.to_spec().run == a.run and a.run["network"] == "host"
+    hc = host_config(a.run)
+    assert hc["NetworkMode"] == "host" and hc["IpcMode"] == "host" and hc["ShmSize"] == 16 * 1024 ** 3
+    assert hc["Binds"] == ["/models:/models:ro"]
+    assert hc["RestartPolicy"] == {"Name": "unless-stopped", "MaximumRetryCount": 0}
+    assert hc["DeviceRequests"][0]["Count"] == -1 and hc["DeviceRequests"][0]["Capabilities"] == [["gpu"]]
+    assert hc["Ulimits"] == [{"Name": "memlock", "Soft": -1, "Hard": -1}, {"Name": "nofile", "Soft": 65536, "Hard": 65536}]
+    hb = host_config(b.run)
+    assert hb["DeviceRequests"][0]["DeviceIDs"] == ["0", "1"] and "IpcMode" not in hb
+    assert hb["RestartPolicy"] == {"Name": "on-failure", "MaximumRetryCount": 3}

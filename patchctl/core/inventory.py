@@ -19,6 +19,7 @@ from pathlib import Path
 
 from patchctl.core.errors import BadInput
 from patchctl.core.tomlloc import Locator
+from patchctl.host.docker_run import check_run
 from patchctl.host.drafter import check_speculative
 from patchctl.host.protocol import ServerSpec
 
@@ -52,13 +53,15 @@ class ServerConfig:
     speculative: dict | None = None
     container: str | None = None  # docker|podman: the container that serves SGLang (host/docker.py)
     socket: str | None = None  # docker|podman: the engine's API socket; None: /var/run/docker.sock or podman's
+    image: str | None = None  # docker|podman: the image patchctl creates the container from (host/docker_run.py)
+    run: dict | None = None  # with image: [server.run], the `docker run` options (docker_run.check_run)
 
     def to_spec(self) -> ServerSpec:
         """What the host's agent is told of this server (every request carries it)."""
         return ServerSpec(manager=self.manager, command=self.command, host=self.host, port=self.port, env=dict(self.env),
                           log=self.log, start_timeout=self.start_timeout, stop_timeout=self.stop_timeout,
                           unit=self.unit, layer_outputs=self.layer_outputs, speculative=self.speculative,
-                          container=self.container, socket=self.socket)
+                          container=self.container, socket=self.socket, image=self.image, run=self.run)
 
 
 @dataclass
@@ -183,7 +186,7 @@ _HOST_KEYS = (
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
     "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
-    "unit", "container", "socket", "capture_layers", "layer_outputs", "hidden_size", "speculative",
+    "unit", "container", "socket", "capture_layers", "layer_outputs", "hidden_size", "speculative", "image", "run",
 )
 _SERVERS_KEYS = ("nodes",)
 
@@ -554,11 +557,52 @@ def _server(L: _Loader, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> Se
         _, p = pick("manager")
         L.fail(hp + ("unit",), "manager = \"systemd\" needs unit = \"<name>.service\"",
                line_of=hp if hserver else p)
+    _image_form(L, s, pick)
     if s.manager in ("docker", "podman") and not s.container:
         _, p = pick("manager")
         L.fail(hp + ("container",), f"manager = \"{s.manager}\" needs container = \"<name>\" (the container that "
-               "serves SGLang, as `docker ps` names it)", line_of=hp if hserver else p)
+               "serves SGLang, as `docker ps` names it) or image = \"NAME:TAG\" (patchctl creates it)",
+               line_of=hp if hserver else p)
     return s
+
+
+def _image_form(L: _Loader, s: ServerConfig, pick) -> None:
+    """image = "NAME:TAG" and [server.run]: the container patchctl creates (named container, default "sglang")."""
+    for key in ("image", "run"):
+        v, p = pick(key)
+        if p and s.manager not in ("docker", "podman"):
+            L.fail(p, f"{key} is for manager = \"docker\" or \"podman\" (this server's manager is {s.manager!r})")
+    if s.run is not None and not s.image:
+        L.fail(pick("run")[1], "needs image = \"NAME:TAG\" (the run options of the container patchctl creates)")
+    if not s.image:
+        return
+    s.container = s.container or "sglang"
+    s.run = s.run or {"network": "host"}
+    for word in ("{python}", "{sglang_root}"):
+        if word in s.command:
+            L.fail(pick("command")[1], f"{word} is the host's; in the container's command write its own "
+                   "(python3, the directory in the image)")
+
+
+_IMAGE = re.compile(r"^(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
+                    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+
+
+def _image_ref(L: _Loader, v, p) -> str:
+    ref = L.want_str(v, p)
+    if not _IMAGE.match(ref):
+        L.fail(p, f"{ref!r} is not an image reference (NAME:TAG, e.g. lmsysorg/sglang:v0.5.3-cu126)")
+    if "@" not in ref and ":" not in ref.rsplit("/", 1)[-1]:
+        L.fail(p, f"{ref!r} names no tag: give NAME:TAG (or NAME@sha256:...); an implied :latest moves")
+    return ref
+
+
+def _run_options(L: _Loader, v, p) -> dict:
+    """[server.run]: the `docker run` options, each checked (docker_run.check_run), network default "host"."""
+    settings, problems = check_run(L.want_table(v, p))
+    for key, msg in problems:
+        L.fail(p + (key,), msg, line_of=p + (key,) if key in v else p)
+    return settings
 
 
 _CONTAINER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")  # what docker and podman accept as a name
@@ -628,4 +672,6 @@ _SERVER_FIELDS = (
     ("layer_outputs", _layer_ids),
     ("hidden_size", _positive),
     ("speculative", _speculative),
+    ("image", _image_ref),
+    ("run", _run_options),
 )

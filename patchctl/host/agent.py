@@ -55,6 +55,7 @@ from .server import build_server_config, config_change, http_request, manager_fo
 from .smoke import model_arch_of
 from .state import TreeState
 from .docker import Containers, derive_image, is_container_manager
+from .docker_run import made_spec
 from .tree import locate_tree, tree_version
 
 
@@ -104,7 +105,7 @@ class Agent(DeployOps):
         if self._tree is None:
             srv = self.req.get("server") or {}
             if is_container_manager(srv.get("manager")):  # patchctl's copy of the container's sglang/
-                containers = Containers(self.state_dir, srv)
+                containers = Containers(self.state_dir, srv, made_spec(self.req))
                 root = containers.tree(self.req.get("sglang_root", "auto"), self.read_only)
             else:
                 containers, root = None, locate_tree(self.req.get("sglang_root", "auto"))

@@ -21,26 +21,23 @@ Standard library only, Python 3.8 syntax.
 """
 
 import hashlib
-import http.client
 import json
 import os
 import shutil
-import socket
-import struct
 import tarfile
 import tempfile
 
+from .docker_run import Temporary, check_made, create_origin, would_be
+from .engine import Engine, EngineError, _q
 from .events import AgentError, event
 from .osutil import now, read_json, write_json
 from .records import launch_config
 
 MANAGERS = ("docker", "podman")
-DEFAULT_SOCKETS = {"docker": "/var/run/docker.sock", "podman": "/run/podman/podman.sock"}
 LABEL = "io.patchctl.managed"
 LABEL_ORIGIN = "io.patchctl.origin"
 LABEL_CONFIG = "io.patchctl.config"
 PARKED = ".patchctl-parked"
-API = "/v1.41"  # Docker 20.10 and every later daemon; Podman's compatible API answers it too
 # the tail of the in-container find_spec: the directory that contains sglang/ (see tree.locate_tree)
 FIND_TREE = ("import importlib.util,os,sys\n"
              "s=importlib.util.find_spec('sglang')\n"
@@ -51,168 +48,6 @@ FIND_TREE = ("import importlib.util,os,sys\n"
 
 def is_container_manager(manager):
     return manager in MANAGERS
-
-
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path, timeout):
-        http.client.HTTPConnection.__init__(self, "localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self._path)
-        self.sock = s
-
-
-def _demux(data):
-    """The Engine API's multiplexed stream (8-byte frame headers: stream, 0, 0, 0, size) -> (stdout, stderr)."""
-    out, err, i = [], [], 0
-    while i + 8 <= len(data):
-        kind, size = data[i], struct.unpack(">I", data[i + 4:i + 8])[0]
-        (err if kind == 2 else out).append(data[i + 8:i + 8 + size])
-        i += 8 + size
-    if i < len(data) and not out and not err:  # a TTY container's logs are not framed
-        return data, b""
-    return b"".join(out), b"".join(err)
-
-
-class Engine(object):
-    """The container engine of one host, reached through its unix socket."""
-
-    def __init__(self, manager="docker", socket_path=None):
-        self.manager = manager
-        self.socket = socket_path or DEFAULT_SOCKETS.get(manager, DEFAULT_SOCKETS["docker"])
-
-    def _fail_reach(self, e):
-        if isinstance(e, PermissionError):
-            raise AgentError("bad_input", "uid %d may not use %s: permission denied on %s. Give this host become = "
-                             "\"sudo\" in the inventory, or add the SSH user to the %s group" % (
-                                 os.geteuid(), self.manager, self.socket, self.manager))
-        raise AgentError("bad_input", "%s is not installed or its daemon is not running on this host: no answer on "
-                         "%s (%s). Install and start it, or set [server] socket to where its API listens" % (
-                             self.manager, self.socket, e.__class__.__name__ if not str(e) else e))
-
-    def call(self, method, path, body=None, timeout=120.0, want=(200, 201, 204, 304), raw=False):
-        """(status, decoded JSON or raw bytes). A status outside `want` raises, with the daemon's message."""
-        conn = _UnixHTTP(self.socket, timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            try:
-                conn.request(method, API + path, body=data, headers=headers)
-                resp = conn.getresponse()
-                payload = resp.read()
-            except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
-                self._fail_reach(e)
-            if resp.status not in want:
-                try:
-                    msg = json.loads(payload.decode() or "{}").get("message") or payload.decode(errors="replace")
-                except ValueError:
-                    msg = payload.decode(errors="replace")
-                raise EngineError(resp.status, "%s %s: HTTP %d: %s" % (method, path.split("?")[0], resp.status, msg.strip()))
-            if raw:
-                return resp.status, payload
-            try:
-                return resp.status, json.loads(payload.decode() or "null")
-            except ValueError:
-                return resp.status, payload.decode(errors="replace")
-        finally:
-            conn.close()
-
-    def stream(self, path, timeout=600.0):
-        """A GET whose body is read by the caller (an archive); returns (connection, response)."""
-        conn = _UnixHTTP(self.socket, timeout)
-        try:
-            conn.request("GET", API + path)
-            resp = conn.getresponse()
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
-            conn.close()
-            self._fail_reach(e)
-        if resp.status != 200:
-            msg = resp.read().decode(errors="replace")
-            conn.close()
-            raise EngineError(resp.status, "GET %s: HTTP %d: %s" % (path.split("?")[0], resp.status, msg.strip()))
-        return conn, resp
-
-    def inspect(self, ref):
-        """The container's `docker inspect` document, or None when there is no such container."""
-        try:
-            return self.call("GET", "/containers/%s/json" % _q(ref))[1]
-        except EngineError as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def image(self, ref):
-        try:
-            return self.call("GET", "/images/%s/json" % _q(ref))[1]
-        except EngineError as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def exec(self, cid, argv, timeout=120.0):
-        """(exit code, stdout, stderr) of argv run in the running container."""
-        _, made = self.call("POST", "/containers/%s/exec" % _q(cid), {
-            "Cmd": list(argv), "AttachStdout": True, "AttachStderr": True, "Tty": False})
-        _, out = self.call("POST", "/exec/%s/start" % made["Id"], {"Detach": False, "Tty": False}, timeout=timeout,
-                           raw=True)
-        _, info = self.call("GET", "/exec/%s/json" % made["Id"])
-        stdout, stderr = _demux(out)
-        return info.get("ExitCode"), stdout.decode(errors="replace"), stderr.decode(errors="replace")
-
-    def logs(self, cid, lines=30):
-        try:
-            _, data = self.call("GET", "/containers/%s/logs?stdout=1&stderr=1&tail=%d" % (_q(cid), lines), raw=True)
-        except (EngineError, AgentError):
-            return ""
-        out, err = _demux(data)
-        return (out + err).decode(errors="replace")
-
-    def start(self, cid):
-        self.call("POST", "/containers/%s/start" % _q(cid))
-
-    def stop(self, cid, seconds):
-        self.call("POST", "/containers/%s/stop?t=%d" % (_q(cid), int(seconds)), timeout=seconds + 60)
-
-    def rename(self, cid, name):
-        self.call("POST", "/containers/%s/rename?name=%s" % (_q(cid), _q(name)))
-
-    def set_restart(self, cid, policy):
-        self.call("POST", "/containers/%s/update" % _q(cid), {"RestartPolicy": policy})
-
-    def remove(self, cid):
-        self.call("DELETE", "/containers/%s?force=1&v=1" % _q(cid), want=(204, 404))
-
-    def put_archive(self, cid, path, fileobj):
-        """A tar stream unpacked at path inside the container (created or stopped)."""
-        conn = _UnixHTTP(self.socket, 600)
-        try:
-            data = fileobj.read()
-            conn.request("PUT", API + "/containers/%s/archive?path=%s" % (_q(cid), _q(path)), body=data,
-                         headers={"Content-Type": "application/x-tar"})
-            resp = conn.getresponse()
-            msg = resp.read().decode(errors="replace")
-            if resp.status != 200:
-                raise EngineError(resp.status, "PUT archive %s: HTTP %d: %s" % (path, resp.status, msg.strip()))
-        finally:
-            conn.close()
-
-    def create(self, name, body):
-        return self.call("POST", "/containers/create?name=%s" % _q(name), body)[1]["Id"]
-
-
-class EngineError(AgentError):
-    def __init__(self, status, msg):
-        AgentError.__init__(self, "failed", msg)
-        self.status = status
-
-
-def _q(s):
-    import urllib.parse
-
-    return urllib.parse.quote(str(s), safe="")
 
 
 def argv_of(doc):
@@ -232,7 +67,9 @@ def env_of(doc):
 class Containers(object):
     """What patchctl knows of one host's container: the engine, the inventory's name, `containers/<name>/`."""
 
-    def __init__(self, state_dir, srv):
+    def __init__(self, state_dir, srv, made=None, setting=None):
+        self.made = made if made is not None else srv.get("made")  # the image form (host/docker_run.py)
+        self.setting = setting or srv.get("sglang_root") or "auto"
         self.name = srv.get("container")
         if not self.name:
             raise AgentError("bad_input", "manager = %r needs container = \"<name>\" in [server]" % srv.get("manager"))
@@ -262,18 +99,26 @@ class Containers(object):
     def named(self):
         return self.engine.inspect(self.name)
 
-    def origin_doc(self):
-        """The origin's inspect document now (found by id wherever it is parked), else the recorded one."""
+    def origin_doc(self, create=False):
+        """The origin's inspect document now (found by id wherever it is parked), else the recorded one. In the
+        image form, a container not yet made is made (`create`) or described as it would be."""
         rec = self.origin()
         if rec:
-            return self.engine.inspect(rec["id"]) or rec["inspect"]
+            doc = self.engine.inspect(rec["id"]) or rec["inspect"]
+            if self.made:
+                check_made(self, doc)
+            return doc
         doc = self.named()
+        if doc is None and self.made:
+            return create_origin(self) if create else would_be(self)
         if doc is None:
             raise AgentError("bad_input", "no container named %r on this host (%s ps -a lists them); set [server] "
                              "container to the one that serves SGLang" % (self.name, self.engine.manager))
         if ((doc.get("Config") or {}).get("Labels") or {}).get(LABEL):
             raise AgentError("attention", "container %r was made by patchctl, but this host has no record of the "
                              "container it replaced (%s is missing)" % (self.name, self.origin_path))
+        if self.made:
+            check_made(self, doc)
         return doc
 
     def kind_of(self, doc):
@@ -294,14 +139,14 @@ class Containers(object):
     def server_path(self):
         return os.path.join(self.dir, "server.json")
 
-    def record_origin(self, doc, pkg_dir):
+    def record_origin(self, doc, pkg_dir, made=None):
         if self.origin():
             return
         if not os.path.isdir(self.dir):
             os.makedirs(self.dir, 0o700)
         write_json(self.origin_path, {"id": doc["Id"], "name": self.name, "image": doc.get("Image"),
                                       "restart": (doc.get("HostConfig") or {}).get("RestartPolicy") or {"Name": "no"},
-                                      "sglang_root": pkg_dir, "inspect": doc, "seen_at": now()})
+                                      "sglang_root": pkg_dir, "inspect": doc, "seen_at": now(), "made": made})
 
     # the tree -----------------------------------------------------------
     def container_root(self, doc, setting):
@@ -311,13 +156,16 @@ class Containers(object):
         rec = self.origin()
         if rec and rec.get("sglang_root"):
             return rec["sglang_root"]
-        if not (doc.get("State") or {}).get("Running"):
+        py = container_python(doc)
+        if not (doc.get("State") or {}).get("Running") and self.made:  # not made yet, or never started
+            code, out, err = Temporary(self, doc, [py, "-c", FIND_TREE]).run()
+        elif not (doc.get("State") or {}).get("Running"):
             raise AgentError("bad_input", "container %r is not running (%s): patchctl finds SGLang through the "
                              "container's own Python; start it (%s start %s) or set sglang_root to the directory "
                              "inside the container that contains sglang/" % (
                                  self.name, (doc.get("State") or {}).get("Status"), self.engine.manager, self.name))
-        py = container_python(doc)
-        code, out, err = self.engine.exec(doc["Id"], [py, "-c", FIND_TREE])
+        else:
+            code, out, err = self.engine.exec(doc["Id"], [py, "-c", FIND_TREE])
         if code != 0:
             why = (err or out).strip().splitlines()[-1:] or ["exit %s" % code]
             raise AgentError("bad_input", "container %r: cannot run %s in it to find SGLang (%s). The image %s needs "
@@ -338,7 +186,8 @@ class Containers(object):
                 shutil.rmtree(self.tree_root)
                 os.unlink(self.origin_path)
                 event("container_tree", container=self.name, copied="(the container it came from is gone)")
-        doc = self.origin_doc() if not self._replaced() else self.named() or self.origin_doc()
+        made = not read_only
+        doc = self.origin_doc(made) if not self._replaced() else self.named() or self.origin_doc(made)
         root = self.container_root(doc, setting)
         if read_only:
             pid = (doc.get("State") or {}).get("Pid")
@@ -349,7 +198,11 @@ class Containers(object):
             import atexit
 
             atexit.register(shutil.rmtree, tmp, True)
-            self._extract(doc["Id"], root, tmp)
+            if doc.get("Id") is None:  # the image form, not made yet: a look through a container removed at once
+                with Temporary(self, doc) as cid:
+                    self._extract(cid, root, tmp)
+            else:
+                self._extract(doc["Id"], root, tmp)
             return tmp
         self.record_origin(doc, root)
         work = self.tree_root + ".partial"
@@ -434,7 +287,9 @@ class DockerManager(object):
             return None  # a user of the image only: the directory stays the agent's
 
     def _origin_cfg(self, doc, running):
-        return dict(self.cfg, argv=argv_of(doc), env={}, extra_args=[], series=None, profile=None,
+        mine = self.cfg.get("env") or {}  # the inventory's env the origin has (the image form: all of it)
+        env = dict((k, v) for k, v in env_of(doc).items() if k in mine)
+        return dict(self.cfg, argv=argv_of(doc), env=env, extra_args=[], series=None, profile=None,
                     capture_layers=None, drafter=None, mounts=[], origin=True, container_id=doc["Id"],
                     image_id=doc.get("Image"), running=running)
 
@@ -485,14 +340,19 @@ class DockerManager(object):
             self._refuse_foreign(doc)
 
     def stop(self):
+        """Stop what serves under the name. Stopping to the origin's own config (a rollback to a server that was
+        not running, as a container patchctl made and never started) also gives the name back to the origin."""
         doc = self.c.named()
-        if not doc or not (doc.get("State") or {}).get("Running"):
-            return {"stopped": None}
-        if self.c.kind_of(doc) == "foreign":
-            self._refuse_foreign(doc)
-        event("server_stop", container=self.c.name, id=doc["Id"][:12])
-        self.engine.stop(doc["Id"], self.cfg.get("stop_timeout") or 60)
-        return {"stopped": self.c.name}
+        out = {"stopped": None}
+        if doc and (doc.get("State") or {}).get("Running"):
+            if self.c.kind_of(doc) == "foreign":
+                self._refuse_foreign(doc)
+            event("server_stop", container=self.c.name, id=doc["Id"][:12])
+            self.engine.stop(doc["Id"], self.cfg.get("stop_timeout") or 60)
+            out["stopped"] = self.c.name
+        if doc and self.cfg.get("origin") and self.c.kind_of(doc) == "ours":
+            self._give_back(self.c.origin_doc())
+        return out
 
     def _refuse_foreign(self, doc):
         raise AgentError("attention", "container %r (id %s, image %s) is neither the one patchctl deployed nor the "
@@ -505,13 +365,15 @@ class DockerManager(object):
         cfg = dict(cfg)
         cfg.pop("running", None)
         self.cfg = cfg
-        origin = self.c.origin_doc()
+        origin = self.c.origin_doc(create=True)
         if cfg.get("origin") or self._is_origin_config(cfg, origin):
             return self._serve_origin(origin)
         return self._serve_ours(cfg, origin)
 
     def _is_origin_config(self, cfg, origin):
-        return (list(cfg.get("argv") or []) == argv_of(origin) and not cfg.get("env") and not cfg.get("drafter")
+        has = env_of(origin)
+        return (list(cfg.get("argv") or []) == argv_of(origin) and not cfg.get("drafter")
+                and all(has.get(k) == v for k, v in (cfg.get("env") or {}).items())
                 and not self.tree_mount(cfg))
 
     def tree_mount(self, cfg):
@@ -542,6 +404,17 @@ class DockerManager(object):
 
     def _serve_origin(self, origin):
         """The operator's own container serving again, as it was: patchctl's removed, the name given back."""
+        self._give_back(origin)
+        event("server_start", container=self.c.name, id=origin["Id"][:12], origin=True)
+        self.engine.start(origin["Id"])
+        doc = self.engine.inspect(origin["Id"])
+        self._started = {"id": origin["Id"], "restarts": doc.get("RestartCount", 0)}
+        write_json(self.c.server_path(), {"config": launch_config(self._origin_cfg(origin, True)), "container_id": None,
+                                          "origin_serving": True, "started_at": now()})
+        return {"container": self.c.name, "id": origin["Id"], "pid": (doc.get("State") or {}).get("Pid")}
+
+    def _give_back(self, origin):
+        """patchctl's container removed, the origin's name and restart policy its own again (not started)."""
         rec = self.c.origin()
         named = self.c.named()
         if named and named["Id"] != origin["Id"]:
@@ -553,13 +426,6 @@ class DockerManager(object):
             self.engine.rename(origin["Id"], self.c.name)
         if rec and rec.get("restart"):
             self.engine.set_restart(origin["Id"], rec["restart"])
-        event("server_start", container=self.c.name, id=origin["Id"][:12], origin=True)
-        self.engine.start(origin["Id"])
-        doc = self.engine.inspect(origin["Id"])
-        self._started = {"id": origin["Id"], "restarts": doc.get("RestartCount", 0)}
-        write_json(self.c.server_path(), {"config": launch_config(self._origin_cfg(origin, True)), "container_id": None,
-                                          "origin_serving": True, "started_at": now()})
-        return {"container": self.c.name, "id": origin["Id"], "pid": (doc.get("State") or {}).get("Pid")}
 
     def _park(self, origin):
         """The origin stopped, renamed, its restart policy "no" until it serves again."""
@@ -633,9 +499,9 @@ def create_body(origin, argv, env, mounts, labels):
     return body
 
 
-def origin_argv(state_dir, srv):
+def origin_argv(state_dir, srv, made=None):
     """The command the operator's container runs (its entrypoint and command), the base every deploy adds to."""
-    return argv_of(Containers(state_dir, srv).origin_doc())
+    return argv_of(Containers(state_dir, srv, made).origin_doc())
 
 
 def tree_digest(pkg):

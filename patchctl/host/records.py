@@ -102,6 +102,8 @@ class ServerSpec(Record):
     speculative: dict = None  # [server.speculative]: how the server speculates with a deployed drafter (host/drafter.py)
     container: str = None  # manager docker|podman: the container that serves (host/docker.py)
     socket: str = None  # docker|podman: the engine's API socket (None: its default)
+    image: str = None  # docker|podman: the image patchctl makes the container from (host/docker_run.py)
+    run: dict = None  # with image: the `docker run` options (docker_run.check_run's settings)
 
 
 @dataclass
@@ -132,6 +134,7 @@ class LaunchConfig(Record):
     socket: str = None
     sglang_root: str = None  # docker | podman: the directory inside the container that contains sglang/
     mounts: list = None  # docker | podman: the bind mounts patchctl added ({Source, Target, ro})
+    made: dict = None  # docker | podman, the image form: image, argv, env, run (host/docker_run.made_spec)
     # what was found serving (current_config), never part of what is started:
     running: bool = None
     adopted_pid: int = None  # a process patchctl did not start, found on the port

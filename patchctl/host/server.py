@@ -23,6 +23,7 @@ import time
 
 from .atomic import write_atomic
 from .docker import DockerManager, is_container_manager, origin_argv
+from .docker_run import made_spec
 from .drafter import draft_dir, refusal_with_capture, speculative_args
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail, now, pid_alive, proc_cmdline, proc_start_time, read_json, write_json
@@ -52,19 +53,26 @@ def expand_placeholders(text, values):
     return text
 
 
+def server_values(req):
+    """What the server command's placeholders expand to (but {sglang_root}: found only when used)."""
+    srv = req["server"]
+    return {"python": expand(req["python"]) if req["python"].startswith("~") else req["python"],
+            "port": srv["port"], "host": srv["host"], "state_dir": expand(req["state_dir"])}
+
+
 def build_server_config(req, profile=None, capture_layers=None, drafter=None):
     """The exact argv/env/log to start: inventory config plus the series' smoke profile, or plus the
     speculative flags of the deployed drafter (`drafter`: its record; never both, see host/drafter.py)."""
     srv = req["server"]
     state_dir = expand(req["state_dir"])
-    values = {"python": expand(req["python"]) if req["python"].startswith("~") else req["python"],
-              "port": srv["port"], "host": srv["host"], "state_dir": state_dir}
+    values = server_values(req)
     if "{sglang_root}" in srv["command"]:
         values["sglang_root"] = locate_tree(req.get("sglang_root", "auto"))
     argv = render_command(srv["command"], values) if srv.get("command") else []
     container = is_container_manager(srv.get("manager"))
+    made = made_spec(req) if container else None  # the image form: the container patchctl makes
     if container and not argv:
-        argv = origin_argv(state_dir, srv)  # the container's own command, as the operator runs it
+        argv = origin_argv(state_dir, srv, made)  # the container's own command, as the operator runs it
     env = dict((k, expand_placeholders(str(v), values)) for k, v in (srv.get("env") or {}).items())
     series = None
     extra = []
@@ -87,7 +95,7 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
         stop_timeout=float(srv.get("stop_timeout") or 60), series=series, profile=profile,
         capture_layers=capture_layers, drafter=drafter and drafter["digest"],
         container=srv.get("container") if container else None, socket=srv.get("socket") if container else None,
-        sglang_root=req.get("sglang_root", "auto") if container else None).to_wire()
+        sglang_root=req.get("sglang_root", "auto") if container else None, made=made).to_wire()
 
 
 def config_change(running, wanted):
