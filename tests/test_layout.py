@@ -64,3 +64,25 @@ def test_commands_import_no_other_command_and_core_imports_no_command():
 def test_every_cli_command_is_dispatched_to_commands(command):
     module, function, _ = COMMANDS[command]
     assert module.startswith("patchctl.commands."), f"{command}: {module}.{function} is porcelain living outside commands/"
+
+
+def size_violations(pkg: Path, max_function: int = 60, max_module: int = 600) -> list[str]:
+    """Issue 40's bounds: no function (or method) over 60 lines, no module over 600."""
+    bad = []
+    for f in sorted(pkg.rglob("*.py")):
+        text = f.read_text()
+        if len(text.splitlines()) > max_module:
+            bad.append(f"{f.relative_to(pkg.parent)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > max_function:
+                    bad.append(f"{f.relative_to(pkg.parent)}:{node.lineno} {node.name}: {n} lines")
+    return bad
+
+
+def test_no_function_over_60_lines_and_no_module_over_600(tmp_path):
+    assert size_violations(PKG) == []
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "m.py").write_text("def f():\n" + "    x = 1\n" * 60 + "\n" * 540)
+    assert size_violations(tmp_path / "p") == ["p/m.py: 601 lines", "p/m.py:1 f: 61 lines"]
