@@ -47,6 +47,28 @@ class DraftError(ValueError):
     """The draft directory cannot be served (the message names the file and field)."""
 
 
+def read_config(d: Path) -> tuple[Path, dict]:
+    """The draft directory's config.json (its path and contents); DraftError naming it when unreadable."""
+    cfg_path = d / "config.json"
+    try:
+        return cfg_path, json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise DraftError(f"cannot read draft config {cfg_path}: {type(e).__name__}: {e}") from None
+
+
+def read_tensors(d: Path) -> dict:
+    """Every tensor of every `*.safetensors` in the draft directory, by its stored name."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise DraftError(f"{d}: no *.safetensors file in the draft directory")
+    raw: dict = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+    return raw
+
+
 def capture_layers(draft_cfg: dict, target_cfg: dict) -> tuple[list[int], str]:
     """(the target's capture indices that feed the draft, how they were found) as SGLang derives them."""
     n = int(target_cfg["num_hidden_layers"])
@@ -73,11 +95,7 @@ class Draft:
 
         self.torch = torch
         self.path = d = Path(path)
-        cfg_path = d / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise DraftError(f"cannot read draft config {cfg_path}: {type(e).__name__}: {e}") from None
+        cfg_path, cfg = read_config(d)
         self.cfg = cfg
         archs = cfg.get("architectures") or []
         if ARCH not in archs:
@@ -127,14 +145,7 @@ class Draft:
             raise DraftError(f"{d}: d2t has {self.hot.shape[0]} entries, the lm head {self.lm_head.shape[0]} rows")
 
     def _weights(self, d: Path, H: int):
-        from safetensors.torch import load_file  # noqa: PLC0415
-
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise DraftError(f"{d}: no *.safetensors file in the draft directory")
-        raw: dict = {}
-        for f in files:
-            raw.update(load_file(str(f)))
+        raw = read_tensors(d)
         w, hot, dropped, replaced = {}, None, [], []
         for name, t in raw.items():
             for old, new in LEGACY.items():

@@ -31,13 +31,12 @@ embedding replaced by the target's (set_embed). Refused at start as `__init__` r
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
 from patchctl.core import drafter_mla
-from patchctl.simserver.draft import DraftError, capture_layers
+from patchctl.simserver.draft import DraftError, capture_layers, read_config, read_tensors
 
 logger = logging.getLogger("patchctl.simserver")
 
@@ -116,11 +115,7 @@ class MLADraft:
 
         self.torch = torch
         self.path = d = Path(path)
-        cfg_path = d / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise DraftError(f"cannot read draft config {cfg_path}: {type(e).__name__}: {e}") from None
+        cfg_path, cfg = read_config(d)
         self.cfg = cfg
         if ARCH not in (cfg.get("architectures") or []):
             raise DraftError(f"{cfg_path}: architectures {cfg.get('architectures')} is not [{ARCH!r}]")
@@ -160,21 +155,10 @@ class MLADraft:
                 "DV": cfg.get("draft_vocab_size") or cfg["vocab_size"], "q": self.q_rank, "kv": self.kv_rank,
                 "nope": self.nope, "rope": self.rope, "v": self.v_dim, "naux": len(self.target_layers)}
 
-    def _read(self, d: Path) -> dict:
-        from safetensors.torch import load_file  # noqa: PLC0415
-
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise DraftError(f"{d}: no *.safetensors file in the draft directory")
-        raw: dict = {}
-        for f in files:
-            raw.update(load_file(str(f)))
-        return raw
-
     def _weights(self, d: Path):
         want, optional = drafter_mla.tensors(self.cfg, self.sizes)
         w, hot, dropped, replaced = {}, None, [], []
-        for raw_name, t in self._read(d).items():
+        for raw_name, t in read_tensors(d).items():
             name = drafter_mla.canonical(raw_name)
             if raw_name == "d2t" or raw_name.endswith(".d2t"):
                 hot = t.long() + self.torch.arange(t.shape[0])

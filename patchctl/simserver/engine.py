@@ -63,14 +63,12 @@ def _finish_abort(message):
 def open_draft(path):
     """The draft class SGLang would build for the directory: MLADraft (draft_mla.py) when config.json's
     architectures name Eagle3DeepseekV2ForCausalLM, else Draft (draft.py, which judges everything else)."""
-    import json  # noqa: PLC0415
-
-    from patchctl.simserver.draft import Draft  # noqa: PLC0415
+    from patchctl.simserver.draft import Draft, DraftError, read_config  # noqa: PLC0415
     from patchctl.simserver.draft_mla import ARCH, MLADraft  # noqa: PLC0415
 
     try:
-        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
+        archs = read_config(Path(path))[1].get("architectures") or []
+    except (DraftError, AttributeError):
         return Draft  # Draft names the unreadable file
     return MLADraft if ARCH in archs else Draft
 
