@@ -52,7 +52,7 @@ from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
-from patchctl.commands.capture.problems import MAX_PROBLEMS, JsonLines, Problems, again, short
+from patchctl.commands.capture.problems import MAX_PROBLEMS, JsonLines, Problems, again, json_object, short
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
 from patchctl.host.capture import safe_name
@@ -205,13 +205,8 @@ class Dataset:
         line = raw.rstrip(b"\r")
         if not line.strip():
             return
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            self.problems.add(ln, f"not valid JSON ({e}); expected one JSON object a line")
-            return
-        if not isinstance(obj, dict):
-            self.problems.add(ln, f"a JSON {type(obj).__name__}, expected " + AN_OBJECT)
+        obj = json_object(self.problems, ln, line, "one JSON object a line", AN_OBJECT)
+        if obj is None:
             return
         sid, n, max_id = _check_sample(self.problems, ln, line, obj)
         mask = "loss_mask" in obj

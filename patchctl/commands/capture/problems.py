@@ -49,6 +49,20 @@ def short(v, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def json_object(problems: "Problems", ln: int, line: bytes, a_line: str, an_object: str) -> dict | None:
+    """One line read as a JSON object, or None with the problem recorded against line `ln` (what was expected:
+    `a_line` when it is no JSON, `an_object` when it is JSON of another kind)."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        problems.add(ln, f"not valid JSON ({e}); expected {a_line}")
+        return None
+    if not isinstance(obj, dict):
+        problems.add(ln, f"a JSON {type(obj).__name__}, expected {an_object}")
+        return None
+    return obj
+
+
 class JsonLines:
     """A JSONL file read once, as one JSON object a line: each line hashed and counted as read (sha256,
     bytes), blank lines passed over, a line that is not JSON or not an object named in `problems` with
@@ -84,13 +98,8 @@ class JsonLines:
                 line = raw.rstrip(b"\r\n")
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    self.problems.add(ln, f"not valid JSON ({e}); expected {self.a_line}")
-                    continue
-                if not isinstance(obj, dict):
-                    self.problems.add(ln, f"a JSON {type(obj).__name__}, expected {self.an_object}")
+                obj = json_object(self.problems, ln, line, self.a_line, self.an_object)
+                if obj is None:
                     continue
                 yield ln, start, line, obj
 
