@@ -116,22 +116,7 @@ def fit_good_draft(path, *, target_model_dir, layer_ids, iters=70, seed=0) -> Pa
     try:
         target = TinyModel(L, H, V, None, model_dir=target_model_dir)
         draft = Draft(path, tcfg, target.embed, target.embed)
-        g = torch.Generator().manual_seed(seed + 1)
-        params = [t.requires_grad_() for t in draft.w.values()]
-        opt = torch.optim.Adam(params, lr=1e-2)
-        B, T = 64, 8
-        ce = torch.nn.functional.cross_entropy
-        for _ in range(iters):
-            ids = torch.randint(0, V, (B, T), generator=g)
-            aux, _, logits = target.forward(ids.reshape(-1), torch.arange(B * T), capture_ids=draft.target_layers)
-            aux, nxt = aux.float().view(B, T, -1), logits.argmax(-1).view(B, T)
-            opt.zero_grad()
-            # position j: the embedding of ids[j+1] and the target's states of j; label: the token after ids[j+1]
-            pre, lg = draft.forward(ids[:, 1:], draft.project(aux[:, :-1]))
-            pre2, lg2 = draft.forward(ids[:, 2:], pre[:, :-1])  # next chain step: the draft's own outputs
-            loss = ce(lg.flatten(0, 1), nxt[:, 1:].flatten()) + ce(lg2.flatten(0, 1), nxt[:, 2:].flatten())
-            loss.backward()
-            opt.step()
+        _fit(torch, target, draft, V, iters, seed)
     finally:
         torch.set_num_threads(threads)
     tensors = {("midlayer." + n[len("layers.0."):] if n.startswith("layers.0.") else n): t.detach()
