@@ -337,6 +337,25 @@ def test_second_ctrl_c_during_a_send_says_nothing_needs_recovering(fleet):
     assert status(f)[h0.name]["drafter"] == before and f.server_pid(h0) == pid
 
 
+def abort_twice_while_loading(f, term, log, gate, earlier, saw: str, head: str) -> tuple[str, str]:
+    """Ctrl-C twice while the server with the drafter loads (the stand-in logs `gate` to `log`), once the
+    controller saw `saw`'s restart step: exit 3 and `head` named aborted with a recovery command. Returns the
+    output and that command."""
+    wait_for(lambda: str(gate) in log.read_text(errors="replace") or term._eof.is_set(), 300,
+             what="the server with the drafter loading")
+    assert controller_saw(f, earlier, saw, "restart"), term.text[-3000:]
+    term.ctrl_c()
+    wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
+    term.ctrl_c()
+    rc = term.wait(120)
+    out = term.text
+    f.outputs.append(out)
+    assert rc == 3, out[-3000:]
+    m = re.search(rf"{re.escape(head)}: aborted — (cut off during 'restart'.*)\n\s+recover: (.*)", out)
+    assert m, out[-3000:]
+    return out, m.group(2).strip()
+
+
 def test_a_deploy_aborted_in_its_restart_then_rerun_then_recovered(fleet):
     f = fleet
     h0 = f.hosts[0]
@@ -348,21 +367,8 @@ def test_a_deploy_aborted_in_its_restart_then_rerun_then_recovered(fleet):
     try:
         earlier = f.run_dirs()
         term = Terminal(f.cmd(*_deploy_args(f, f.bad, h0.name)), f.env())
-        log = h0.dir / "server.log"
         # the agent has recorded the drafter (pending) and its server is loading: the stand-in logs the gate
-        wait_for(lambda: str(gate) in log.read_text(errors="replace") or term._eof.is_set(), 300,
-                 what="the server with the drafter loading")
-        assert controller_saw(f, earlier, h0.name, "restart"), term.text[-3000:]
-        term.ctrl_c()
-        wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
-        term.ctrl_c()
-        rc = term.wait(120)
-        out = term.text
-        f.outputs.append(out)
-        assert rc == 3, out[-3000:]
-        m = re.search(rf"{h0.name}: aborted — (cut off during 'restart'.*)\n\s+recover: (.*)", out)
-        assert m, out[-3000:]
-        recover = m.group(2).strip()
+        out, recover = abort_twice_while_loading(f, term, h0.dir / "server.log", gate, earlier, h0.name, h0.name)
         assert shlex.split(recover)[-4:] == ["rollback", "--pending", "--limit", h0.name], recover
         aborted = ev_run_id(last_run(f, earlier))
         # the agent said it in the history before it stopped: no hole after "restarting with the drafter"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 
 import pytest
@@ -18,7 +17,7 @@ from draft_util import fit_good_draft, write_draft_dir
 from fleet import Fleet, wait_for
 from sshhosts import free_ports
 from test_fleet import cmdlines_with
-from test_operator import Terminal, controller_saw, run_pasted
+from test_operator import Terminal, run_pasted
 
 
 IDS = [1, 3, 4]  # the eagle_config ids of a Llama-convention target: capture layers [2, 4, 5]
@@ -164,20 +163,10 @@ def test_a_unit_cut_off_in_its_restart_is_recovered_on_both_nodes_by_the_printed
         earlier = f.run_dirs()
         term = Terminal(f.cmd("drafter", "deploy", str(f.good), "--prompts", str(f.prompts), "--max-new-tokens",
                               "24", "--limit", "kimi"), f.env())
-        log = f.hosts[0].dir / "server.log"
-        wait_for(lambda: str(gate) in log.read_text(errors="replace") or term._eof.is_set(), 300,
-                 what="the head with the drafter loading")
-        assert controller_saw(f, earlier, "host1", "restart"), term.text[-3000:]
-        term.ctrl_c()
-        wait_for(lambda: "stopping:" in term.text or term._eof.is_set(), 60, what="the stop message")
-        term.ctrl_c()
-        rc = term.wait(120)
-        out = term.text
-        f.outputs.append(out)
-        assert rc == 3, out[-3000:]
-        m = re.search(r"host0: aborted — (cut off during 'restart'.*)\n\s+recover: (.*)", out)
-        assert m, out[-3000:]
-        recover = m.group(2).strip()
+        from test_drafter_deploy import abort_twice_while_loading
+
+        out, recover = abort_twice_while_loading(f, term, f.hosts[0].dir / "server.log", gate, earlier,
+                                                 "host1", "host0")
         assert shlex.split(recover)[-4:] == ["rollback", "--pending", "--limit", "host0,host1"], recover
         st = status(f, rc=3)  # needs attention: both nodes' drafter recorded, never measured
         assert all(st[h]["drafter"]["status"] == "pending" for h in ("host0", "host1")), st
