@@ -16,6 +16,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from patchctl.core.errors import BadInput
+from patchctl.core.plugin import Plugin, load_plugin, site_patches
 from patchctl.core.tomlloc import locate
 from patchctl.host import applier
 from patchctl.host.protocol import PatchSpec, Profile, SeriesRequest
@@ -102,6 +103,11 @@ class Series:
     patches: tuple[Patch, ...]
     smoke: SmokeProfile
     dir: Path
+    plugin: Plugin | None = None  # a plugin series (core/plugin.py): `patches` are its site's new-file diffs
+
+    @property
+    def kind(self) -> str:
+        return "plugin" if self.plugin else "patch"
 
     def targets(self, sglang_version: str) -> bool:
         try:
@@ -125,7 +131,10 @@ class Series:
         return out
 
     def profile(self) -> Profile:
-        return self.smoke.to_profile(self.name, self.version)
+        prof = self.smoke.to_profile(self.name, self.version)
+        if self.plugin:
+            prof.plugin = self.plugin.to_wire()
+        return prof
 
     def to_request(self) -> SeriesRequest:
         """The series as every host receives it: the one builder of that request (apply, plan)."""
@@ -136,10 +145,14 @@ class Series:
                              smoke=self.profile())
 
     def to_json(self) -> dict:
-        return {"name": self.name, "version": self.version, "description": self.description,
-                "sglang": self.sglang, "dir": str(self.dir),
-                "patches": [p.to_json() for p in self.patches],
-                "smoke": self.smoke.to_json()}
+        out = {"name": self.name, "version": self.version, "description": self.description,
+               "sglang": self.sglang, "dir": str(self.dir), "kind": self.kind,
+               "patches": [p.to_json() for p in self.patches],
+               "smoke": self.smoke.to_json()}
+        if self.plugin:
+            out["plugin"] = dict(self.plugin.to_wire(), files=[{"path": f.path, "from": f.source, "bytes": len(f.data)}
+                                                               for f in self.plugin.files])
+        return out
 
 
 # --- locating keys in the file text, so that errors name a line ---------------------------
@@ -153,8 +166,10 @@ def _where(text: str, key: str, table: str | None = None, index: int | None = No
 
 # --- validation -----------------------------------------------------------------------------
 
-def validate_patch_text(text: str, *, file: str, line: int | None = None) -> tuple[FileChange, ...]:
-    """Refuse anything that is not a safe unified diff of files in the sglang/ package."""
+def validate_patch_text(text: str, *, file: str, line: int | None = None,
+                        plugin_site: bool = False) -> tuple[FileChange, ...]:
+    """Refuse anything that is not a safe unified diff of files in the sglang/ package (`plugin_site`: the
+    new-file diffs core/plugin.py makes of a plugin series, and only those, create files in its site)."""
     import unidiff  # imported here: only the commands that read patches pay for it
 
     if "\0" in text:
@@ -180,7 +195,12 @@ def validate_patch_text(text: str, *, file: str, line: int | None = None) -> tup
         raise BadInput(reasons[0] + extra, file=file, line=line)
     if not any(s["hunks"] or s["action"] in ("rename", "copy", "delete", "add") or s["mode"] for s in sections):
         raise BadInput("not a unified diff (no hunks)", file=file, line=line)
-    return tuple(FileChange(p, a) for p, a in applier.touched_paths(text, sections))
+    changes = tuple(FileChange(p, a) for p, a in applier.touched_paths(text, sections))
+    site = [c.path for c in changes if c.path.split("/")[0] == applier.PLUGIN_SITE]
+    if site and not plugin_site:
+        raise BadInput(f"path {site[0]!r} is outside the sglang/ package; patches may only touch files inside sglang/",
+                       file=file, line=line)
+    return changes
 
 
 def _req(d: dict, key: str, typ, *, text, rel, table, index=None, what=None):
@@ -269,14 +289,33 @@ def load_series(patches_dir: Path, name: str, *, verify_hashes: bool = True) -> 
     rel = _rel(toml_path)
     text, data = _read_toml(toml_path, rel)
     sname, version, description, spec = _series_table(data, text, rel, name)
+    smoke = _load_smoke(data.get("smoke", {}), text, rel)
+    if "plugin" in data:
+        return _plugin_series(data, patches_dir, name, text, rel, (sname, version, description, spec), smoke, sdir)
     raw_patches = data.get("patch", [])
     if not isinstance(raw_patches, list) or not all(isinstance(p, dict) for p in raw_patches):
         raise BadInput("patch must be an array of [[patch]] tables", file=rel, line=_where(text, "patch"))
     seen: set[tuple[str | None, str]] = set()
     patches = [_load_patch(p, i, patches_dir, name, seen, text=text, rel=rel, verify_hashes=verify_hashes)
                for i, p in enumerate(raw_patches)]
-    smoke = _load_smoke(data.get("smoke", {}), text, rel)
     return Series(sname, version, description, spec, tuple(patches), smoke, sdir)
+
+
+def _plugin_series(data, patches_dir, name, text, rel, head, smoke, sdir) -> Series:
+    """A series with a [plugin] table: its files become new-file diffs in the plugin site (core/plugin.py)."""
+    if "patch" in data:
+        raise BadInput("a series has either [[patch]] tables or a [plugin] table, not both", file=rel,
+                       line=_where(text, "plugin"))
+    if smoke.hook is not None:
+        raise BadInput("smoke.hook names a call in SGLang's files; a plugin series changes none: its hooks are "
+                       "[[plugin.hook]]", file=rel, line=_where(text, "hook", "smoke"))
+    plugin = load_plugin(data["plugin"], text=text, rel=rel, patches_dir=patches_dir, name=name, where=_where,
+                         req=_req, typed=_typed, referenced=_referenced_patch)
+    version = head[1]
+    patches = tuple(Patch(fname, 1, hashlib.sha256(diff.encode()).hexdigest(), "", sdir / SERIES_FILE, diff,
+                          validate_patch_text(diff, file=rel, plugin_site=True))
+                    for fname, diff in site_patches(plugin, version))
+    return Series(*head, patches, smoke, sdir, plugin)
 
 
 def _read_toml(toml_path: Path, rel: str) -> tuple[str, dict]:

@@ -17,6 +17,9 @@ import subprocess
 from .osutil import sha256_file
 
 PACKAGE = "sglang"
+# A plugin series' files (core/plugin.py) travel under this prefix: no package can have the name, and the
+# tree's state maps it to the plugin site patchctl owns (host/state.py `Tree.path`), never into the tree.
+PLUGIN_SITE = "patchctl-plugin-site"
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _GIT_HEADER_KEYS = (
@@ -316,7 +319,7 @@ def unsafe_path(path):
     parts = path.split("/")
     if ".." in parts or "." in parts or "" in parts:
         return "path %r has '..', '.' or empty components" % path
-    if parts[0] != PACKAGE or len(parts) < 2:
+    if parts[0] not in (PACKAGE, PLUGIN_SITE) or len(parts) < 2:
         return "path %r is outside the %s/ package" % (path, PACKAGE)
     if ".git" in parts:
         return "path %r names a .git directory" % path

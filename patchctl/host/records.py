@@ -62,6 +62,7 @@ class Profile(Record):
     prompt_tokens: int = 32
     layers: list = None
     hidden_size: int = None
+    plugin: dict = None  # a plugin series (core/plugin.py Plugin.to_wire): its entry point, hooks; None: a diff series
 
 
 @dataclass
