@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from . import accept, artifact, capture, convert, draftstore, drafter_ops, regenerate, served, tokenizer
+from . import accept, artifact, capture, convert, draftstore, drafter_ops, plugin_site, regenerate, served, tokenizer
 from .capture_config import refusals
 from .deploy_ops import DeployOps, _originals
 from .dispatch import HANDLERS, handles
@@ -51,7 +51,7 @@ from .osutil import existing_ancestor, expand, proc_uptime
 from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, HistoryEntry, Holder, ProtocolError,
                        check_request)
 from .pull import pull_raw
-from .server import build_server_config, config_change, http_request, manager_for
+from .server import build_server_config, config_change, http_request, manager_for, server_values
 from .smoke import model_arch_of
 from .state import TreeState
 from .docker import Containers, derive_image, is_container_manager
@@ -206,7 +206,8 @@ class Agent(DeployOps):
         f["free_bytes"] = shutil.disk_usage(existing_ancestor(self.state_dir)).free
         f["model_arch"] = model_arch_of(cfg["argv"])
         if self.req.get("series"):
-            f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke"))
+            f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke")) + \
+                self.plugin_refusals(self.req["series"])
         return f
 
     def _server_status(self, mgr, cfg, probe_health=True):
@@ -320,6 +321,25 @@ class Agent(DeployOps):
         cfg = self.server_cfg(profile)
         return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
 
+
+    def plugin_refusals(self, series):
+        """Why SGLang, restarted with this plugin series, would serve without the plugin (host/plugin_site.py):
+        judged on the exact command line and env the restart would use, by the server's own Python."""
+        profile = series.get("smoke") or {}
+        plugin = profile.get("plugin")
+        if not plugin:
+            return []
+        cfg = self.server_cfg(profile)
+        env = dict(os.environ)
+        env.update(cfg["env"])
+        why = plugin_site.whitelist_refusal(plugin, env)
+        if why:
+            return [why]
+        if is_container_manager(cfg["manager"]):  # the smoke proves it inside the container
+            return []
+        why = plugin_site.probe_refusal(plugin, plugin_site.files_from_patches(series["patches"]), cfg["argv"],
+                                        cfg["env"], server_values(self.req)["python"])
+        return [why] if why else []
 
     def _capture_server(self):
         mgr, _ = self.base_manager()

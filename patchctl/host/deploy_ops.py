@@ -151,7 +151,7 @@ class DeployOps(object):
         if not version_matches(version, series.get("spec") or []) and not self.req.get("force"):
             raise AgentError("bad_input", "SGLang %s at %s is not a version series %s targets (%s)" % (version, t.root, series["name"], series.get("sglang")))
         if self.req.get("restart"):
-            refused = self.capture_refusals(series.get("smoke"))
+            refused = self.capture_refusals(series.get("smoke")) + self.plugin_refusals(series)
             if refused:
                 raise AgentError("bad_input", "this server configuration cannot capture with %s: %s" % (
                     series["name"], "; ".join(refused)), refusals=refused)
@@ -180,7 +180,7 @@ class DeployOps(object):
         target, files, metas = {}, {}, {}
         old_files = m.files if m else {}
         for rel, info in staged["files"].items():
-            path = os.path.join(t.root, rel)
+            path = t.path(rel)
             orig = originals[rel] if rel in originals else sha256_file(path)
             # the original's meta: recorded by the old series' manifest, else the file as it is now
             orig_meta = _meta(old_files[rel].original_meta) if rel in old_files else None
@@ -260,7 +260,7 @@ class DeployOps(object):
             patches = [(p["file"], p["text"]) for p in series["patches"]]
             for _name, text in patches:
                 for rel, _action in applier.touched_paths(text):
-                    src = os.path.join(t.root, rel)
+                    src = t.path(rel)
                     dst = os.path.join(base, rel)
                     if rel not in originals and os.path.isfile(src) and not os.path.exists(dst):
                         if not os.path.isdir(os.path.dirname(dst)):
@@ -503,7 +503,7 @@ class DeployOps(object):
                                  ", ".join(d["path"] for d in drift), drift=drift, refused=True)
             saved = os.path.join(t.dir, "handedits", time.strftime("%Y%m%dT%H%M%S"))
             for d in drift:
-                src = os.path.join(t.root, d["path"])
+                src = t.path(d["path"])
                 if os.path.exists(src):
                     dst = os.path.join(saved, d["path"])
                     if not os.path.isdir(os.path.dirname(dst)):

@@ -26,6 +26,7 @@ from .docker import DockerManager, is_container_manager, origin_argv
 from .docker_run import made_spec
 from .drafter import draft_dir, refusal_with_capture, speculative_args
 from .events import AgentError, event, heartbeat
+from . import plugin_site
 from .osutil import expand, log_tail, now, pid_alive, proc_cmdline, proc_start_time, read_json, write_json
 from .records import LaunchConfig, launch_config
 from .tree import locate_tree
@@ -82,6 +83,8 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
             extra += [profile.get("layers_arg") or "--return-aux-hidden-state-layer-ids"] + [str(x) for x in capture_layers]
         for k, v in (profile.get("env") or {}).items():
             env[k] = expand_placeholders(str(v), values)
+        if profile.get("plugin"):  # a plugin series: its site first on the server's path (host/plugin_site.py)
+            env["PYTHONPATH"] = plugin_site.python_path(env.get("PYTHONPATH"), plugin_site.site_dir(state_dir))
         series = profile.get("series")
     if drafter:
         refused = refusal_with_capture(profile, drafter)

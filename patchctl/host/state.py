@@ -32,6 +32,7 @@ from .atomic import write_atomic
 from .events import AgentError, event
 from .osutil import fsync_dir, now, read_json, sha256_bytes, sha256_file, write_json
 from .protocol import Change, HistoryEntry, Holder, Journal, Manifest, Meta, ProtocolError
+from . import plugin_site
 from .tree import clear_pycache
 
 
@@ -113,6 +114,12 @@ class TreeState(object):
         if not os.path.exists(info):
             write_json(info, {"root": root})
 
+    def path(self, rel):
+        """Where a manifest path lives: in the tree, or (a plugin series' file) in the plugin site."""
+        if plugin_site.in_site(rel):
+            return plugin_site.site_path(self.state_dir, rel)
+        return os.path.join(self.root, rel)
+
     # blobs ------------------------------------------------------------
     def put_blob(self, data):
         h = sha256_bytes(data)
@@ -186,7 +193,7 @@ class TreeState(object):
             return []
         out = []
         for rel, f in sorted(m.files.items()):
-            cur = sha256_file(os.path.join(self.root, rel))
+            cur = sha256_file(self.path(rel))
             if cur != f.applied:
                 out.append({"path": rel, "expected": f.applied, "found": cur})
         return out
@@ -228,7 +235,7 @@ class TreeState(object):
         """
         changes = []
         for rel in sorted(target):
-            path = os.path.join(self.root, rel)
+            path = self.path(rel)
             try:
                 with open(path, "rb") as f:
                     data = f.read()
@@ -284,12 +291,16 @@ class TreeState(object):
 
     def _put(self, rel, sha, meta):
         """`meta`: {uid, gid, mode} (an old journal's bare mode is an int: owner left to the OS)."""
-        path = os.path.join(self.root, rel)
+        path = self.path(rel)
         if sha is None:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            clear_pycache(os.path.dirname(path), os.path.basename(path))
+            if plugin_site.in_site(rel):
+                plugin_site.prune_dirs(self.state_dir, path)
+            return
         else:
             makedirs_like_parent(os.path.dirname(path))
             if isinstance(meta, dict):
@@ -299,7 +310,7 @@ class TreeState(object):
                 write_atomic(path, self.blob(sha), meta["mode"], owner=owner)
             else:
                 write_atomic(path, self.blob(sha), meta if meta is not None else NEW_FILE_MODE)
-        clear_pycache(self.root, rel)
+        clear_pycache(os.path.dirname(path), os.path.basename(path))
 
     def recover(self):
         """Finish or undo a transition an earlier run left behind; returns what was done, or None."""

@@ -46,7 +46,7 @@ from patchctl.simserver.hook import FORWARD_BATCH_INFO, MODEL_RUNNER, extract_ba
 from patchctl.simserver.model import resolve_capture_ids
 from patchctl.simserver.multinode import DistInitError, follow_head, head_rendezvous
 from patchctl.simserver.tree import (HIDDEN_DUMP_MODULE, compile_check, find_sglang_root, import_hidden_dump,
-                                     read_tree_version)
+                                     read_tree_version, stub_packages)
 
 logger = logging.getLogger("patchctl.simserver")
 
@@ -261,10 +261,26 @@ def _hooks(root: Path):
                     " (with statements before the raw forward)" if hook.pre is not None else "")
     else:
         logger.info("No hidden_dump hook in ModelRunner.forward")
+        return _plugin_hooks(root, hd, batch_hook)
     if batch_hook is not None:
         logger.info("ForwardBatch.init_new calls %s.note_batch at line(s) %s", batch_hook.aliases[0],
                     batch_hook.lines)
     return hd, hook, batch_hook
+
+
+def _plugin_hooks(root: Path, hd, batch_hook):
+    """A tree without the diff series' hook: SGLang's own plugin loading (simserver/plugins.py), as
+    run_scheduler_process runs it; the plugins' hooks take the hooks' place."""
+    from patchctl.simserver import plugins  # noqa: PLC0415
+
+    stub_packages(root)
+    try:
+        hooks, module = plugins.load(root)
+    except Exception:  # noqa: BLE001 - SGLang's load_plugins itself raising ends the scheduler process
+        _fatal(traceback.format_exc().rstrip() + "\nStand-in start-up failed: loading plugins")
+    if hooks is None:
+        return hd, None, batch_hook
+    return module, hooks, hooks if "ForwardBatch.init_new" in hooks.hooked else None
 
 
 def _check_capture(args, layers: int) -> None:

@@ -229,21 +229,22 @@ class Engine:
                        finished_reason=None, finished=lambda: False)
                     for w in batch]
             self.batch_hook.run(self.hd, self.runner, fb, NS(reqs=reqs, forward_mode=fb.forward_mode))
-        if fb is not None:
-            self.runner.forward_pass_id = self.forward_pass_id
-            ns = self.hook.namespace(self.hd, self.runner, fb)
-            self.hook.run_pre(ns)
-        aux, last, logits = self.model.forward(input_ids, last_index)
-        nexts = logits.argmax(-1).tolist()
-        if mode == "EXTEND" and aux is not None and knobs.record_dir():
-            self._record(batch, lens, aux, last)
-        if fb is not None:
+
+        def raw():
+            aux, last, logits = self.model.forward(input_ids, last_index)
+            if mode == "EXTEND" and aux is not None and knobs.record_dir():
+                self._record(batch, lens, aux, last)
             logits_output = NS(next_token_logits=logits, hidden_states=aux, last_hidden_states=last,
                                next_token_logprobs=None)
-            output = NS(logits_output=logits_output, can_run_graph=False,
-                        expert_distribution_metrics=None, routed_experts_output=None)
-            self.hook.run(ns, output)
-        return nexts
+            return NS(logits_output=logits_output, can_run_graph=False,
+                      expert_distribution_metrics=None, routed_experts_output=None)
+
+        if fb is not None:
+            self.runner.forward_pass_id = self.forward_pass_id
+            output = self.hook.call(self.hd, self.runner, fb, raw)
+        else:
+            output = raw()
+        return output.logits_output.next_token_logits.argmax(-1).tolist()
 
     def _record(self, batch, lens, aux, last):
         """PATCHCTL_SIM_RECORD_DIR: each prompt's rows exactly as the model computed them in its batch, kept

@@ -63,6 +63,15 @@ class Hook:
             ns["output"] = output
             exec(self.post, ns)
 
+    def call(self, module, runner, forward_batch, raw):
+        """One forward: the statements before the raw forward, `raw()` (the model: returns SGLang's
+        ModelRunnerOutput duck), the statements after it. Returns the output."""
+        ns = self.namespace(module, runner, forward_batch)
+        self.run_pre(ns)
+        output = raw()
+        self.run(ns, output)
+        return output
+
 
 def _hidden_dump_aliases(nodes) -> list[str]:
     """Names bound to sglang.srt.hidden_dump by the given import statements."""

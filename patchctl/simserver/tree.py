@@ -173,6 +173,15 @@ def compile_check(root: Path) -> list[Path]:
 
 def import_hidden_dump(root: Path):
     """Import the tree's hidden_dump.py as `sglang.srt.hidden_dump` with stub parent packages."""
+    stub_packages(root)
+    mod = importlib.import_module(HIDDEN_DUMP_MODULE)
+    sys.modules["sglang.srt"].hidden_dump = mod
+    return mod
+
+
+def stub_packages(root: Path) -> None:
+    """`sglang` and `sglang.srt` as stub packages over the tree's directories (their real `__init__`s import
+    all of SGLang): a module of the tree imports from its own file; the runtime context is the stand-in's."""
     install_runtime_context()
     pkg = root / "sglang"
     for name, path in (("sglang", pkg), ("sglang.srt", pkg / "srt")):
@@ -186,6 +195,3 @@ def import_hidden_dump(root: Path):
             sys.modules[name] = mod
     sys.modules["sglang"].srt = sys.modules["sglang.srt"]
     sys.dont_write_bytecode = True
-    mod = importlib.import_module(HIDDEN_DUMP_MODULE)
-    sys.modules["sglang.srt"].hidden_dump = mod
-    return mod
