@@ -553,3 +553,31 @@ def test_the_image_form_refuses_a_bad_run_option_naming_file_and_line(lonely):
     p = f.patchctl("apply", "hidden-dump", "--limit", h.name)
     line = next(i for i, l in enumerate(f.inventory.read_text().splitlines(), 1) if l.startswith("run = "))
     _refused(f, h, before, p, f"{f.inventory}:{line}: ", "run.shm_size", "'sixteen'")
+
+
+def test_a_plugin_series_goes_into_the_containers_python_and_out_byte_for_byte(df):
+    """A plugin series (core/plugin.py) on a container host: SGLang's files are the image's own (no tree mount),
+    the plugin site is mounted read-only where PYTHONPATH names it, SGLang's own load_plugins in the container
+    finds it and the smoke passes; rollback gives the operator's container back and removes the site."""
+    f, h = df, df.hosts[0]
+    name = f.container(h)
+    before = origin_facts(f, h)
+    p = f.patchctl("apply", "hidden-dump-plugin", "--limit", h.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "smoke passed" in p.stderr
+    ours = inspect(name)
+    assert ours["Id"] != before[0]["Id"]
+    site = str(h.state / "plugins" / "site")
+    mounts = {m["Destination"]: m for m in ours["Mounts"]}
+    assert f"{IN_ROOT}/sglang" not in mounts, "a plugin series must not mount a tree over the image's SGLang"
+    assert mounts[site]["Source"] == site and not mounts[site]["RW"]
+    env = dict(e.split("=", 1) for e in ours["Config"]["Env"])
+    assert env["PYTHONPATH"].split(":")[0] == site and env["OPERATOR_SETTING"] == "kept"
+    assert b"hidden_dump" not in file_in(name, f"{IN_ROOT}/sglang/srt/model_executor/model_runner.py")
+    out = docker("logs", name)
+    logs = (out.stdout + out.stderr).decode()
+    assert "Loaded plugin patchctl_hidden_dump from group sglang.srt.plugins" in logs, logs[-2000:]
+    p = f.patchctl("rollback", "--limit", h.name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert_origin_back(f, h, before)
+    assert not (h.state / "plugins").exists()

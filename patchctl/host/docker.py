@@ -27,6 +27,7 @@ import shutil
 import tarfile
 import tempfile
 
+from . import plugin_site
 from .docker_run import Temporary, check_made, create_origin, would_be
 from .engine import Engine, EngineError, _q
 from .events import AgentError, event
@@ -383,7 +384,8 @@ class DockerManager(object):
         root = self.c.tree_root
         if not os.path.isdir(os.path.join(root, "sglang")):
             return None
-        if not TreeState(self.state_dir, root, create=False).manifest():
+        m = TreeState(self.state_dir, root, create=False).manifest()
+        if not m or all(plugin_site.in_site(rel) for rel in m.files):  # a plugin series changes no SGLang file
             return None
         inside = self.c.in_container_tree()
         return {"Source": os.path.join(root, "sglang"), "Target": inside.rstrip("/") + "/sglang", "ro": True}
@@ -397,6 +399,9 @@ class DockerManager(object):
         dump = (cfg.get("env") or {}).get(profile.get("dump_dir_env") or "SGLANG_HIDDEN_DUMP_DIR")
         if dump:
             out.append({"Source": dump, "Target": dump, "ro": False})
+        if profile.get("plugin"):  # the plugin site, where PYTHONPATH names it (host/plugin_site.py)
+            site = plugin_site.site_dir(self.state_dir)
+            out.append({"Source": site, "Target": site, "ro": True})
         if cfg.get("drafter"):
             store = os.path.join(self.state_dir, "drafters")
             out.append({"Source": store, "Target": store, "ro": True})
@@ -483,7 +488,10 @@ def create_body(origin, argv, env, mounts, labels):
     else:
         body["Entrypoint"], body["Cmd"] = argv[:1], argv[1:]
     have = env_of(origin)
+    image_path = have.get("PYTHONPATH")
     have.update(env)
+    if image_path and "PYTHONPATH" in env:  # a plugin site first (host/plugin_site.py), the image's own path after it
+        have["PYTHONPATH"] = plugin_site.joined_path(env["PYTHONPATH"], image_path)
     body["Env"] = ["%s=%s" % kv for kv in have.items()]
     body["Image"] = origin.get("Image")  # the image id: the same image, even if its tag moved since
     body["Labels"] = dict(c.get("Labels") or {}, **labels)

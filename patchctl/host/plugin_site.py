@@ -69,8 +69,16 @@ def _sources_left(d):
 
 def python_path(env_value, site):
     """PYTHONPATH with the site first, the operator's own entries kept after it."""
-    parts = [p for p in (env_value or "").split(os.pathsep) if p and p != site]
-    return os.pathsep.join([site] + parts)
+    return joined_path(site, env_value)
+
+
+def joined_path(first, then):
+    """The entries of `first`, then those of `then` not already there (PYTHONPATH values)."""
+    out = []
+    for p in (first or "").split(os.pathsep) + (then or "").split(os.pathsep):
+        if p and p not in out:
+            out.append(p)
+    return os.pathsep.join(out)
 
 
 def files_from_patches(patches):

@@ -63,6 +63,7 @@ class Profile(Record):
     layers: list = None
     hidden_size: int = None
     plugin: dict = None  # a plugin series (core/plugin.py Plugin.to_wire): its entry point, hooks; None: a diff series
+    SPARSE = ("plugin",)
 
 
 @dataclass

@@ -28,9 +28,11 @@ def _parse_enum(cls, value, what):
 class Record(object):
     """A dataclass with a strict wire form. NESTED: {field: Record class, or (list|dict, class)};
     RENAMED: {field: wire name} (a wire name that is a Python keyword); LEGACY: wire names an
-    earlier version wrote, read and dropped."""
+    earlier version wrote, read and dropped; SPARSE: fields left off the wire while None (added since, so
+    what an earlier version wrote and what this one writes for it stay the same)."""
 
     NESTED = {}
+    SPARSE = ()
     RENAMED = {}
     LEGACY = ()
 
@@ -57,7 +59,11 @@ class Record(object):
         return cls(**kw)
 
     def to_wire(self):
-        return dict((wire, _encode(getattr(self, name))) for wire, name in _shape(type(self))[0].items())
+        out = dict((wire, _encode(getattr(self, name))) for wire, name in _shape(type(self))[0].items())
+        for name in self.SPARSE:
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
 
 
 _SHAPES = {}
