@@ -125,6 +125,8 @@ def test_sglang_plugins_leaving_the_plugin_out_is_refused_before_any_change(flee
     f, h = fleet1, fleet1.hosts[0]
     digest, pid = f.digest(h), f.server_pid(h)
     f.write_inventory(server={"env": {"SGLANG_PLUGINS": "someone_elses_plugin"}, "public_env": ["SGLANG_PLUGINS"]})
+    p = f.patchctl("plan", PLUGIN)  # plan names it, as apply refuses it
+    assert re.search(r"blocked\s+.*leaves out the plugin patchctl_hidden_dump", p.stdout), p.stdout + p.stderr
     p = f.patchctl("apply", PLUGIN)
     assert p.returncode == 2, p.stdout + p.stderr
     out = p.stdout + p.stderr

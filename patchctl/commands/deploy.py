@@ -348,7 +348,7 @@ def failure_reason(e: Exception, msg: str, host: str | None = None) -> str:
 
 def run_apply(app: App, opts: DeployOptions) -> int:
     series = load_series(app.patches_dir, opts.series)
-    run = Run(app, opts, "apply", title=f"apply {series.name} {series.version}", public_env=series.smoke.env,
+    run = Run(app, opts, "apply", title=f"apply {series.name} {series.version}", public_env=series.public_env,
               series_req=series.to_request(), repo_commit=repo_commit(app.patches_dir))
     units, rep = run.units(), run.reporter
     sizes = plan_batches(len(units), opts.canary, opts.batch)

@@ -326,7 +326,7 @@ def run_plan(app: App, opts: QueryOptions) -> int:
 
     return ask_hosts(app, opts, "plan", per_host, render,
                    exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2),
-                   page=opts.diff, public_env=series.smoke.env)
+                   page=opts.diff, public_env=series.public_env)
 
 
 def file_diffs(series: Series) -> dict[str, str]:
@@ -381,9 +381,15 @@ def _plan_rows(d: dict, m) -> list[tuple[str, str]]:
         rows.append(("env", " ".join(f"{k}={v if v == MASK else shlex.quote(str(v))}" for k, v in env.items()) or "(none)"))
         if rc["manager"] == "systemd":
             rows.append(("systemd", f"systemctl restart {rc['unit']} with a drop-in setting the env and flags above"))
+        plugin = (rc.get("profile") or {}).get("plugin")
+        if plugin:
+            site = rc["env"]["PYTHONPATH"].split(":")[0]
+            rows.append(("plugin", f"{plugin['name']} = {plugin['entry']} ({plugin['group']}) in {site}, first on the "
+                                   "server's PYTHONPATH; no file of SGLang's changes"))
         if rc.get("container"):
             rows.append(("container", f"{rc['manager']}: a container made from {rc['container']}'s own config with the "
-                                      "command and env above, the patched tree mounted read-only"))
+                                      "command and env above, " + ("the plugin site" if plugin else "the patched tree")
+                         + " mounted read-only"))
     rows.append(("blocked", "\n".join(d["blockers"]) or "-"))
     return rows
 

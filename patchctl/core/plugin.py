@@ -322,7 +322,9 @@ def _check_registrations(plugin: Plugin, rel: str) -> None:
             ([f"declared, never registered: {', '.join(missing)}"] if missing else [])), file=rel)
 
 
-def site_patches(plugin: Plugin, version: str) -> list[tuple[str, str]]:
-    """(file name, new-file diff under PLUGIN_SITE) for every file of the site: what hosts apply."""
-    return [(f"plugin:{path}", new_file_diff(f"{PLUGIN_SITE}/{path}", data))
+def site_patches(plugin: Plugin, version: str) -> list[tuple[str, str, str]]:
+    """(file name, new-file diff under PLUGIN_SITE, what it is) for every file of the site: what hosts apply."""
+    sources = {f.path: f"plugin file, from {f.source}" for f in plugin.files}
+    made = f"made by patchctl: entry point {plugin.name} = {plugin.entry} in {GROUP}"
+    return [(f"plugin:{path}", new_file_diff(f"{PLUGIN_SITE}/{path}", data), sources.get(path, made))
             for path, data in sorted(plugin.site_files(version).items())]

@@ -130,6 +130,12 @@ class Series:
                     out.append(f.path)
         return out
 
+    @property
+    def public_env(self) -> tuple[str, ...]:
+        """Env names the series' restart sets from what series.toml commits (not secrets): its smoke env, and a
+        plugin series' PYTHONPATH (the plugin site first: host/plugin_site.py)."""
+        return tuple(self.smoke.env) + (("PYTHONPATH",) if self.plugin else ())
+
     def profile(self) -> Profile:
         prof = self.smoke.to_profile(self.name, self.version)
         if self.plugin:
@@ -312,9 +318,9 @@ def _plugin_series(data, patches_dir, name, text, rel, head, smoke, sdir) -> Ser
     plugin = load_plugin(data["plugin"], text=text, rel=rel, patches_dir=patches_dir, name=name, where=_where,
                          req=_req, typed=_typed, referenced=_referenced_patch)
     version = head[1]
-    patches = tuple(Patch(fname, 1, hashlib.sha256(diff.encode()).hexdigest(), "", sdir / SERIES_FILE, diff,
+    patches = tuple(Patch(fname, 1, hashlib.sha256(diff.encode()).hexdigest(), what, sdir / SERIES_FILE, diff,
                           validate_patch_text(diff, file=rel, plugin_site=True))
-                    for fname, diff in site_patches(plugin, version))
+                    for fname, diff, what in site_patches(plugin, version))
     return Series(*head, patches, smoke, sdir, plugin)
 
 
