@@ -572,7 +572,8 @@ def test_a_plugin_series_goes_into_the_containers_python_and_out_byte_for_byte(d
     assert f"{IN_ROOT}/sglang" not in mounts, "a plugin series must not mount a tree over the image's SGLang"
     assert mounts[site]["Source"] == site and not mounts[site]["RW"]
     env = dict(e.split("=", 1) for e in ours["Config"]["Env"])
-    assert env["PYTHONPATH"].split(":")[0] == site and env["OPERATOR_SETTING"] == "kept"
+    assert env["PYTHONPATH"].split(":") == [site, str(REPO), str(SITE)], "the site first, the operator's path kept"
+    assert env["OPERATOR_SETTING"] == "kept"
     assert b"hidden_dump" not in file_in(name, f"{IN_ROOT}/sglang/srt/model_executor/model_runner.py")
     out = docker("logs", name)
     logs = (out.stdout + out.stderr).decode()

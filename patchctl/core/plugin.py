@@ -112,9 +112,10 @@ def new_file_diff(path: str, data: bytes) -> str:
             f"@@ -0,0 +1,{len(lines)} @@\n{body}")
 
 
-def load_plugin(p, *, text: str, rel: str, patches_dir: Path, name: str, where, req, typed, referenced) -> Plugin:
-    """The [plugin] table of series `name` (helpers from core/series.py: `where` finds a key's line,
-    `req`/`typed` read typed keys, `referenced` resolves another series' patch)."""
+def load_plugin(p, *, text: str, rel: str, patches_dir: Path, name: str) -> Plugin:
+    """The [plugin] table of series `name`, read with series.toml's own helpers (core/series.py)."""
+    from patchctl.core.series import _referenced_patch as referenced, _req as req, _typed as typed, _where as where
+
     if not isinstance(p, dict):
         raise BadInput("plugin must be a table", file=rel, line=where(text, "plugin"))
     kw = dict(text=text, rel=rel, table="plugin")
@@ -129,16 +130,17 @@ def load_plugin(p, *, text: str, rel: str, patches_dir: Path, name: str, where, 
     entry = req(p, "entry", str, **kw)
     if not re.fullmatch(rf"{_IDENT}(\.{_IDENT})*:{_IDENT}", entry):
         raise BadInput(f"plugin.entry {entry!r} must be 'module:function'", file=rel, line=where(text, "entry", "plugin"))
-    files = _load_files(p.get("file"), text=text, rel=rel, patches_dir=patches_dir, name=name, where=where,
-                        req=req, typed=typed, referenced=referenced)
-    hooks = _load_hooks(p.get("hook"), text=text, rel=rel, where=where, req=req)
+    files = _load_files(p.get("file"), text=text, rel=rel, patches_dir=patches_dir, name=name)
+    hooks = _load_hooks(p.get("hook"), text=text, rel=rel)
     plugin = Plugin(dist, ep_name, entry, files, hooks)
     _check_entry(plugin, rel, where(text, "entry", "plugin"))
     _check_registrations(plugin, rel)
     return plugin
 
 
-def _load_files(raw, *, text, rel, patches_dir, name, where, req, typed, referenced) -> tuple[PluginFile, ...]:
+def _load_files(raw, *, text, rel, patches_dir, name) -> tuple[PluginFile, ...]:
+    from patchctl.core.series import _referenced_patch as referenced, _req as req, _typed as typed, _where as where
+
     if not isinstance(raw, list) or not raw or not all(isinstance(f, dict) for f in raw):
         raise BadInput("plugin.file must be a non-empty array of [[plugin.file]] tables", file=rel,
                        line=where(text, "plugin"))
@@ -205,7 +207,9 @@ def _added_file(raw_patch: bytes, source: str, rel: str, line) -> bytes:
     return "".join(ln[1:] for ln in body).encode("utf-8")
 
 
-def _load_hooks(raw, *, text, rel, where, req) -> tuple[PluginHook, ...]:
+def _load_hooks(raw, *, text, rel) -> tuple[PluginHook, ...]:
+    from patchctl.core.series import _req as req, _where as where
+
     if not isinstance(raw, list) or not raw or not all(isinstance(h, dict) for h in raw):
         raise BadInput("plugin.hook must be a non-empty array of [[plugin.hook]] tables (every hook the plugin "
                        "registers, so the trace can follow it)", file=rel, line=where(text, "plugin"))

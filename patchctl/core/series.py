@@ -315,8 +315,7 @@ def _plugin_series(data, patches_dir, name, text, rel, head, smoke, sdir) -> Ser
     if smoke.hook is not None:
         raise BadInput("smoke.hook names a call in SGLang's files; a plugin series changes none: its hooks are "
                        "[[plugin.hook]]", file=rel, line=_where(text, "hook", "smoke"))
-    plugin = load_plugin(data["plugin"], text=text, rel=rel, patches_dir=patches_dir, name=name, where=_where,
-                         req=_req, typed=_typed, referenced=_referenced_patch)
+    plugin = load_plugin(data["plugin"], text=text, rel=rel, patches_dir=patches_dir, name=name)
     version = head[1]
     patches = tuple(Patch(fname, 1, hashlib.sha256(diff.encode()).hexdigest(), what, sdir / SERIES_FILE, diff,
                           validate_patch_text(diff, file=rel, plugin_site=True))

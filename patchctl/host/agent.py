@@ -54,7 +54,7 @@ from .pull import pull_raw
 from .server import build_server_config, config_change, http_request, manager_for, server_values
 from .smoke import model_arch_of
 from .state import TreeState
-from .docker import Containers, derive_image, is_container_manager
+from .docker import Containers, derive_image, env_of, is_container_manager
 from .docker_run import made_spec
 from .tree import locate_tree, tree_version
 
@@ -330,12 +330,14 @@ class Agent(DeployOps):
         if not plugin:
             return []
         cfg = self.server_cfg(profile)
-        env = dict(os.environ)
+        container = is_container_manager(cfg["manager"])
+        # what the server's env starts from: the operator's container's (image and `docker run -e`), else the agent's
+        env = env_of(manager_for(self.state_dir, cfg).c.origin_doc()) if container else dict(os.environ)
         env.update(cfg["env"])
         why = plugin_site.whitelist_refusal(plugin, env)
         if why:
             return [why]
-        if is_container_manager(cfg["manager"]):  # the smoke proves it inside the container
+        if container:  # the interpreter in the container is asked by the smoke
             return []
         why = plugin_site.probe_refusal(plugin, plugin_site.files_from_patches(series["patches"]), cfg["argv"],
                                         cfg["env"], server_values(self.req)["python"])
