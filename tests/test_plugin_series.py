@@ -189,3 +189,23 @@ def test_a_hook_that_never_fires_is_rolled_back_by_the_smoke_verified(fleet1, ca
     _, hist = f.json("history")
     rb = [e for e in hist[0]["history"] if e["op"] == "rollback" and (e.get("from") or {}).get("series") == name]
     assert len(rb) == 1 and "no dump file" in rb[0]["reason"], json.dumps(hist)[:2000]
+
+
+def test_switching_between_the_plugin_and_the_diff_series_and_back_is_exact(fleet1):
+    """The diff series over the plugin series removes the site and patches the tree; a rollback brings the plugin
+    back (files from the journal's blobs, byte for byte) and the tree back to pristine."""
+    f, h = fleet1, fleet1.hosts[0]
+    digest = f.digest(h)
+    assert f.patchctl("apply", PLUGIN).returncode == 0
+    site_files = {str(x.relative_to(site(h))): x.read_bytes() for x in site(h).rglob("*") if x.is_file()}
+    p = f.patchctl("apply", "hidden-dump")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not (h.state / "plugins").exists() and f.digest(h) != digest
+    assert "PYTHONPATH" not in server_env(f, h) or str(site(h)) not in server_env(f, h)["PYTHONPATH"]
+    p = f.patchctl("rollback")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f.digest(h) == digest
+    assert {str(x.relative_to(site(h))): x.read_bytes() for x in site(h).rglob("*") if x.is_file()} == site_files
+    _, st = f.json("status")
+    assert st[0]["series"] == PLUGIN and st[0]["state"] == "verified" and not st[0]["drift"], st
+    assert server_env(f, h)["PYTHONPATH"].split(":")[0] == str(site(h))

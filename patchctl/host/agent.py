@@ -321,7 +321,6 @@ class Agent(DeployOps):
         cfg = self.server_cfg(profile)
         return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
 
-
     def plugin_refusals(self, series):
         """Why SGLang, restarted with this plugin series, would serve without the plugin (host/plugin_site.py):
         judged on the exact command line and env the restart would use, by the server's own Python."""
