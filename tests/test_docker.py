@@ -578,6 +578,30 @@ def test_a_plugin_series_goes_into_the_containers_python_and_out_byte_for_byte(d
     out = docker("logs", name)
     logs = (out.stdout + out.stderr).decode()
     assert "Loaded plugin patchctl_hidden_dump from group sglang.srt.plugins" in logs, logs[-2000:]
+    # `patchctl image`: the operator's image with the site in it, first on its PYTHONPATH, SGLang's files its own
+    from patchctl.host.docker import IMAGE_PLUGIN_SITE
+
+    _, res = f.json("image", "--limit", h.name, "--repo", "patchctl-test-derived")
+    tag = res[0]["tag"]
+    try:
+        assert tag.startswith("patchctl-test-derived:hidden-dump-plugin-2.1.0-"), res
+        doc = json.loads(docker("image", "inspect", tag).stdout)[0]
+        img_env = dict(e.split("=", 1) for e in doc["Config"]["Env"])
+        base = json.loads(docker("image", "inspect", before[0]["Image"]).stdout)[0]
+        base_env = dict(e.split("=", 1) for e in base["Config"]["Env"] or [])
+        assert img_env["PYTHONPATH"].split(":") == [IMAGE_PLUGIN_SITE] + [
+            x for x in base_env.get("PYTHONPATH", "").split(":") if x]  # the image's own path kept after it
+        assert {k: v for k, v in img_env.items() if k != "PYTHONPATH"} == \
+            {k: v for k, v in base_env.items() if k != "PYTHONPATH"}
+        cid = docker("create", tag).stdout.decode().strip()
+        try:
+            for rel in ("patchctl_hidden_dump/hidden_dump.py", "patchctl_hidden_dump-2.1.0.dist-info/entry_points.txt"):
+                assert file_in(cid, f"{IMAGE_PLUGIN_SITE}/{rel}") == (h.state / "plugins/site" / rel).read_bytes()
+            assert b"hidden_dump" not in file_in(cid, f"{IN_ROOT}/sglang/srt/model_executor/model_runner.py")
+        finally:
+            docker("rm", "-f", cid)
+    finally:
+        docker("rmi", "-f", tag, check=False)
     p = f.patchctl("rollback", "--limit", h.name)
     assert p.returncode == 0, p.stdout + p.stderr
     assert_origin_back(f, h, before)

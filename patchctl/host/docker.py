@@ -525,16 +525,22 @@ def tree_digest(pkg):
     return h.hexdigest()
 
 
+IMAGE_PLUGIN_SITE = "/opt/patchctl/plugins/site"  # where a plugin series' site lives in a derived image
+
+
 def derive_image(c, manifest, repo=None):
     """The Kubernetes step (docs/design.md "SGLang in containers"): a new image = the operator's image with the
     deployed sglang/ over its own, tagged `<repo>:<series>-<version>-<digest12>`, for a team to push to its
     registry and roll out. A container is created from the image (never started), the tree copied into it
-    through the archive endpoint, committed with the image's own config, and removed."""
+    through the archive endpoint, committed with the image's own config, and removed. A plugin series' image has
+    the plugin site at IMAGE_PLUGIN_SITE, first on the image's PYTHONPATH, and SGLang's files as they were."""
     rec = c.origin()
     if not rec:
         raise AgentError("bad_input", "container %r: patchctl has not deployed here (no record of the operator's "
                          "container)" % c.name)
-    pkg = os.path.join(c.tree_root, "sglang")
+    plugin = all(plugin_site.in_site(rel) for rel in manifest.files)
+    # a diff series: the patched sglang/ over the image's; a plugin series: the site, first on the image's PYTHONPATH
+    pkg = plugin_site.site_dir(c.state_dir) if plugin else os.path.join(c.tree_root, "sglang")
     for rel, f in manifest.files.items():
         if f.applied is None:  # the archive endpoint adds and replaces files; it cannot take one away
             raise AgentError("bad_input", "%s %s removes %s: an image layer made by copying cannot remove it" % (
@@ -546,6 +552,10 @@ def derive_image(c, manifest, repo=None):
     repo = repo or "patchctl/%s" % c.name
     tag = "%s-%s-%s" % (manifest.series, manifest.version, digest[:12])
     body = dict((k, v) for k, v in (base.get("Config") or {}).items() if v is not None)
+    if plugin:
+        env = env_of(base)
+        env["PYTHONPATH"] = plugin_site.joined_path(IMAGE_PLUGIN_SITE, env.get("PYTHONPATH"))
+        body["Env"] = ["%s=%s" % kv for kv in env.items()]
     body["Image"] = rec["image"]
     body["Labels"] = dict(body.get("Labels") or {}, **{
         "io.patchctl.series": manifest.series, "io.patchctl.version": manifest.version,
@@ -554,9 +564,10 @@ def derive_image(c, manifest, repo=None):
     try:
         buf = tempfile.TemporaryFile()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(pkg, arcname="sglang", filter=lambda ti: None if "__pycache__" in ti.name.split("/") else ti)
+            tar.add(pkg, arcname=IMAGE_PLUGIN_SITE.lstrip("/") if plugin else "sglang",
+                    filter=lambda ti: None if "__pycache__" in ti.name.split("/") else ti)
         buf.seek(0)
-        c.engine.put_archive(cid, rec["sglang_root"], buf)
+        c.engine.put_archive(cid, "/" if plugin else rec["sglang_root"], buf)
         _, made = c.engine.call("POST", "/commit?container=%s&repo=%s&tag=%s&comment=%s" % (
             _q(cid), _q(repo), _q(tag), _q("patchctl: %s %s over %s" % (manifest.series, manifest.version,
                                                                        rec["image"][:19]))), body)
