@@ -27,6 +27,8 @@ FAST_LANE = {
     "test_apply_rollback_files.py": {"test_host_keys_are_checked_strictly", "test_unlock_refuses_a_live_holder_and_releases_a_stale_one"},
     "test_fleet.py": {"test_plan_touches_nothing_and_tells_what_apply_would_do"},
     "test_real_sglang.py": {"test_multi_request_extend"},  # one real-SGLang scenario, bit for bit
+    # SGLang's own load_plugins finds the plugin series on a pristine tree (one scenario on each side)
+    "test_real_sglang_plugin.py": {"test_sglang_load_plugins_discovers_the_entry_point_and_wraps_both_methods"},
     "test_operator.py": {"test_json_apply_still_prints_progress_on_stderr"},  # the operator's 2-host fleet
     # the stand-in: its HTTP surface, a dump through a tree's hook, a tree that does not compile
     "test_simserver.py": {"test_pristine_tree_readiness_and_http_surface", "test_dump_through_tree_hook",

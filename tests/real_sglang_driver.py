@@ -3,6 +3,11 @@
 Usage: python real_sglang_driver.py SPEC.json   (the patched tree first on PYTHONPATH)
        python real_sglang_driver.py --serve     (spec paths on stdin, one line each)
 
+The plugin series instead (tests/test_real_sglang_plugin.py): a pristine tree first on
+PYTHONPATH, the plugin's site directory before it, and spec "plugin_site" (that directory)
++ "dump_module" (the plugin's copy of the module): before anything else the scenario's process
+runs SGLang's own `load_plugins()`, as `run_scheduler_process` does (see `load_plugins` below).
+
 Every scenario and rank runs in a process of its own, so SGLang's process-wide state
 (runtime context, process groups, the module's writer) is never shared and never enters
 pytest.  The test (tests/test_real_sglang.py) runs `--serve` once per session: it imports
@@ -103,6 +108,89 @@ from torch import nn  # noqa: E402
 torch.set_num_threads(1)
 
 VOCAB_SEED = 20231
+DUMP_MODULE = "sglang.srt.hidden_dump"  # where the diff series puts the capture module
+
+# The two methods the capture hooks (the diff series patches them; the plugin wraps them).
+HOOKED = ("sglang.srt.model_executor.model_runner.ModelRunner.forward",
+          "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new")
+
+# --------------------------------------------------------------------------- plugins
+
+
+def load_plugins(site: str) -> dict:
+    """SGLang's own plugin loading, as `run_scheduler_process` does it first thing
+    (managers/scheduler.py:6323): `sglang.srt.plugins.load_plugins()` discovers the
+    `sglang.srt.plugins` entry points with importlib.metadata, filters them by SGLANG_PLUGINS,
+    runs each, then `HookRegistry.apply_hooks()`.
+
+    `site` (spec "plugin_site") is a plugin site directory: the test puts it first on the
+    fork server's PYTHONPATH (as patchctl puts it on the server's), so it is on sys.path before
+    anything asks importlib.metadata; if it is not, it goes first now and the import system's
+    caches (importlib.metadata's path cache among them) are dropped.  Returns what SGLang found
+    and ran, for the test."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    site = str(Path(site).resolve())
+    added = site not in sys.path
+    if added:
+        sys.path.insert(0, site)
+        importlib.invalidate_caches()
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP
+    from sglang.srt.plugins import load_plugins as sglang_load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    sglang_load_plugins()
+    found = [{"name": ep.name, "value": ep.value, "dist": ep.dist.name if ep.dist else None,
+              "dist_path": str(ep.dist.locate_file("")) if ep.dist else None}
+             for ep in entry_points(group=GENERAL_PLUGINS_GROUP)]
+    return {
+        "site": site,
+        "site_index_on_sys_path": sys.path.index(site),
+        "site_added_by_driver": added,
+        "sglang_plugins_env": os.environ.get("SGLANG_PLUGINS"),
+        "entry_points": found,
+        "registered": {t: [[ht.value, "%s.%s" % (h.__module__, h.__qualname__),
+                            src.plugin_name if src else None, src.dist_name if src else None]
+                           for ht, h, src in hooks] for t, hooks in HookRegistry._hooks.items()},
+        "patched": sorted(HookRegistry._patched),
+        "modules": {m: getattr(sys.modules[m], "__file__", None) for m in sorted(sys.modules)
+                    if m.split(".")[0] in {ep["value"].split(":")[0].split(".")[0] for ep in found}},
+    }
+
+
+def hook_facts() -> dict:
+    """For each method the capture hooks (and any other target a plugin registered): what the
+    attribute is now, i.e. the chain of HookRegistry wrappers (`_wrap_fn`, each with the
+    `__wrapped__` it wraps) down to the original function, and where that original is defined."""
+    import inspect
+    import pkgutil
+
+    targets = set(HOOKED)
+    if "sglang.srt.plugins.hook_registry" in sys.modules:
+        targets |= set(sys.modules["sglang.srt.plugins.hook_registry"].HookRegistry._hooks)
+    out = {}
+    for target in sorted(targets):
+        obj_path, attr = target.rsplit(".", 1)
+        obj = pkgutil.resolve_name(obj_path)
+        raw = obj.__dict__.get(attr) if isinstance(obj, type) else getattr(obj, attr)
+        kind = type(raw).__name__ if isinstance(raw, (classmethod, staticmethod)) else "function"
+        fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+        chain = []
+        while getattr(getattr(fn, "__code__", None), "co_filename", "").endswith(
+                os.path.join("plugins", "hook_registry.py")):
+            hook = inspect.getclosurevars(fn).nonlocals.get("hook")
+            chain.append("%s.%s" % (hook.__module__, hook.__qualname__))
+            fn = fn.__wrapped__
+        out[target] = {
+            "kind": kind,
+            "wrapped": hasattr(raw.__func__ if kind != "function" else raw, "__wrapped__"),
+            "hooks": chain,
+            "original": "%s.%s" % (fn.__module__, fn.__qualname__),
+            "original_file": fn.__code__.co_filename,
+        }
+    return out
+
 
 # --------------------------------------------------------------------------- the harness
 
@@ -407,11 +495,18 @@ class Harness:
 
     # ----------------------------------------------------------------- results
 
+    def dump_module(self):
+        """The capture module as this process imported it (None if nothing imported it): the diff
+        series' `sglang.srt.hidden_dump` (imported by the patched model_runner), or the plugin's
+        copy (spec "dump_module", imported by SGLang's `load_plugins`).  Never imported here: a
+        plugin SGLang skipped stays unimported."""
+        return sys.modules.get(self.spec.get("dump_module", DUMP_MODULE))
+
     def listing(self) -> list:
         """The dump directory once the module's writer has finished what it accepted."""
-        from sglang.srt import hidden_dump
-
-        hidden_dump.flush(60.0)
+        hidden_dump = self.dump_module()
+        if hidden_dump is not None:
+            hidden_dump.flush(60.0)
         d = Path(os.environ["SGLANG_HIDDEN_DUMP_DIR"])
         return sorted(os.listdir(d)) if d.is_dir() else []
 
@@ -448,6 +543,8 @@ class Harness:
             "set_eagle3_layers_to_capture_of": mr.model.real_class,
             "layers_to_capture": list(inner.layers_to_capture),
             "model_arch": mr.model_config.hf_config.architectures[0],
+            "attention_arch": mr.model_config.attention_arch.name,
+            "kv_pool": type(mr.token_to_kv_pool).__name__,
             "hidden_size": mr.model_config.hidden_size,
             "num_hidden_layers": mr.model_config.num_hidden_layers,
             "is_draft_worker": bool(mr.is_draft_worker),
@@ -456,13 +553,13 @@ class Harness:
             "attn_backend": type(mr.attn_backend).__name__,
             "ranks": {k: getattr(p, k) for k in ("tp_rank", "tp_size", "attn_tp_rank",
                                                   "attn_tp_size", "attn_dp_rank", "attn_dp_size")},
+            "hooks": hook_facts(),
             "timings": self.timings,
         }
 
     def result(self) -> dict:
-        from sglang.srt import hidden_dump
-
-        flushed = hidden_dump.flush(60.0)
+        hidden_dump = self.dump_module()
+        flushed = hidden_dump.flush(60.0) if hidden_dump is not None else None
         d = Path(os.environ.get("SGLANG_HIDDEN_DUMP_DIR") or self.spec["dump_dir"])
         files = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
         log = d / "_hidden_dump_errors.log"
@@ -471,11 +568,12 @@ class Harness:
             "ok": True,
             "facts": self.facts(),
             "forwards": self.forwards,
-            "stats": hidden_dump.stats(),
+            "stats": hidden_dump.stats() if hidden_dump is not None else None,
             "flushed": flushed,
             "files": files,
             "errors_log": log.read_text() if log.is_file() else "",
-            "module_file": hidden_dump.__file__,
+            "dump_module": self.spec.get("dump_module", DUMP_MODULE),
+            "module_file": hidden_dump.__file__ if hidden_dump is not None else None,
             "notes": self.notes,
         }
 
@@ -757,9 +855,11 @@ def main(argv) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     out = Path(spec["out_dir"]) / "result.json"
     try:
+        plugins = load_plugins(spec["plugin_site"]) if spec.get("plugin_site") else None
         h = Harness(spec)
         SCENARIOS[spec["scenario"]](h)
         res = h.result()
+        res["plugins"] = plugins
     except BaseException as e:  # the test shows this instead of a bare exit status
         res = {"ok": False, "error": "%s: %s" % (type(e).__name__, e),
                "traceback": traceback.format_exc()}
@@ -785,9 +885,13 @@ PRELOAD = (
     "sglang.srt.layers.logits_processor", "sglang.srt.models.llama", "sglang.srt.models.deepseek_v2",
     "sglang.srt.managers.scheduler_components.dp_attn", "sglang.srt.utils.common",
     "sglang.srt.constants", "sglang.srt.layers.dp_attention", "sglang.srt.managers.io_struct",
-    "sglang.srt.managers.tp_worker", "sglang.srt.managers.utils", "sglang.srt.hidden_dump",
+    "sglang.srt.managers.tp_worker", "sglang.srt.managers.utils",
+    "sglang.srt.plugins", "sglang.srt.plugins.hook_registry",  # imported; plugins load per scenario
     "sglang.srt.models.registry",  # imports every model class (ModelRunner asks it for the architecture)
 )
+# Not listed: the capture module.  A patched tree's model_runner imports sglang.srt.hidden_dump
+# itself; a pristine tree has none, and a plugin's copy is imported only by SGLang's load_plugins
+# in the scenario's process (so SGLANG_PLUGINS can leave it unimported).
 
 
 def _run_forked(spec_path: str) -> None:

@@ -82,11 +82,15 @@ def _series() -> dict:
 def real_tree(sglang_tree, tmp_path_factory) -> Path:
     """A full copy of the pristine 0.5.23 `sglang/` package with the series applied (hard links to the
     run's pristine copy: git apply writes each patched file anew, never through a link)."""
-    dest = tmp_path_factory.mktemp("real-sglang")
+    return patched_tree(sglang_tree, tmp_path_factory.mktemp("real-sglang"), SERIES_DIR)
+
+
+def patched_tree(sglang_tree: Path, dest: Path, series_dir: Path) -> Path:
+    """dest/sglang: hard links to the pristine tree, with the diff series in `series_dir` applied."""
     link_tree(sglang_tree, dest / "sglang", sub="sglang")
-    for patch in _series()["patch"]:
+    for patch in tomllib.loads((series_dir / "series.toml").read_text())["patch"]:
         for args in (["--check"], []):
-            r = subprocess.run(["git", "apply", *args, "-p1", str(SERIES_DIR / patch["file"])],
+            r = subprocess.run(["git", "apply", *args, "-p1", str(series_dir / patch["file"])],
                                cwd=dest, capture_output=True, text=True)
             assert r.returncode == 0, f"git apply {args} {patch['file']}: {r.stderr}"
     return dest
@@ -94,6 +98,11 @@ def real_tree(sglang_tree, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict:
+    return model_dirs(tmp_path_factory)
+
+
+def model_dirs(tmp_path_factory) -> dict:
+    """name -> a directory holding the config.json of the tiny Llama / DeepseekV3 model."""
     out = {}
     for name, cfg in (("llama", LLAMA_CONFIG), ("deepseek", DEEPSEEK_CONFIG)):
         d = tmp_path_factory.mktemp("model-" + name)
@@ -233,32 +242,40 @@ class ForkServer:
         return f"fork server said:\n{said}stderr:\n" + Path(self.log.name).read_text()[-3000:]
 
 
-@pytest.fixture(scope="session")
-def scenario(real_tree, models, tmp_path_factory, request):
-    """run(name, ...) -> Run; each named scenario runs once per session.
+class Scenarios:
+    """run(name, driver_scenario, ...) -> Run; each named scenario runs once per instance.
 
     Every scenario and rank is a process of its own, forked by one fork server that imported
-    SGLang once (tests/real_sglang_driver.py --serve).  Each scenario's processes are CPU-bound
-    and single-threaded: while a test waits for its own, the scenarios the next selected tests
-    ask for are started beside it, up to one rank per core (a scenario with more ranks than
-    cores runs alone). Results are the same: each scenario still has its own processes,
-    directory, port and dump directory."""
-    cache: dict = {}
-    started: dict = {}
-    smoke = _series()["smoke"]
-    plan = _planned_scenarios(request.session.items)
-    cores = os.cpu_count() or 1
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SGLANG_") and k != "PYTHONDONTWRITEBYTECODE"}
-    env.update(PYTHONPATH=str(real_tree), TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    server = ForkServer(tmp_path_factory.mktemp("fork-server"), env)
+    SGLang once (tests/real_sglang_driver.py --serve) from `pythonpath` (a tree, and for a plugin
+    series its site before it).  Each scenario's processes are CPU-bound and single-threaded:
+    while a test waits for its own, the scenarios of `plan` (those the next selected tests ask
+    for) are started beside it, up to one rank per core (a scenario with more ranks than cores
+    runs alone). Results are the same: each scenario still has its own processes, directory,
+    port and dump directory.  `spec` is added to every scenario's spec (e.g. the driver's
+    "plugin_site"); `server_env` to the fork server's environment."""
 
-    def start(name: str, driver_scenario: str, *, flags=(), ranks: int = 1, prefix=PREFIX,
-              capture: bool = True, model: str = "llama", timeout: float = 420) -> dict:
-        base = tmp_path_factory.mktemp("scn-" + name)
+    def __init__(self, pythonpath: list, models: dict, tmp_path_factory, plan: list, smoke: dict, *,
+                 spec: dict | None = None, server_env: dict | None = None, tag: str = ""):
+        self.models, self.tmp, self.plan, self.smoke = models, tmp_path_factory, plan, smoke
+        self.spec_extra, self.tag = dict(spec or {}), tag
+        self.cache: dict = {}
+        self.started: dict = {}
+        self.cores = os.cpu_count() or 1
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SGLANG_") and k != "PYTHONDONTWRITEBYTECODE"}
+        env.update(PYTHONPATH=os.pathsep.join(str(x) for x in pythonpath), TRANSFORMERS_VERBOSITY="error",
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.update(server_env or {})
+        self.server = ForkServer(tmp_path_factory.mktemp(tag + "fork-server"), env)
+
+    def start(self, name: str, driver_scenario: str, *, flags=(), ranks: int = 1, prefix=PREFIX,
+              capture: bool = True, model: str = "llama", env=None, timeout: float = 420) -> dict:
+        """Start scenario `name` (the driver's `driver_scenario`) unless it ran or runs already."""
+        if name in self.started or name in self.cache:
+            return self.started.get(name)
+        base = self.tmp.mktemp(self.tag + "scn-" + name)
         dump = base / "dumps"
-        server_args = list(smoke["server_args"])
+        server_args = list(self.smoke["server_args"])
         if not capture:  # the same server without the flags that make SGLang capture
             server_args = [a for a in server_args
                            if a not in ("--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3")]
@@ -267,37 +284,39 @@ def scenario(real_tree, models, tmp_path_factory, request):
         if prefix:
             scn_env["SGLANG_HIDDEN_DUMP_RID_PREFIX"] = prefix
         if ranks > 1:  # SGLang's CPU path binds each rank to cores: give each rank one
-            scn_env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(ranks))
+            scn_env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % self.cores) for i in range(ranks))
+        scn_env.update(env or {})
         port = _free_port()
         specs = []
         for rank in range(ranks):
-            spec = {"scenario": driver_scenario, "model_dir": str(models[model]),
+            spec = {"scenario": driver_scenario, "model_dir": str(self.models[model]),
                     "dump_dir": str(dump), "out_dir": str(base / f"out{rank}"),
                     "world_rank": rank, "dist_port": port, "server_args": server_args,
-                    "env": scn_env, "log": str(base / f"log{rank}.txt")}
+                    "env": scn_env, "log": str(base / f"log{rank}.txt"), **self.spec_extra}
             sp = base / f"spec{rank}.json"
             sp.write_text(json.dumps(spec, indent=1))
-            server.start(sp)
+            self.server.start(sp)
             specs.append(sp)
-        return {"base": base, "dump": dump, "specs": specs, "ranks": ranks,
-                "timeout": timeout, "t0": time.monotonic()}
+        st = self.started[name] = {"base": base, "dump": dump, "specs": specs, "ranks": ranks,
+                                   "timeout": timeout, "t0": time.monotonic()}
+        return st
 
-    def running_ranks() -> int:
-        with server.cond:
-            return sum(1 for st in started.values() for sp in st["specs"] if str(sp) not in server.codes)
+    def _running_ranks(self) -> int:
+        with self.server.cond:
+            return sum(1 for st in self.started.values() for sp in st["specs"] if str(sp) not in self.server.codes)
 
-    def top_up() -> None:
+    def _top_up(self) -> None:
         """Start planned scenarios while a core is free (never one that would share cores)."""
-        for args, kwargs in plan:
+        for args, kwargs in self.plan:
             name = args[0]
-            if name in started or name in cache:
+            if name in self.started or name in self.cache:
                 continue
-            ranks = kwargs.get("ranks", 1)
-            if running_ranks() + ranks > cores:
+            if self._running_ranks() + kwargs.get("ranks", 1) > self.cores:
                 return
-            started[name] = start(*args, **kwargs)
+            self.start(*args, **kwargs)
 
-    def finish(name: str, st: dict) -> Run:
+    def _finish(self, name: str, st: dict) -> Run:
+        server = self.server
         codes = []
         try:
             for sp in st["specs"]:
@@ -317,19 +336,28 @@ def scenario(real_tree, models, tmp_path_factory, request):
             assert res["ok"], f"scenario {name} rank {rank}: {res['error']}\n{res['traceback']}\nlog:\n{tail}"
             assert codes[rank] == 0, f"scenario {name} rank {rank} exited {codes[rank]}; log:\n{tail}"
             results.append(res)
-        run_ = cache[name] = Run(base, results, st["dump"])
+        run_ = self.cache[name] = Run(base, results, st["dump"])
         return run_
 
-    def run(name: str, *args, **kwargs) -> Run:
-        if name in cache:
-            return cache[name]
-        if name not in started:
-            started[name] = start(name, *args, **kwargs)
-        top_up()
-        return finish(name, started.pop(name))
+    def run(self, name: str, *args, **kwargs) -> Run:
+        if name in self.cache:
+            return self.cache[name]
+        if name not in self.started:
+            self.start(name, *args, **kwargs)
+        self._top_up()
+        return self._finish(name, self.started.pop(name))
 
-    yield run
-    server.close()  # kills what was started ahead for a test that did not get to ask
+    def close(self) -> None:
+        self.server.close()  # kills what was started ahead for a test that did not get to ask
+
+
+@pytest.fixture(scope="session")
+def scenario(real_tree, models, tmp_path_factory, request):
+    """run(name, ...) -> Run: the series' patched tree (see Scenarios)."""
+    s = Scenarios([real_tree], models, tmp_path_factory, _planned_scenarios(request.session.items),
+                  _series()["smoke"])
+    yield s.run
+    s.close()
 
 
 # --------------------------------------------------------------------------- checks
