@@ -45,6 +45,7 @@ from pathlib import Path
 
 from patchctl.core.errors import BadInput
 from patchctl.host.applier import PLUGIN_SITE
+from patchctl.host.plugin_site import new_file
 
 GROUP = "sglang.srt.plugins"
 HOOK_TYPES = ("before", "after", "around", "replace")
@@ -195,16 +196,11 @@ def _load_files(raw, *, text, rel, patches_dir, name) -> tuple[PluginFile, ...]:
 
 
 def _added_file(raw_patch: bytes, source: str, rel: str, line) -> bytes:
-    """The content of the one file a patch creates (a new-file diff with one hunk)."""
-    text = raw_patch.decode("utf-8")
-    m = re.search(r"^new file mode \d+\n(?:index [^\n]*\n)?--- /dev/null\n\+\+\+ b/[^\n]+\n@@ -0,0 \+1(?:,(\d+))? @@[^\n]*\n",
-                  text, re.M)
-    if not m or text.count("\ndiff --git ") + text.startswith("diff --git ") != 1:
-        raise BadInput(f"{source} must be a patch that creates exactly one file", file=rel, line=line)
-    body = text[m.end():].splitlines(keepends=True)
-    if not all(ln.startswith("+") for ln in body) or len(body) != int(m.group(1) or 1):
-        raise BadInput(f"{source}: the new file's hunk is not whole", file=rel, line=line)
-    return "".join(ln[1:] for ln in body).encode("utf-8")
+    """The content of the one file a patch creates (a new-file diff with one whole hunk)."""
+    made = new_file(raw_patch.decode("utf-8"))
+    if made is None:
+        raise BadInput(f"{source} must be a patch that creates exactly one file, in one hunk", file=rel, line=line)
+    return made[1]
 
 
 def _load_hooks(raw, *, text, rel) -> tuple[PluginHook, ...]:

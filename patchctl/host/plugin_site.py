@@ -81,16 +81,28 @@ def joined_path(first, then):
     return os.pathsep.join(out)
 
 
+_NEW_FILE = re.compile(r"diff --git a/(\S+) b/\S+\nnew file mode \d+\n(?:index [^\n]*\n)?--- /dev/null\n"
+                       r"\+\+\+ b/\S+\n@@ -0,0 \+1(?:,(\d+))? @@[^\n]*\n")
+
+
+def new_file(text):
+    """(path, bytes) of a diff that creates one file in one whole hunk, else None."""
+    m = _NEW_FILE.match(text)
+    if not m or "\ndiff --git " in text[m.end():]:
+        return None
+    body = text[m.end():].splitlines(True)
+    if len(body) != int(m.group(2) or 1) or not all(ln.startswith("+") for ln in body):
+        return None
+    return m.group(1), "".join(ln[1:] for ln in body).encode("utf-8")
+
+
 def files_from_patches(patches):
-    """{path in site: bytes} of a plugin series' new-file diffs (as core/plugin.py `new_file_diff` writes them)."""
+    """{path in site: bytes} of a plugin series' new-file diffs (core/plugin.py `new_file_diff`)."""
     out = {}
     for p in patches:
-        text = p["text"]
-        m = re.match(r"diff --git a/(\S+) b/\S+\nnew file mode \d+\n--- /dev/null\n\+\+\+ b/\S+\n@@ [^\n]*\n", text)
-        if not m or not in_site(m.group(1)):
-            continue
-        body = text[m.end():].splitlines(True)
-        out[m.group(1).split("/", 1)[1]] = "".join(ln[1:] for ln in body).encode("utf-8")
+        made = new_file(p["text"])
+        if made and in_site(made[0]):
+            out[made[0].split("/", 1)[1]] = made[1]
     return out
 
 
