@@ -255,6 +255,7 @@ def test_a_cached_index_is_used_for_the_same_file_and_the_models_checks_still_ru
     for again in (dsmod.open_dataset(p, "p-", index_dir=idx), load_dataset(p, "p-", index_dir=idx)):
         assert again.cached and again.finished.is_set() and _index(again) == _index(first)
         assert again.sha256 == first.sha256 and again.info() == first.info()
+        assert again.count == 40 and again.maybe_mask  # (only the sha256 was taken: the rest is the index's)
         feed = dsmod.DatasetFeed(again, {"s0": "h", "s1": "h"})
         assert feed.take().id == "s2" and again.read(again.get("s2")) == {"id": "s2", "input_ids": [12, 22, 3], "loss_mask": [0, 1, 1]}
     # the model's checks run on the cached index as on a validated one: a token id >= vocab, a prompt too long
@@ -277,6 +278,7 @@ def test_a_file_changed_by_one_byte_never_uses_the_stale_index(tmp_path, monkeyp
     ds = dsmod.open_dataset(p, "p-", index_dir=idx)
     ds.finished.wait(30)
     assert not ds.cached and ds.get("s4").max_id == 94 and len(list(idx.glob("*.idx"))) == 2  # validated, indexed anew
+    assert ds.count == 30 and ds.maybe_mask and ds.failure() is None  # (the sha256 missed: the full prescan's)
     # one byte that makes it bad: validated, refused (nothing cached for it)
     p.write_bytes(raw[:at] + b"{" + raw[at + 1:])
     assert ":5: not valid JSON" in str(refused(p, "p-"))
