@@ -23,10 +23,17 @@ Rows:
   new run         `capture run`'s controller work before the first sample of a new run goes out: before, the
                   dataset validated whole (load_dataset), the first line read; after, the dataset prescanned
                   (sha256, count) and validated in a thread beside the sending (open_dataset), the first
-                  line the validation passed read. The time is the first line's; the process then waits
-                  for the validation's end, so its peak RSS is the whole validation's (it ends mid-run)
-  resume          the same on `half`, with the journal folded (light) and the samples done skipped (each
-                  host's own start is apart: it overlaps, and it is the same in both trees)
+                  line the validation passed read (after: no cached index, none made yet). The time is the
+                  first line's; the process then waits for the validation's end, so its peak RSS is the whole
+                  validation's (it ends mid-run)
+  resume          the same on `half`, with the journal folded (light) and the samples done skipped, and the
+                  model's checks made (vocab, prompt length; each host's own start is apart: it overlaps, and it
+                  is the same in both trees). After: the dataset's index read from the cache its first
+                  invocation left (written by the row before, whose validation ends without a problem), and
+                  the journal folded from summary.json and its done ids (as of 6 000 samples before the kill,
+                  as for status killed+) and the records after them
+  resume, no index  after only: the same with no cached index (the cache removed first): the dataset validated
+                  beside the sending up to line N/2 + 1, the summary and its done ids read
   run end         what the last invocation does after its last sample: before, the journal folded again;
                   after, summary.json written from the fold the run kept as it wrote (Journal.follow): the
                   time is the write's (its RSS: the process holding that fold, as the run does)
@@ -49,7 +56,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BEFORE = "4866fef"  # main before issue 41's second pass (31b2591: before the first)
+BEFORE = "370f4eb"  # main before the cached index and the done ids (4866fef: before issue 41's second pass, 31b2591: the first)
 HOSTS = ("host0", "host1", "host2")
 
 
@@ -103,25 +110,37 @@ def generate(base: Path, n: int) -> dict:
 
 
 RESUME = r"""
-import sys, time
+import inspect, sys, time
 t0 = time.monotonic()
 from patchctl.commands.capture import dataset as datasets
+from patchctl.commands.capture import journal
 from patchctl.commands.capture.journal import Journal, run_dir
 name = sys.argv[2]
 d = run_dir(name)
 streaming = hasattr(datasets, "open_dataset")
 if streaming:  # after: validated beside the sending, in a thread of its own (runner.run_capture)
-    ds = datasets.open_dataset(sys.argv[1], "patchctl-cap-%s-" % name)
+    kw = {}
+    if "index_dir" in inspect.signature(datasets.open_dataset).parameters:  # the cached index (dataset.IndexCache)
+        kw["index_dir"] = journal.dataset_index_dir()
+    ds = datasets.open_dataset(sys.argv[1], "patchctl-cap-%s-" % name, **kw)
 else:
     ds = datasets.load_dataset(sys.argv[1], "patchctl-cap-%s-" % name)
 t_valid = time.monotonic() - t0
 try:
     from patchctl.commands.capture.journal import CAPTURE_COUNTS
-    st = Journal(d).state(CAPTURE_COUNTS) if name != "new" else None
+    j = Journal(d)
+    fold = j.resume_state if hasattr(j, "resume_state") else j.state  # after: summary.json and its done ids
+    t_fold = time.monotonic()
+    st = fold(CAPTURE_COUNTS) if name != "new" else None
+    t_fold = time.monotonic() - t_fold
     stale = {h: st.stale(h) for h in ("host0", "host1", "host2")} if st else {}
 except ImportError:  # before
+    t_fold = time.monotonic()
     st = Journal(d).state() if name != "new" else None
+    t_fold = time.monotonic() - t_fold
 done = st.done if st else {}
+# the model's checks, as runner._check makes them once the probes answered (vocab 1000, 4096 tokens)
+datasets.check_against_model(ds, {"host0": {"vocab_size": 1000, "max_req_input_len": 4096}})
 if streaming:
     feed = datasets.DatasetFeed(ds, done)
     with ds.cv:  # the sender's wait for the validation to pass its next sample (fleetjob.CaptureRun.on_validated)
@@ -140,7 +159,7 @@ if streaming:  # the validation goes on beside the run: its end is in the proces
     ds.finished.wait()
     assert ds.failure() is None and len(ds) == ds.count
     t_valid = time.monotonic() - t0
-print("%.3f %.3f %d" % (t_valid, t_first, todo))
+print("%.3f %.3f %d %.3f %d" % (t_valid, t_first, todo, t_fold, getattr(ds, "cached", False)))
 """
 
 RUN_END = r"""
@@ -171,7 +190,15 @@ tmp = Path(tempfile.mkdtemp())
 (tmp / "journal.jsonl").write_bytes(cut)
 j = Journal(tmp)
 j.write_summary(j.state(CAPTURE_COUNTS))
-shutil.move(str(tmp / "summary.json"), str(d / "summary.json"))
+for f in ("summary.done.json", "summary.json"):  # (after: the done ids beside it, for a resume)
+    if (tmp / f).exists():
+        shutil.move(str(tmp / f), str(d / f))
+"""
+
+FORGET_INDEX = r"""
+import shutil
+from patchctl.commands.capture.journal import dataset_index_dir
+shutil.rmtree(dataset_index_dir(), ignore_errors=True)
 """
 
 COLLECT = r"""
@@ -224,7 +251,10 @@ def main() -> int:
                 ("status killed", [py, "-m", "patchctl", "--json", "capture", "status", "half"], ("before", "after")),
                 ("summary at", [py, "-c", SUMMARY_AT], ("after",)),
                 ("status killed+", [py, "-m", "patchctl", "--json", "capture", "status", "half"], ("after",)),
+                ("forget index", [py, "-c", FORGET_INDEX], ("after",)),
                 ("new run", [py, "-c", RESUME, str(g["dataset"]), "new"], ("before", "after")),
+                ("forget index", [py, "-c", FORGET_INDEX], ("after",)),
+                ("resume, no index", [py, "-c", RESUME, str(g["dataset"]), "half"], ("after",)),
                 ("resume", [py, "-c", RESUME, str(g["dataset"]), "half"], ("before", "after")),
                 ("collect fold", [py, "-c", COLLECT], ("before", "after"))):
             cells = {}
@@ -233,18 +263,19 @@ def main() -> int:
                 extra = ""
                 if label == "run end" and out.strip():
                     wall = float(out.split()[0])
-                if label in ("resume", "new run") and out.strip():
-                    v, first, todo = out.split()
-                    extra = f" (validation ended {float(v):.1f}s; first line ready {float(first):.1f}s; {todo} to do)"
+                if label in ("resume", "resume, no index", "new run") and out.strip():
+                    v, first, todo, fold, cached = out.split()
+                    extra = (f" ({'index cached; ' if cached == '1' else ''}validation ended {float(v):.2f}s; journal "
+                             f"fold {float(fold):.2f}s; first line ready {float(first):.2f}s; {todo} to do)")
                     wall_shown = float(first)
                 else:
                     wall_shown = wall
                 cells[which] = (wall_shown, rss, code, extra)
-            if label == "summary at":
+            if label in ("summary at", "forget index"):
                 continue  # set-up of the next row, not a row
             rows.append((n, label, cells))
             for which, c in cells.items():
-                print(f"  {label:<14} {which:<6} {c[0]:7.2f}s {c[1] / 1024:8.0f} MB (exit {c[2]}){c[3]}", flush=True)
+                print(f"  {label:<16} {which:<6} {c[0]:7.2f}s {c[1] / 1024:8.0f} MB (exit {c[2]}){c[3]}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print()
     print("| N | row | before: s | before: peak RSS MB | after: s | after: peak RSS MB |")

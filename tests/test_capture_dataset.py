@@ -226,3 +226,109 @@ def test_the_config_rule_is_sglangs_get_context_length(sglang_tree):
     assert config_context_len({"num_hidden_layers": 2}) == (None, None)
     # tp_worker.py:568-572
     assert max_req_input_len(4096, 10 ** 6) == 4090 and max_req_input_len(4096, 1000) == 994
+
+
+# --- the cached index (dataset.IndexCache, issue 41): a file validated without a problem is not validated again ---
+
+def _index(ds) -> tuple:
+    return (list(ds.ids), *(list(getattr(ds, k)) for k in ("lines", "offsets", "lengths", "ntokens", "max_ids")),
+            bytes(ds.masks), ds.tokens, ds.has_loss_mask, ds.ok, len(ds))
+
+
+def _no_validation(monkeypatch):
+    def validate(self):
+        raise AssertionError("validated although its index is cached")
+
+    monkeypatch.setattr(dsmod.Dataset, "validate", validate)
+
+
+def _lines(n: int, mask_at: int = 2) -> list:
+    return [{"id": f"s{i}", "input_ids": [10 + i, 20 + i, 3], **({"loss_mask": [0, 1, 1]} if i == mask_at else {})}
+            for i in range(n)] + [""]
+
+
+def test_a_cached_index_is_used_for_the_same_file_and_the_models_checks_still_run(tmp_path, monkeypatch):
+    p, idx = write(tmp_path, _lines(40)), tmp_path / "index"
+    first = load_dataset(p, "p-", index_dir=idx)
+    assert not first.cached and len(list(idx.glob("*.idx"))) == 1
+    _no_validation(monkeypatch)
+    for again in (dsmod.open_dataset(p, "p-", index_dir=idx), load_dataset(p, "p-", index_dir=idx)):
+        assert again.cached and again.finished.is_set() and _index(again) == _index(first)
+        assert again.sha256 == first.sha256 and again.info() == first.info()
+        assert again.count == 40 and again.maybe_mask  # (only the sha256 was taken: the rest is the index's)
+        feed = dsmod.DatasetFeed(again, {"s0": "h", "s1": "h"})
+        assert feed.take().id == "s2" and again.read(again.get("s2")) == {"id": "s2", "input_ids": [12, 22, 3], "loss_mask": [0, 1, 1]}
+    # the model's checks run on the cached index as on a validated one: a token id >= vocab, a prompt too long
+    with pytest.raises(BadInput) as e:
+        check_against_model(dsmod.open_dataset(p, "p-", index_dir=idx), {"h": {"vocab_size": 59, "max_req_input_len": 4}})
+    assert str(e.value).startswith(f"{p.absolute()}:40: id 's39': token id 59 >= vocab_size 59") and e.value.problem_count == 1
+    with pytest.raises(BadInput) as e:
+        check_against_model(dsmod.open_dataset(p, "p-", index_dir=idx), {"h": {"vocab_size": 60, "max_req_input_len": 3}})
+    assert str(e.value).startswith(f"{p.absolute()}:1: id 's0': 3 tokens; SGLang on h aborts") and e.value.problem_count == 40
+    check_against_model(dsmod.open_dataset(p, "p-", index_dir=idx), {"h": {"vocab_size": 60, "max_req_input_len": 4}})
+
+
+def test_a_file_changed_by_one_byte_never_uses_the_stale_index(tmp_path, monkeypatch):
+    p, idx = write(tmp_path, _lines(30)), tmp_path / "index"
+    load_dataset(p, "p-", index_dir=idx)
+    raw = p.read_bytes()
+    # one byte, same size: a token id of line 5 made larger than the index recorded
+    at = raw.index(b"[14, 24, 3]")
+    p.write_bytes(raw[:at + 1] + b"9" + raw[at + 2:])
+    ds = dsmod.open_dataset(p, "p-", index_dir=idx)
+    ds.finished.wait(30)
+    assert not ds.cached and ds.get("s4").max_id == 94 and len(list(idx.glob("*.idx"))) == 2  # validated, indexed anew
+    assert ds.count == 30 and ds.maybe_mask and ds.failure() is None  # (the sha256 missed: the full prescan's)
+    # one byte that makes it bad: validated, refused (nothing cached for it)
+    p.write_bytes(raw[:at] + b"{" + raw[at + 1:])
+    assert ":5: not valid JSON" in str(refused(p, "p-"))
+    with pytest.raises(BadInput, match=":5: not valid JSON"):
+        load_dataset(p, "p-", index_dir=idx)
+    assert len(list(idx.glob("*.idx"))) == 2
+    # the original file again: its index; another rid prefix: validated (file names are judged on the rids)
+    p.write_bytes(raw)
+    _no_validation(monkeypatch)
+    assert dsmod.open_dataset(p, "p-", index_dir=idx).cached
+    with pytest.raises(AssertionError, match="validated although"):
+        load_dataset(p, "q-", index_dir=idx)
+
+
+def test_a_corrupt_or_foreign_index_is_ignored_and_the_file_validated(tmp_path, monkeypatch):
+    p, idx = write(tmp_path, _lines(20)), tmp_path / "index"
+    good = load_dataset(p, "p-", index_dir=idx)
+    (path,) = idx.glob("*.idx")
+    raw = path.read_bytes()
+    magic, head, payload = raw.split(b"\n", 2)
+    header = json.loads(head)
+
+    def with_header(**kw):
+        return magic + b"\n" + json.dumps(dict(header, **kw)).encode() + b"\n" + payload
+
+    flipped = bytearray(raw)
+    flipped[-30] ^= 1
+    cases = {"a payload byte changed": bytes(flipped), "torn": raw[:-7], "empty": b"",
+             "another version": with_header(version=dsmod.INDEX_VERSION + 1),
+             "another file": with_header(sha256="0" * 64), "another byte order": with_header(byteorder="other"),
+             "more samples than the file": with_header(n=21), "not an index": b"{}\n"}
+    for case, data in cases.items():
+        path.write_bytes(data)
+        ds = load_dataset(p, "p-", index_dir=idx)
+        assert not ds.cached and _index(ds) == _index(good), case
+        assert path.read_bytes() == raw, case  # validated again without a problem: the index written anew
+    # a file with a problem leaves no index
+    bad = write(tmp_path, _lines(3) + ['{"id": "x", "input_ids": [-1]}'])
+    refused(bad)
+    with pytest.raises(BadInput):
+        load_dataset(bad, "p-", index_dir=idx)
+    assert list(idx.glob("*.idx")) == [path]
+
+
+def test_a_line_read_back_with_other_tokens_than_the_index_says_is_refused(tmp_path):
+    p = write(tmp_path, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [7]}])
+    ds = load_dataset(p)
+    raw = p.read_bytes()
+    p.write_bytes(raw.replace(b"[1, 2, 3]", b"[1, 2, 9]"))  # same id, same size, another largest id
+    with pytest.raises(BadInput, match=r"sample 'a' is no longer what was validated \(3 tokens, largest id 3\)"):
+        ds.read(ds.get("a"))
+    p.write_bytes(raw.replace(b"[1, 2, 3]", b"[1,2,  3]"))  # the same tokens, spelled otherwise: still what was checked
+    assert ds.read(ds.get("a"))["input_ids"] == [1, 2, 3]

@@ -138,3 +138,122 @@ def test_a_duplicate_in_a_running_fold_reaches_the_summary_with_its_first_record
     assert st.n_done() == 1 and st.per_host == {"h1": {"done": 1, "tokens": 3, "bytes": 10}}
     assert [(d["host"], d["path"], d["first_host"], d["first_path"]) for d in st.duplicates] == [("h2", "/x/a", "h1", "/r/a")]
     j.close()
+
+
+# --- a resume's fold (issue 41): summary.json and the done ids beside it, then only the records after them ------
+
+def _done(j, sid, host, n=1):
+    j.append({"rec": "done", "id": sid, "host": host, "path": f"/r/{sid}", "sha256": "0" * 64, "bytes": 10 * n,
+              "tokens": n})
+
+
+def _same_fold(a, b) -> None:
+    assert a.done == b.done and a.per_host == b.per_host and a.n_done() == b.n_done()
+    assert a.failed == b.failed and a.in_flight() == b.in_flight() and a.sent_to == b.sent_to
+    assert {h: sorted(a.stale(h)) for h in ("h1", "h2")} == {h: sorted(b.stale(h)) for h in ("h1", "h2")}
+    assert [(d["id"], d["host"], d["path"]) for d in a.duplicates] == [(d["id"], d["host"], d["path"]) for d in b.duplicates]
+    assert a.hosts == b.hosts and a.invocations == b.invocations and a.last_start == b.last_start
+
+
+def _killed_run(tmp_path, n=300):
+    """A run killed mid-way: its live fold's summary and done ids written, then more records, then a torn line."""
+    counts = journal_mod.CAPTURE_COUNTS
+    tmp_path.mkdir(exist_ok=True)
+    j = Journal(tmp_path)
+    live = j.state(counts)
+    j.follow(live, counts)
+    _run(j, [{"rec": "sent", "id": f"s{i}", "host": ("h1", "h2")[i % 2], "attempt": 1} for i in range(n)])
+    for i in range(0, n - 20):
+        _done(j, f"s{i}", ("h1", "h2")[i % 2], i)
+    j.append({"rec": "host", "host": "h2", "state": "stopped", "reason": "its server died"})
+    j.write_summary(live)  # as a running invocation does every SUMMARY_EVERY_S
+    # after it: samples sent before it done now, one done twice (a duplicate of one done before it), one sent
+    # and done after it, one finally failed, a sweep, and a torn last line (the controller killed mid-write)
+    for i in range(n - 20, n - 10):
+        _done(j, f"s{i}", "h1", i)
+    _done(j, "s3", "h2", 3)
+    j.extend([{"rec": "sent", "id": "s1", "host": "h1", "attempt": 2}, {"rec": "swept", "host": "h2", "removed": 1}])
+    j.append({"rec": "failed", "id": f"s{n - 1}", "host": "h1", "reason": "bad", "attempt": 2, "final": True})
+    j.close()
+    with open(tmp_path / "journal.jsonl", "ab") as f:
+        f.write(b'{"rec":"done","id":"s%d","host":"h1"' % (n - 2))
+    return j
+
+
+def test_the_done_ids_beside_the_summary_and_the_journal_after_them_fold_to_the_whole_journal(tmp_path, monkeypatch):
+    counts = journal_mod.CAPTURE_COUNTS
+    j = _killed_run(tmp_path)
+    side = json.loads((tmp_path / "summary.done.json").read_text())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert side["journal_bytes"] == summary["journal_bytes"] and side["fingerprint"] == summary["fingerprint"]
+    assert side["done"] == 280 and sorted(side["hosts"]) == ["h1", "h2"]
+    whole = j.state(counts)
+    read_from = []
+    real = Journal.positioned
+
+    def spy(self, offset=0):
+        read_from.append(offset)
+        return real(self, offset)
+
+    monkeypatch.setattr(Journal, "positioned", spy)
+    st = j.resume_state(counts)
+    assert read_from == [summary["journal_bytes"]]  # the journal before the summary was not read
+    _same_fold(st, whole)
+    assert st.n_done() == 290 and len(st.duplicates) == 1 and st.failed.keys() == {"s299"}
+    assert st.in_flight() == {f"s{i}" for i in range(290, 299)} and st.done["s3"] == "h2" and st.done["s285"] == "h1"
+    # the resumed invocation goes on from there: what it writes is folded in, its summary stands for it all
+    j.follow(st, counts)
+    _run(j, [{"rec": "sent", "id": "s298", "host": "h1", "attempt": 1}])
+    _done(j, "s298", "h1", 298)
+    j.write_summary(st)
+    j.close()
+    monkeypatch.setattr(Journal, "positioned", real)
+    _same_fold(j.resume_state(counts), j.state(counts))
+    assert j._resumed(counts) is not None and j.resume_state(counts).n_done() == 291
+
+
+def test_a_summary_or_done_ids_that_do_not_match_the_journal_are_ignored(tmp_path):
+    counts = journal_mod.CAPTURE_COUNTS
+    j = _killed_run(tmp_path / "run")
+    other = _killed_run(tmp_path / "other", n=310)  # another run: its own first record and records
+    journal, summary, side = (j.dir / n for n in ("journal.jsonl", Journal.SUMMARY, Journal.DONE))
+    good = {p: p.read_bytes() for p in (journal, summary, side)}
+    whole = j.state(counts)
+    assert j._resumed(counts) is not None
+
+    def broken(case: str) -> None:
+        assert j._resumed(counts) is None, case  # not trusted ...
+        _same_fold(j.resume_state(counts), j.state(counts))  # ... the journal folded whole instead
+        for p, data in good.items():
+            p.write_bytes(data)
+
+    offset = json.loads(good[summary])["journal_bytes"]
+    journal.write_bytes(good[journal][:offset - 1])  # cut before the summary's point
+    broken("the journal shorter than the summary says")
+    journal.write_bytes(good[journal][:offset] + good[journal][offset:].replace(b'"s3"', b'"s4"'))
+    _same_fold(j.resume_state(counts), j.state(counts))  # (the records after the summary are read, whatever they say)
+    journal.write_bytes(good[journal])
+    journal.write_bytes(b'{"rec":"run","event":"start","t":1}\n' + good[journal][36:])  # another first record, same size
+    assert journal.stat().st_size == len(good[journal])
+    broken("the journal's first record another run's")
+    for p in (summary, side):
+        p.write_bytes((other.dir / p.name).read_bytes())
+        broken(f"{p.name} of another run")
+    summary.write_bytes((other.dir / summary.name).read_bytes())
+    side.write_bytes((other.dir / side.name).read_bytes())
+    broken("both of another run")
+    data = json.loads(good[side])
+    data["ids"][0] = data["ids"][0][1:]
+    side.write_text(json.dumps(data))
+    broken("an id missing")
+    for junk in (b"", b"{", b"[]", b'{"journal_bytes": 1}'):
+        side.write_bytes(junk)
+        broken(f"done ids {junk!r}")
+    side.unlink()
+    broken("no done ids")
+    data = json.loads(good[summary])
+    del data["fingerprint"]  # a summary written before there was one: status reads it, a resume does not
+    summary.write_text(json.dumps(data))
+    assert j.summary(counts) is not None
+    broken("a summary without a fingerprint")
+    _same_fold(j.resume_state(counts), whole)

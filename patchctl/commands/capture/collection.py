@@ -21,7 +21,7 @@ from pathlib import Path
 from patchctl import __version__
 from patchctl.commands.capture import draftconfig
 from patchctl.commands.capture.dataset import open_run_dataset
-from patchctl.commands.capture.journal import SHOWN, RunState, mb
+from patchctl.commands.capture.journal import SHOWN, RunState, dataset_index_dir, mb
 from patchctl.core import drafttrain
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
@@ -229,7 +229,8 @@ def run_dataset(info: dict):
     """The run's dataset, for its loss masks; None when it has none (every mask all ones)."""
     if (info.get("dataset") or {}).get("loss_mask"):
         # the rids were "<prefix>-<id>" (fleetjob.work_line): file names judged as the runner judged them
-        return open_run_dataset(info["dataset"], f"{info['prefix']}-" if info.get("prefix") else "")
+        return open_run_dataset(info["dataset"], f"{info['prefix']}-" if info.get("prefix") else "",
+                                index_dir=dataset_index_dir())
     return None
 
 

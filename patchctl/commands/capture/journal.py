@@ -6,6 +6,12 @@
     journal.jsonl   append-only, one JSON record per line, written before the sample's fate is acted
                     on, fsynced in groups (Journal.append); a torn last line (a crash mid-write) is ignored
     events.jsonl    the progress events of each invocation (like a deploy's run log)
+    summary.json    the light fold as of a point of the journal (written every SUMMARY_EVERY_S and at the
+                    end), with the journal's size there and its fingerprint (Journal.fingerprint)
+    summary.done.json  the done ids of that same point, by host (a resume's fold starts from them)
+
+The validated index of each dataset is kept apart, in `<state>/patchctl/captures/.index/` (dataset_index_dir,
+dataset.IndexCache).
 
 Records (every one has "rec" and "t"):
 
@@ -29,13 +35,18 @@ is a duplicate the summary reports). Everything else about it is derived from th
 The journal is read a line at a time (`records()` is a generator; no list of every record), and folded
 (`state()`) into what the caller needs: `state()` keeps every first "done" record (collect reads them);
 `state(counts=...)` keeps only the done ids with their host and sums `counts` per host (status, resume:
-a few dozen bytes per sample). Each `capture run` invocation ends by writing `summary.json`, the light
-fold of the whole journal with the journal's size: `capture status` of a run whose journal has not
-grown since reads that, not the journal (a killed invocation's journal is folded).
+a few dozen bytes per sample). A running `capture run` writes `summary.json` every SUMMARY_EVERY_S and at
+its end: the light fold of the whole journal with the journal's size and fingerprint; `capture status`
+reads that and folds only the records after it. Beside it, `summary.done.json` holds the done ids of the
+same point: a resume (`resume_state`) takes both and folds only the journal after them, which is the whole
+journal's fold (a torn last line skipped as ever); a pair that does not stand for the same point of this
+very journal (its size past the journal's end, another fingerprint: another run's journal or one cut or
+rewritten since, ids that do not add up to the summary's count) is ignored and the journal folded whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -60,6 +71,12 @@ def run_records_root() -> Path:
     (host/pull.py captures_root)."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "patchctl" / "captures"
+
+
+def dataset_index_dir() -> Path:
+    """Where `capture run` keeps the validated index of the datasets it read (dataset.IndexCache): beside the
+    runs, under a name no run can have (a run name starts with a letter or digit)."""
+    return run_records_root() / ".index"
 
 
 def check_run_name(name: str) -> str:
@@ -310,11 +327,31 @@ class Journal:
 
     # the summary ---------------------------------------------------------------------------
     SUMMARY = "summary.json"
+    DONE = "summary.done.json"  # the done ids as of the summary, for a resume (resume_state)
+    PRINT = 4096  # bytes of the journal's head and of its tail before the summary's offset in its fingerprint
+
+    def fingerprint(self, size: int) -> str | None:
+        """sha256 of the journal's first PRINT bytes and of the PRINT bytes before `size` (the first record names
+        the run's first invocation and its time, the last ones are the records just before that point): a
+        summary written for another journal, or for this one before it was cut or rewritten, does not match.
+        None when the journal is shorter than `size` or `size` is not at a line's end."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(min(size, self.PRINT))
+                f.seek(max(0, size - self.PRINT))
+                tail = f.read(size - max(0, size - self.PRINT))
+        except FileNotFoundError:
+            return None if size else hashlib.sha256(b"").hexdigest()
+        if len(tail) != size - max(0, size - self.PRINT) or (size and not tail.endswith(b"\n")):
+            return None
+        return hashlib.sha256(b"%d\n%s\n%s" % (size, head, tail)).hexdigest()
 
     def write_summary(self, st: RunState) -> None:
-        """summary.json: `st`, the light fold of the whole journal as it is now (no done ids; Journal.follow's
-        state while a run writes, so the two are taken together under the writer's lock), and the journal's
-        size at that moment."""
+        """summary.json: `st`, the light fold of the whole journal as it is now (Journal.follow's state while a
+        run writes, so the two are taken together under the writer's lock), the journal's size at that moment
+        and its fingerprint; and beside it summary.done.json, the done ids of that moment by host (a resume
+        reads them instead of folding the journal up to there). The ids are copied under the lock, written
+        after it; the sidecar first, so a summary.json is never newer than the ids it stands for."""
         missing = [r["id"] for r in list(st.duplicates) if "first_path" not in r]
         first = self.first_paths(missing) if missing else {}  # rare (a sample verified twice): its first record
         with self._lock:  # (the run's event threads add to st under this lock)
@@ -326,13 +363,81 @@ class Journal:
                 size = os.fstat(self._fd).st_size if self._fd is not None else os.path.getsize(self.path)
             except FileNotFoundError:
                 return
-            data = json.dumps({
+            data = {
                 "journal_bytes": size, "done": st.n_done(), "per_host": st.per_host, "failed": st.failed,
                 "in_flight": {sid: st.last_sent[sid] for sid in st.in_flight()}, "duplicates": st.duplicates,
                 "hosts": st.hosts, "invocations": st.invocations, "last_start": st.last_start,
-                "sent_to": st.sent_to}, sort_keys=True, separators=(",", ":")).encode()
+                "sent_to": st.sent_to, "fingerprint": self.fingerprint(size)}
+            summary = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+            # the done ids and their hosts copied (two lists: 16 MB at a million; a status summary's fold holds no ids)
+            done = (list(st.done), list(st.done.values())) if st.done_count is None else None
+        if done is not None:
+            by_host: dict[str, list[str]] = {}
+            for sid, host in zip(*done):
+                if not isinstance(host, str) and host is not None:  # (a full fold's records)
+                    host = host.get("host")
+                ids = by_host.get(host)
+                if ids is None:
+                    ids = by_host[host] = []
+                ids.append(sid)
+            del done
+            side = json.dumps({"journal_bytes": size, "fingerprint": data["fingerprint"], "done": data["done"],
+                               "hosts": list(by_host), "ids": list(by_host.values())},
+                              separators=(",", ":")).encode()
+            del by_host
+            path = self.dir / self.DONE
+            write_atomic(path, side, mode=0o600, tmp=path.with_name(self.DONE + ".tmp"))
         path = self.dir / self.SUMMARY
-        write_atomic(path, data, mode=0o600, tmp=path.with_name(self.SUMMARY + ".tmp"))
+        write_atomic(path, summary, mode=0o600, tmp=path.with_name(self.SUMMARY + ".tmp"))
+
+    def _summary_data(self) -> dict | None:
+        """summary.json, when it stands for a point of this very journal (its size reached, its fingerprint the
+        journal's there: a summary of version without one is taken on its size alone), else None."""
+        try:
+            data = json.loads((self.dir / self.SUMMARY).read_text())
+            offset = int(data["journal_bytes"])
+            if offset > os.path.getsize(self.path):
+                return None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if "fingerprint" in data and data["fingerprint"] != self.fingerprint(offset):
+            return None
+        return data
+
+    @staticmethod
+    def _summary_state(data: dict, done: dict | None = None) -> RunState:
+        return RunState(done=done if done is not None else {}, failed=data["failed"], last_sent=data["in_flight"],
+                        hosts=data["hosts"], invocations=data["invocations"], last_start=data["last_start"],
+                        sent_to=data["sent_to"], per_host=data["per_host"], duplicates=data["duplicates"])
+
+    def resume_state(self, counts: dict) -> RunState:
+        """The light fold (`counts`) a resume starts from, equal to `state(counts)`: summary.json with its
+        summary.done.json and the records after them when both stand for the same point of this journal
+        (size, fingerprint, and as many done ids as the summary counts), else the journal folded whole."""
+        st = self._resumed(counts)
+        return st if st is not None else self.state(counts)
+
+    def _resumed(self, counts: dict) -> RunState | None:
+        data = self._summary_data()
+        if data is None or "fingerprint" not in data:
+            return None
+        try:
+            side = json.loads((self.dir / self.DONE).read_bytes())
+            if side["journal_bytes"] != data["journal_bytes"] or side["fingerprint"] != data["fingerprint"]:
+                return None
+            done: dict[str, str] = {}
+            for host, ids in zip(side["hosts"], side["ids"], strict=True):
+                done.update(dict.fromkeys(ids, sys.intern(host) if isinstance(host, str) else host))
+            per_host = data["per_host"] or {}
+            if len(done) != int(data["done"]) or sum(int(x["done"]) for x in per_host.values()) != len(done):
+                return None
+            st = self._summary_state(data, done)
+            fold = Fold(counts, st)
+            for r in self.records(int(data["journal_bytes"])):
+                fold.add(r)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return st
 
     def summary(self, counts: dict) -> RunState | None:
         """The light fold (`counts`) from summary.json and the journal's records written after it (a run
@@ -341,16 +446,14 @@ class Journal:
         `done` holds only the ids done after the summary (`n_done()` counts them all). A "done" after it
         counts as new only for a sample sent after it or in flight at it: the runner never sends a done
         sample, so any other is a duplicate of one done before."""
+        data = self._summary_data()
+        if data is None:
+            return None
         try:
-            data = json.loads((self.dir / self.SUMMARY).read_text())
             offset = int(data["journal_bytes"])
-            if offset > os.path.getsize(self.path):
-                return None
-            st = RunState(failed=data["failed"], last_sent=data["in_flight"], hosts=data["hosts"],
-                          invocations=data["invocations"], last_start=data["last_start"], sent_to=data["sent_to"],
-                          per_host=data["per_host"], duplicates=data["duplicates"])
+            st = self._summary_state(data)
             before = int(data["done"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             return None
         fold = Fold(counts, st)
         known, earlier = set(st.last_sent), set()

@@ -24,7 +24,8 @@ from patchctl.commands.capture import dataset as datasets
 from patchctl.commands.capture import provenance
 from patchctl.commands.capture.fleetjob import (CaptureRun, Lane, default_name, end_hosts, restart_hint, run_job,
                                                 start_hosts)
-from patchctl.commands.capture.journal import CAPTURE_COUNTS, Journal, check_run_name, run_dir, write_run_info
+from patchctl.commands.capture.journal import (CAPTURE_COUNTS, Journal, check_run_name, dataset_index_dir, run_dir,
+                                              write_run_info)
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
 from patchctl.host.capture import run_prefix
@@ -38,7 +39,9 @@ def run_capture(app: App, opts: CaptureOptions) -> int:
     # the module's naming is injective whatever the prefix). A dataset validated within SYNC_S is refused
     # here, before any host is contacted; a larger one goes on validating beside the probes and the sending,
     # which takes only the lines it passed (dataset.Dataset.ok): no bad line is ever sent.
-    ds = datasets.open_dataset(opts.dataset, run_prefix("patchctl-", name) + "-")
+    # A file whose validation ended without a problem before (its sha256, its size, this rid prefix) is not
+    # validated again: its index is read from the capture state's cache (dataset.IndexCache).
+    ds = datasets.open_dataset(opts.dataset, run_prefix("patchctl-", name) + "-", index_dir=dataset_index_dir())
     try:
         return _run(app, opts, name, ds)
     finally:
@@ -57,8 +60,9 @@ def _run(app: App, opts: CaptureOptions, name: str, ds) -> int:
     if refused.get("sha256") == ds.sha256:  # its validation, beside an earlier invocation's sending, found these
         raise BadInput(refused["message"])
     try:
-        # the journal so far (light: done ids, and what each host was sent and never verified there)
-        state = Journal(run_dir(name)).state(CAPTURE_COUNTS) if before else None
+        # the journal so far (light: done ids, and what each host was sent and never verified there): the
+        # summary and its done ids as a running invocation last wrote them, and the records after them
+        state = Journal(run_dir(name)).resume_state(CAPTURE_COUNTS) if before else None
 
         def request(s):
             stale = [] if state is None else [f"{before['prefix']}-{sid}" for sid in state.stale(s.host.name)]
