@@ -8,8 +8,8 @@ of the wrapper on that object. Done here with `ast` only, over the index:
 
 * a module is `a/b/c.py`, a package `a/b/c/__init__.py`, or a directory without one (a namespace
   package, e.g. `sglang/srt/model_executor`); a name in a module is a class, a function, an alias,
-  or a name its `from X import Y` re-exports (SGLang then patches every module holding it, so the
-  function that runs is X's);
+  or a name its `from X import Y` or `from X import *` re-exports (SGLang then patches every module
+  holding it, so the function that runs is X's);
 * a name on a class is found through its MRO over the tree's classes: a method inherited from a base
   becomes that base's def, hooked only on instances of the named class (`HookTarget.on_class`);
 * a class may only be replaced (SGLang refuses any other hook on a class); a replaced class is
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 from patchctl.core.errors import BadInput
 from patchctl.core.trace.changes import ChangedFunction, _short
-from patchctl.core.trace.index import SourceIndex, _ClassRef, _Module
+from patchctl.core.trace.index import SourceIndex, _ClassRef, _import_bindings, _Module, _toplevel
 
 LOADER = ("sglang.srt.plugins", "load_plugins")
 MODEL_PROCESS = ("sglang/srt/managers/scheduler.py", "run_scheduler_process")
@@ -117,7 +117,7 @@ def _looked_in(index: SourceIndex, obj) -> str:
 def _getattr(index: SourceIndex, obj, name: str, target: str):
     if obj[0] == "module":
         mod, modname = obj[1], obj[2]
-        r = index.resolve(mod, name) if mod is not None else None
+        r = _lookup(index, mod, name) if mod is not None else None
         if r is None and mod is not None and name in mod.imports:
             src = ".".join(x for x in mod.imports[name] if x)
             why = "which the tree does not define" if src.startswith("sglang") else "outside the tree"
@@ -136,6 +136,29 @@ def _getattr(index: SourceIndex, obj, name: str, target: str):
     if obj[0] == "class":
         return _class_attr(index, obj[1], name, target)
     raise Unresolved(f"hook target {target!r}: {name!r} is looked up on a function ({_looked_in(index, obj)})")
+
+
+def _lookup(index: SourceIndex, mod: _Module, name: str, _depth: int = 0):
+    """index.resolve, then through the module's `from X import *` (public names; `__all__` not read), and a
+    `from X import Y` whose X re-exports Y that way (sglang/srt/utils/__init__.py: `from .common import *`)."""
+    r = index.resolve(mod, name)
+    if r is not None or _depth > 4:
+        return r
+    if name in mod.imports:
+        src, attr = mod.imports[name]
+        m = index.module(src) if attr is not None and index.in_scope(src) else None
+        return _lookup(index, m, attr, _depth + 1) if m is not None else None
+    if name.startswith("_"):
+        return None
+    for node in _toplevel(mod.tree.body):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+            # the module `from X import *` names, as the index reads X of `from X import Y`
+            src = _import_bindings(ast.ImportFrom(node.module, [ast.alias("_")], node.level), mod.name, mod.is_pkg)["_"][0]
+            m = index.module(src) if index.in_scope(src) else None
+            r = _lookup(index, m, name, _depth + 1) if m is not None else None
+            if r is not None:
+                return r
+    return None
 
 
 def _class_attr(index: SourceIndex, cls: _ClassRef, name: str, target: str):
