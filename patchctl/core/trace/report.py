@@ -3,7 +3,9 @@
 Exit status of `patchctl trace`: 0 when every changed function is reached for
 every requested architecture and no blocking warning is left unmitigated by the
 series' smoke `server_args`; 1 otherwise (the series would not work, or would
-silently do nothing, for that model); 2 for bad input (unknown arch, no tree).
+silently do nothing, for that model; for a plugin series also when the model's
+process never calls load_plugins); 2 for bad input (unknown arch, no tree, a
+plugin hook target that does not resolve in the tree).
 Without `--arch` every registered architecture is traced and summarised; a hook
 inside one model family is then "not reached" for the others and the exit
 status is 1, by design: name the architectures you serve with `--arch`.
