@@ -2,6 +2,9 @@
 
 Runs on the controller or in CI and never modifies the tree it checks: the
 series is staged on a scratch copy of the files it touches (applier.stage).
+A plugin series changes no file of the tree and is not staged: its files were
+checked when it loaded (core/plugin.py); here its hook targets must resolve in
+the tree and the model's process must load plugins (core/trace/plugin.py).
 """
 
 from __future__ import annotations
@@ -154,6 +157,20 @@ def check_tree(series: Series, root: Path, scratch: Path) -> dict:
     }
 
 
+def check_plugin(series: Series, root: Path) -> dict:
+    """A plugin series against a tree, which stays untouched: every hook target resolves as SGLang's
+    HookRegistry would resolve it, and the process that runs the model calls load_plugins. JSON-able."""
+    from patchctl.core.trace.plugin import plugin_part
+
+    t0 = time.monotonic()
+    _, _, part = plugin_part(root, series)
+    resolved = all(h["ok"] for h in part["hooks"])
+    files = [{"path": f.path, "from": f.source, "bytes": len(f.data)} for f in series.plugin.files]
+    return {"ok": resolved and part["loaders"]["ok"], "kind": "plugin", "resolved": resolved,
+            "check_seconds": round(time.monotonic() - t0, 3),
+            "plugin": dict(series.plugin.to_wire(), files=files), **part, "error": None}
+
+
 def _resolve_target(series: Series, args, app) -> tuple[Path, str | None, str]:
     force = args.force
     if args.tree:
@@ -224,6 +241,13 @@ def _capture_config(series: Series, archs: list[str]) -> dict | None:
 
 def _junit_cases(series: Series, report: dict) -> list[dict]:
     cls = f"check.{series.name}"
+    if report.get("kind") == "plugin":
+        ld = report["loaders"]
+        cases = [{"name": f"hook {h['target']} ({h['type']}) resolves", "classname": cls, "time": 0.0,
+                  "status": "passed" if h["ok"] else "failed", "message": h["detail"]} for h in report["hooks"]]
+        cases.append({"name": "the model's process loads plugins", "classname": cls, "time": 0.0,
+                      "status": "passed" if ld["ok"] else "failed", "message": ld["detail"]})
+        return cases + _trace_case(cls, report)
     st = {"clean": "passed", "offset": "passed", "failed": "failed", "skipped": "skipped"}
     cases = [{"name": f"apply {p['name']} (v{p['version']})", "classname": cls, "time": 0.0,
               "status": st.get(p["status"], "error"), "message": p["detail"], "output": p.get("hunk") or ""}
@@ -237,12 +261,16 @@ def _junit_cases(series: Series, report: dict) -> list[dict]:
         h = report["hook"]
         cases.append({"name": f"hook {h['function']} calls {h['call']}", "classname": cls, "time": 0.0,
                       "status": {True: "passed", False: "failed", None: "skipped"}[h["ok"]], "message": h["detail"]})
-    if report.get("trace") is not None:
-        tr = report["trace"]
-        cases.append({"name": "hook reachability " + ",".join(tr.get("archs", [])), "classname": cls, "time": 0.0,
-                      "status": {True: "passed", False: "failed", None: "skipped"}[tr.get("ok")],
-                      "message": str(tr.get("detail", ""))})
-    return cases
+    return cases + _trace_case(cls, report)
+
+
+def _trace_case(cls: str, report: dict) -> list[dict]:
+    if report.get("trace") is None:
+        return []
+    tr = report["trace"]
+    return [{"name": "hook reachability " + ",".join(tr.get("archs", [])), "classname": cls, "time": 0.0,
+             "status": {True: "passed", False: "failed", None: "skipped"}[tr.get("ok")],
+             "message": str(tr.get("detail", ""))}]
 
 
 def run_check(app, args) -> int:
@@ -257,7 +285,8 @@ def run_check(app, args) -> int:
                 {"name": f"series {args.series}", "classname": f"check.{args.series}", "time": 0.0,
                  "status": "error", "message": str(e)}])
         raise
-    app.info(f"checking series {series.name} {series.version} ({len(series.patches)} patches) "
+    what = (f"plugin, {len(series.plugin.hooks)} hooks" if series.plugin else f"{len(series.patches)} patches")
+    app.info(f"checking series {series.name} {series.version} ({what}) "
              f"against SGLang {version or '(unknown version)'} at {root}")
     report = _check(app, series, root, list(args.arch))
     report = {"series": series.name, "series_version": series.version,
@@ -270,12 +299,15 @@ def run_check(app, args) -> int:
 
 def _check(app, series: Series, root: Path, archs: list[str]) -> dict:
     """check_tree on a scratch copy, then the reachability trace and the capture config; report["ok"] the verdict."""
-    scratch = Path(tempfile.mkdtemp(prefix="patchctl-check-"))
-    try:
-        report = check_tree(series, root, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    report["trace"] = _trace(root, series, archs, app) if report["applied"] else None
+    if series.plugin is not None:  # nothing to stage: the tree is only read
+        report = check_plugin(series, root)
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="patchctl-check-"))
+        try:
+            report = check_tree(series, root, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    report["trace"] = _trace(root, series, archs, app) if report.get("applied", report.get("resolved")) else None
     if report["trace"] is not None and report["trace"].get("ok") is False:
         report["ok"] = False
     report["capture_config"] = _capture_config(series, archs)
@@ -288,6 +320,33 @@ def _table(series: Series, report: dict, version, source):
     from patchctl.core.console import table
 
     t = table(f"check {series.name} {series.version} against SGLang {version} ({source})", "Step", "Result", "Detail")
+    if report.get("kind") == "plugin":
+        _plugin_rows(t, report)
+    else:
+        _patch_rows(t, report)
+    if report["trace"] is not None:
+        tr = report["trace"]
+        t.add_row("reachability", {True: "ok", False: "FAILS", None: "-"}.get(tr.get("ok"), "?"), str(tr.get("detail", "")))
+    cc = report["capture_config"]
+    if cc is not None:
+        t.add_row("capture config", "ok" if cc["ok"] else "REFUSED", "; ".join(cc["refusals"]) or cc["detail"])
+    return t
+
+
+def _plugin_rows(t, report: dict) -> None:
+    pl = report["plugin"]
+    t.add_row("plugin files", "ok", f"{len(pl['files'])} files of {pl['dist']} (entry point {pl['name']} = {pl['entry']}): "
+              f"sha256, compile and declared hooks checked when the series loaded; SGLang's tree untouched")
+    for h in report["hooks"]:
+        t.add_row(f"hook {h['target']} ({h['type']})", "resolves" if h["ok"] else "DOES NOT RESOLVE",
+                  f"{h['detail']}; declared at {h['where']}")
+    ld = report["loaders"]
+    calls = [f"load_plugins() at {c['file']}:{c['line']} in {c['function']}"
+             + (" (the process that runs the model)" if c["model_process"] else "") for c in ld["calls"]]
+    t.add_row("plugins loaded", "ok" if ld["ok"] else "NEVER (model process)", "\n".join([ld["detail"], *calls]))
+
+
+def _patch_rows(t, report: dict) -> None:
     words = {"clean": "applies cleanly", "offset": "applies with offset", "failed": "FAILS", "skipped": "not tried"}
     for p in report["patches"]:
         t.add_row(f"{p['name']} (v{p['version']})", words.get(p["status"], p["status"]),
@@ -298,17 +357,30 @@ def _table(series: Series, report: dict, version, source):
     if report["hook"] is not None:
         h = report["hook"]
         t.add_row("hook", {True: "present", False: "MISSING", None: "-"}[h["ok"]], h["detail"])
-    if report["trace"] is not None:
-        tr = report["trace"]
-        t.add_row("reachability", {True: "ok", False: "FAILS", None: "-"}.get(tr.get("ok"), "?"), str(tr.get("detail", "")))
-    cc = report["capture_config"]
-    if cc is not None:
-        t.add_row("capture config", "ok" if cc["ok"] else "REFUSED", "; ".join(cc["refusals"]) or cc["detail"])
-    return t
+
+
+def _plugin_verdict(app, series: Series, report: dict, version, source) -> int:
+    """2: a hook target does not resolve in the tree (as a patch that does not apply); 1: another step failed."""
+    bad = [h for h in report["hooks"] if not h["ok"]]
+    if bad:
+        for h in bad:
+            print(f"patchctl: {h['where']}: {h['detail']} (SGLang {version}, {source})", file=sys.stderr)
+        return 2
+    if not report["ok"]:
+        tr, cc = report["trace"], report["capture_config"]
+        why = (report["loaders"]["detail"] if not report["loaders"]["ok"] else
+               str(tr.get("detail")) if tr and tr.get("ok") is False else "; ".join(cc["refusals"]) if cc else "?")
+        print(f"patchctl: check failed: {why}", file=sys.stderr)
+        return 1
+    app.info(f"ok: {series.name}'s {len(report['hooks'])} hook target(s) resolve on SGLang {version}, "
+             f"and the model's process loads plugins")
+    return 0
 
 
 def _verdict(app, series: Series, report: dict, version, source) -> int:
     """2: a patch does not apply (its failing hunk shown); 1: another step failed (the first named); 0: ok."""
+    if report.get("kind") == "plugin":
+        return _plugin_verdict(app, series, report, version, source)
     if not report["applied"]:
         bad = next(p for p in report["patches"] if p["status"] == "failed")
         if bad.get("hunk"):

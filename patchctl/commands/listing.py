@@ -10,7 +10,7 @@ from patchctl.core.console import table
 from patchctl.core.inventory import load_inventory
 from patchctl.core.redact import Masker
 from patchctl.core.series import load_series, scan_series
-from patchctl.core.trace.report import cached_check, log_findings, print_report, resolve_tree
+from patchctl.core.trace.report import cached_check, log_findings, log_plugin, print_report, resolve_tree
 
 
 def run_series(app, args) -> int:
@@ -88,6 +88,7 @@ def run_trace(app, args) -> int:
             if r.reached:
                 app.info(f"{r.arch}: {r.target}: {r.describe()}")
     if not app.json or app.verbose:
+        log_plugin(app, report)
         log_findings(app, report, app.verbose)
     s = report["summary"]
     app.info(f"{'ok' if report['ok'] else 'FAILED'}: {report['detail']}; "

@@ -7,6 +7,7 @@ function a series changes is reachable from the served model's entry class
 Python. Its parts, each building on the one before:
 
     changes   the functions a series changes (unified diff -> changed lines -> defs)
+    plugin    a plugin series' changed functions: its hook targets resolved in the tree; who loads plugins
     index     the source index: lazily parsed modules, imports, classes, MRO, attribute types
     graph     the call graph over the index: one node per function as executed, BFS walks
     tracer    the CUDA-graph rule: entry classes, the prefill body, a trace per architecture
@@ -18,9 +19,10 @@ The names below are the public API (`patchctl trace`, in commands.listing, runs 
 from patchctl.core.trace.changes import ChangedFunction, changed_functions
 from patchctl.core.trace.graph import CallGraph
 from patchctl.core.trace.index import SourceIndex
+from patchctl.core.trace.plugin import HookTarget, PluginLoader, plugin_loaders, plugin_targets, resolve_target
 from patchctl.core.trace.report import check_reachability, check_series, series_targets
 from patchctl.core.trace.tracer import GraphWarning, Tracer, TraceResult, arch_from_model_config, entry_classes, trace
 
-__all__ = ["CallGraph", "ChangedFunction", "GraphWarning", "SourceIndex", "TraceResult", "Tracer",
-           "arch_from_model_config", "changed_functions", "check_reachability", "check_series", "entry_classes",
-           "series_targets", "trace"]
+__all__ = ["CallGraph", "ChangedFunction", "GraphWarning", "HookTarget", "PluginLoader", "SourceIndex", "TraceResult",
+           "Tracer", "arch_from_model_config", "changed_functions", "check_reachability", "check_series", "entry_classes",
+           "plugin_loaders", "plugin_targets", "resolve_target", "series_targets", "trace"]

@@ -3,7 +3,9 @@
 Exit status of `patchctl trace`: 0 when every changed function is reached for
 every requested architecture and no blocking warning is left unmitigated by the
 series' smoke `server_args`; 1 otherwise (the series would not work, or would
-silently do nothing, for that model); 2 for bad input (unknown arch, no tree).
+silently do nothing, for that model; for a plugin series also when the model's
+process never calls load_plugins); 2 for bad input (unknown arch, no tree, a
+plugin hook target that does not resolve in the tree).
 Without `--arch` every registered architecture is traced and summarised; a hook
 inside one model family is then "not reached" for the others and the exit
 status is 1, by design: name the architectures you serve with `--arch`.
@@ -22,6 +24,7 @@ from pathlib import Path
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.trace.changes import ChangedFunction, _function_spans, _patch_items, changed_functions
 from patchctl.core.trace.index import SourceIndex
+from patchctl.core.trace.plugin import HookTarget, plugin_part, plugin_targets
 from patchctl.core.trace.tracer import RUNNER_DIR, GraphWarning, Tracer, TraceResult
 
 
@@ -50,19 +53,29 @@ def series_targets(tracer: Tracer, scratch: Path, series) -> list[ChangedFunctio
     return targets
 
 
+def _staged(tree: Path, series) -> Path:
+    """A scratch directory holding the files the series changes, patched."""
+    scratch = Path(tempfile.mkdtemp(prefix="patchctl-trace-"))
+    staged = _stage(tree, series, scratch)
+    if not staged.get("ok"):
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise PatchctlError(f"series does not stage on {tree}: {staged.get('error')}")
+    return scratch
+
+
 def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
     """Stage `series` on a scratch copy of `tree`, trace every changed function for each arch.
 
-    archs None or empty: every architecture in the tree's registry. Returns a
-    JSON-able report; report["ok"] is the exit-status verdict (see module doc).
+    A plugin series (trace.plugin) is not staged: its changed functions are its hook targets,
+    resolved in the pristine tree, and the report's "plugin" says where each leads and which
+    processes load plugins. archs None or empty: every architecture in the tree's registry.
+    Returns a JSON-able report; report["ok"] is the exit-status verdict (see module doc).
     """
     t0 = time.perf_counter()
     tree = Path(tree)
-    scratch = Path(tempfile.mkdtemp(prefix="patchctl-trace-"))
+    plugin = getattr(series, "plugin", None) is not None
+    scratch = None if plugin else _staged(tree, series)
     try:
-        staged = _stage(tree, series, scratch)
-        if not staged.get("ok"):
-            raise PatchctlError(f"series does not stage on {tree}: {staged.get('error')}")
         tracer = Tracer(tree, scratch)
         archs = list(archs or [])
         for a in archs:
@@ -70,19 +83,23 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
         all_archs = not archs
         if all_archs:
             archs = sorted(tracer.registry)
-        targets = series_targets(tracer, scratch, series)
+        extra = _plugin_part(tree, series) if plugin else {}
+        targets = extra.pop("_targets") if plugin else series_targets(tracer, scratch, series)
         server_args = tuple(getattr(getattr(series, "smoke", None), "server_args", ()) or ())
         results, parsed = _sweep(tracer, scratch, archs, targets, server_args)
         elapsed = time.perf_counter() - t0
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     not_reached = [r for r in results if not r.reached]
     unmitigated = [(r, w) for r in results for w in r.warnings if not w.mitigated]
     blocking = [(r, w) for r, w in unmitigated if w.blocking]
-    ok = not not_reached and not blocking
+    loaded = extra.get("plugin", {}).get("loaders", {"ok": True})
+    ok = not not_reached and not blocking and loaded["ok"]
+    detail = _detail(not not_reached and not blocking, targets, archs, not_reached, blocking)
     return {
         "ok": ok,
-        "detail": _detail(ok, targets, archs, not_reached, blocking),
+        "detail": detail if loaded["ok"] else f"{loaded['detail']}; {detail}",
         "tree": str(tree),
         "all_archs": all_archs,
         "archs": archs,
@@ -98,18 +115,27 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
             "warnings_blocking": len(blocking),
             "archs_not_reached": sorted({r.arch for r in not_reached}),
         },
+        **extra,
         "elapsed_s": round(elapsed, 3),
         "modules_parsed": parsed,
         "_results": results,
     }
 
 
+def _plugin_part(tree: Path, series) -> dict:
+    """A plugin series' targets (BadInput at one that does not resolve, naming series.toml:line) and the
+    report's "plugin": each hook, where it leads, and the processes that load plugins."""
+    index, results, part = plugin_part(tree, series)
+    return {"_targets": plugin_targets(index, series, results), "plugin": part}
+
+
 def _detail(ok: bool, targets, archs, not_reached, blocking) -> str:
     """The verdict in one line: what was reached, or the first of what was not and of what blocks."""
     if not targets:
         return "the series changes no function (nothing to trace)"
+    what = "plugin hook target(s)" if isinstance(targets[0], HookTarget) else "changed function(s)"
     if ok:
-        return f"{len(targets)} changed function(s) reached for {len(archs)} architecture(s)"
+        return f"{len(targets)} {what} reached for {len(archs)} architecture(s)"
     parts = []
     if not_reached:
         parts.append(f"{len(not_reached)} not reached (e.g. {not_reached[0].target.qualname} for {not_reached[0].arch})")
@@ -173,15 +199,16 @@ def print_report(app, report: dict, title: str, details: bool) -> None:
     results: list[TraceResult] = report["_results"]
     s = report["summary"]
     if details:
-        t = table(title, "Arch", "Changed function", "Result", "Chain / last link", "CUDA graphs")
+        what = "Hook target" if report.get("plugin") else "Changed function"
+        t = table(title, "Arch", what, "Result", "Chain / last link", "CUDA graphs")
         for r in results:
             status = ("reached (ModelRunner, all archs)" if r.via == "model_runner" else
                       "reached" if r.reached else "NOT REACHED")
             t.add_row(r.arch, str(r.target), status, " → ".join(r.chain),
                       "\n".join(_warning_text(w) for w in r.warnings) or "-")
     else:
-        t = table(title, "Architectures", "Changed functions", "Reached", "Not reached",
-                  "Unmitigated warnings (blocking)", "Time")
+        t = table(title, "Architectures", "Hook targets" if report.get("plugin") else "Changed functions", "Reached",
+                  "Not reached", "Unmitigated warnings (blocking)", "Time")
         t.add_row(str(s["archs"]), str(s["targets"]), str(s["reached"]), str(s["not_reached"]),
                   f"{s['warnings_unmitigated']} ({s['warnings_blocking']})", f"{report['elapsed_s']:.2f}s")
     data = {k: v for k, v in report.items() if not k.startswith("_")}
@@ -219,6 +246,20 @@ def log_findings(app, report: dict, verbose: bool) -> None:
             app.info(f"{t}: warning for {len(warned)} architecture(s) ({few(warned)}): {w.message}")
 
 
+def log_plugin(app, report: dict) -> None:
+    """A plugin series' hooks (where each target leads) and the processes that load plugins, on stderr."""
+    part = report.get("plugin")
+    if not part:
+        return
+    for h in part["hooks"]:
+        app.info(f"hook {h['target']} ({h['type']}): {h['detail']}")
+    loaders = part["loaders"]
+    app.info(("" if loaders["ok"] else "refused: ") + loaders["detail"])
+    for c in loaders["calls"]:
+        app.info(f"load_plugins() at {c['file']}:{c['line']} in {c['function']}"
+                 + (" (the process that runs the model)" if c["model_process"] else ""))
+
+
 def check_reachability(tree: Path, series, archs: list[str], app) -> bool:
     """`patchctl check --arch`: True when every changed function is reached for each arch
     and no blocking CUDA-graph warning is left unmitigated by the smoke profile."""
@@ -248,7 +289,8 @@ def resolve_tree(args, series, app) -> tuple[Path, str | None]:
 
 
 def _result_from_json(r: dict) -> TraceResult:
-    return TraceResult(r["arch"], ChangedFunction(**r["target"]), r["reached"], r["via"], list(r["chain"]),
+    t = r["target"]
+    return TraceResult(r["arch"], HookTarget.from_json(t) if "hook" in t else ChangedFunction(**t), r["reached"], r["via"], list(r["chain"]),
                        [GraphWarning(**w) for w in r["warnings"]])
 
 

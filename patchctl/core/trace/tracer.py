@@ -260,7 +260,10 @@ class Tracer:
         if node.qualname != target.qualname:
             return False
         mod = index.module(node.mod)
-        return mod is not None and mod.rel == target.file
+        if mod is None or mod.rel != target.file:
+            return False
+        on = getattr(target, "on_class", None)  # a plugin hook set on a subclass of the def's class (trace.plugin)
+        return on is None or (node.self_cls is not None and _instance_of(index, node.self_cls, on))
 
     def widen_scope(self, targets: Iterable[ChangedFunction]) -> None:
         """Make sure the walk may enter each target's package (walk memos are dropped when it grows)."""
@@ -342,9 +345,9 @@ class Tracer:
             hit = hits[t]
             if hit is None and t.qualname.rsplit(".", 1)[-1] in SETUP_METHODS and "." in t.qualname:
                 # construction / weight loading: runs once, eagerly, for every class that is part of the model
-                owner = next((n for n in parent if n.self_cls is not None and any(
-                    c.name == t.qualname.split(".")[0] and c.mod.rel == t.file
-                    for c in idx.mro(g._class(n.self_cls) or entry))), None)
+                on = getattr(t, "on_class", None) or (t.file, t.qualname.split(".")[0])
+                owner = next((n for n in parent if n.self_cls is not None
+                              and _instance_of(idx, n.self_cls, on, g._class(n.self_cls) or entry)), None)
                 if owner is not None:
                     out[t] = TraceResult(arch, t, True, "model", self._labels(_chain(parent, owner), entry, t)
                                          + [f"{t.qualname} (runs when the model is built / loaded, not in forward)"])
@@ -394,6 +397,16 @@ class Tracer:
         if body_node is not None and body_node in parent:
             return body_node
         return next(iter(parent))
+
+
+def _instance_of(index: SourceIndex, key: tuple, on: tuple, cls: _ClassRef | None = None) -> bool:
+    """Is an instance of class `key` (module, name) one of class `on` (file, name), through its MRO?"""
+    if cls is None:
+        mod = index.module(key[0])
+        if mod is None or key[1] not in mod.classes:
+            return False
+        cls = _ClassRef(mod, mod.classes[key[1]])
+    return any(c.name == on[1] and c.mod.rel == on[0] for c in index.mro(cls))
 
 
 def trace(tree: Path, arch: str, targets: list[ChangedFunction], *, scratch: Path | None = None,
