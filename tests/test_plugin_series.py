@@ -209,3 +209,28 @@ def test_switching_between_the_plugin_and_the_diff_series_and_back_is_exact(flee
     _, st = f.json("status")
     assert st[0]["series"] == PLUGIN and st[0]["state"] == "verified" and not st[0]["drift"], st
     assert server_env(f, h)["PYTHONPATH"].split(":")[0] == str(site(h))
+
+
+@pytest.mark.parametrize("case,target,exit_code,needle", [
+    ("missing-target", MR.replace(".forward", ".forwardd"), 2, "closest: forward"),
+    ("under-cuda-graph", "sglang.srt.models.llama.LlamaModel.forward", 2, "--disable-prefill-cuda-graph"),
+])
+def test_a_hook_that_would_never_fire_is_refused_by_the_trace_before_any_change(fleet1, case, target, exit_code,
+                                                                                 needle):
+    """apply's reachability preflight (core/trace/plugin.py) on the host's own SGLang tree: a target that does not
+    resolve, or that runs inside the prefill CUDA graph, refuses the run before any host step."""
+    f, h = fleet1, fleet1.hosts[0]
+    name = plugin_variant(f.patches, f"trace-{case}", edit=retarget(MR, target), hooks=[(target, "around"), (FB, "after")])
+    digest, pid = f.digest(h), f.server_pid(h)
+    p = f.patchctl("--json", "apply", name)
+    assert p.returncode == exit_code, p.stdout + p.stderr
+    ev = [json.loads(line) for line in p.stdout.splitlines()]
+    assert not [e for e in ev if e["event"] == "step_start"], "no host step may start"
+    assert needle in p.stdout + p.stderr, p.stdout + p.stderr
+    untouched(f, h, digest, pid)
+
+
+def test_plan_names_the_processes_that_load_plugins(fleet1):
+    p = fleet1.patchctl("plan", PLUGIN)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "run_scheduler_process" in p.stdout + p.stderr, p.stdout + p.stderr

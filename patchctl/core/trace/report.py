@@ -99,7 +99,8 @@ def check_series(tree: Path, series, archs: list[str] | None = None) -> dict:
     detail = _detail(not not_reached and not blocking, targets, archs, not_reached, blocking)
     return {
         "ok": ok,
-        "detail": detail if loaded["ok"] else f"{loaded['detail']}; {detail}",
+        "detail": f"{detail}; {loaded['detail']}" if plugin and loaded["ok"] else
+                  detail if loaded["ok"] else f"{loaded['detail']}; {detail}",
         "tree": str(tree),
         "all_archs": all_archs,
         "archs": archs,
