@@ -36,21 +36,21 @@ CAPTURE_FLAG = "--enable-return-aux-hidden-states"
 LAYERS_FLAG = "--return-aux-hidden-state-layer-ids"
 DRAFT_FLAG = "--speculative-draft-model-path"
 
-# SGLang 0.5.23's own lines the refusals cite (paths under sglang/srt/)
-VALIDATION = "arg_groups/validation_hook.py"
+# SGLang 0.5.23's own lines the refusals cite
+VALIDATION = "sglang/srt/arg_groups/validation_hook.py"
 WHERE_SGLANG = {
     "conventions": VALIDATION + ":694,713-718 (EAGLE3, DFLASH or DSPARK names the capture convention)",
     "no_draft": VALIDATION + ":719-723 (captures without a draft)",
     "pp": VALIDATION + ":724-728 (pp_size == 1 only)",
     "ids_required": VALIDATION + ":729-734 (DFLASH and DSPARK require --return-aux-hidden-state-layer-ids)",
     "ids_valid": VALIDATION + ":735-747 (not empty, non-negative, no repeats)",
-    "range": "model_executor/model_runner_components/spec_aux_hidden_state.py:124-128 (ids < num_hidden_layers)",
-    "eagle3_missing": "model_executor/model_runner_components/attention_backend_setup.py:54-60 "
+    "range": "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:124-128 (ids < num_hidden_layers)",
+    "eagle3_missing": "sglang/srt/model_executor/model_runner_components/attention_backend_setup.py:54-60 "
                       "(\"does not implement set_eagle3_layers_to_capture\")",
-    "block_missing": "model_executor/model_runner_components/attention_backend_setup.py:62-72 (DSPARK uses "
+    "block_missing": "sglang/srt/model_executor/model_runner_components/attention_backend_setup.py:62-72 (DSPARK uses "
                      "set_dspark_layers_to_capture when the model has it, else set_dflash_layers_to_capture; "
                      "neither: \"implements neither\")",
-    "count": "layers/logits_processor.py:920-950 (the first forward fails when the model captured fewer "
+    "count": "sglang/srt/layers/logits_processor.py:920-950 (the first forward fails when the model captured fewer "
              "layers than the ids name: most models cannot capture their last layer)",
 }
 
@@ -603,7 +603,7 @@ def with_convention(server_args, convention):
     args = [str(a) for a in server_args or ()]
     if not convention or CAPTURE_FLAG not in args:
         return args
-    flag = FLAG[convention]
+    flag = FLAG.get(convention, str(convention).upper())  # an unknown one: as given, for the refusals to name
     out, i, seen = [], 0, False
     while i < len(args):
         a = args[i]
@@ -684,20 +684,23 @@ def judge(convention, arch, ids, num_layers=None):
     return rule.captured(ids, num_layers), problems
 
 
-def dump_refusal(convention, arch, ids, num_layers=None):
+def dump_refusal(convention, arch, ids=None, num_layers=None):
     """Why the hidden-dump module (which reads the model's own `layers_to_capture`, hidden_dump.py
-    _layers_to_capture) would write nothing or mislabel the layers for this capture, or None."""
+    _layers_to_capture) would write nothing or mislabel the layers for this capture, or None. It does not
+    depend on the ids: the method keeps its taps elsewhere, or stores outputs where capture indices belong."""
     rule = rule_for(convention, arch) if convention in CONVENTIONS else None
-    if rule is None or rule.outside or rule.broken or ids is None and convention != "eagle3":
+    if rule is None or rule.outside or rule.broken:
         return None
-    got, truth = rule.dump_labels(ids, num_layers), rule.captured(ids, num_layers)
-    if got is None and rule.attr != "layers_to_capture":
+    if rule.attr != "layers_to_capture":
         return ("%s keeps its %s taps in %s, not layers_to_capture (sglang/srt/%s): the hidden-dump module "
                 "(sglang/srt/hidden_dump.py _layers_to_capture) finds no layers_to_capture and dumps nothing "
-                "(\"no_layers_to_capture\")" % (
-                    arch, FLAG[convention], rule.attr, rule.where.split(":")[0]))
-    if got is not None and truth is not None and list(got) != list(truth):
-        return ("%s's %s method stores layer *outputs* in layers_to_capture (sglang/srt/%s; read at %s): the "
-                "hidden-dump module would label the dump's layers one off (layers_to_capture %s, truly %s)" % (
-                    arch, FLAG[convention], rule.where, rule.tap, got, truth))
+                "(\"no_layers_to_capture\")" % (arch, FLAG[convention], rule.attr, rule.where.split(":")[0]))
+    if not rule.fn and rule.shift != rule.attr_shift:
+        eg = ""
+        if ids:
+            eg = " (ids %s: layers_to_capture %s, truly %s)" % (list(ids), rule.dump_labels(ids, num_layers),
+                                                               rule.captured(ids, num_layers))
+        return ("%s's %s method stores layer *outputs* in layers_to_capture (sglang/srt/%s; read at "
+                "sglang/srt/%s): the hidden-dump module would label the dump's layers one off%s" % (
+                    arch, FLAG[convention], rule.where, rule.tap, eg))
     return None
