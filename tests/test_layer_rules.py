@@ -65,6 +65,8 @@ def test_the_rules_predict_sglangs_layers_and_failures(sglang_tree, derived, ids
 def _cited(text):
     for m in CITE.finditer(text):
         path = m.group(1)
+        if path.startswith("sglang/srt/"):
+            path = path[len("sglang/srt/"):]
         if not path.startswith(("models/", "arg_groups/", "model_executor/", "layers/")):
             path = "models/" + path
         spans = [(int(m.group(2)), int(m.group(3) or m.group(2)))]
