@@ -52,7 +52,7 @@ def fleet2(fleet2m):
 def test_kimi_k3_with_eagle3_is_refused_before_any_restart(fleet2):
     """The series' EAGLE3 convention on Kimi-K3 (no set_eagle3_layers_to_capture): plan says blocked, naming SGLang's
     file and line; apply exits 2 with the same reason before the tree or the server is touched. DSPARK without ids is
-    refused by SGLang's validation; with ids, because the hidden-dump module reads layers_to_capture and Kimi-K3 keeps
+    refused with the inventory (file and line, SGLang's validation line); with ids, because the hidden-dump module reads layers_to_capture and Kimi-K3 keeps
     its taps in dspark_layers_to_capture (it would dump nothing)."""
     f = fleet2
     h0, h1 = f.hosts
@@ -73,13 +73,14 @@ def test_kimi_k3_with_eagle3_is_refused_before_any_restart(fleet2):
     _, st = f.json("status", "--limit", "host1")
     assert (st[0]["state"], st[0]["lock"]) == ("clean", None)
 
-    inventory(f, host1={"capture_convention": "dspark"})
-    p, plan = f.json("plan", "hidden-dump", "--limit", "host1", expect=2)
-    assert any("DSPARK requires --return-aux-hidden-state-layer-ids" in b and "validation_hook.py:729-734" in b
-               for b in plan[0]["blockers"]), plan[0]["blockers"]
-    assert "--speculative-algorithm DSPARK" in plan[0]["restart"]
+    inventory(f, host1={"capture_convention": "dspark"})  # without capture_layers: the inventory is refused
+    p = f.patchctl("plan", "hidden-dump", "--limit", "host1")
+    assert p.returncode == 2 and f"{f.inventory}:" in p.stderr, p.stdout + p.stderr
+    assert "hosts.host1.server.capture_convention" in p.stderr and "needs capture_layers" in p.stderr
+    assert "validation_hook.py:729-734" in p.stderr
     inventory(f, host1={"capture_convention": "dspark", "capture_layers": [1, 3, 5]})
     p, plan = f.json("plan", "hidden-dump", "--limit", "host1", expect=2)
+    assert "--speculative-algorithm DSPARK" in plan[0]["restart"]
     assert [b for b in plan[0]["blockers"] if "dspark_layers_to_capture" in b and "no_layers_to_capture" in b]
     assert plan[0]["capture"]["layers_to_capture"] == [2, 4, 6]  # what SGLang would capture: the outputs of 1, 3, 5
     p = f.patchctl("apply", "hidden-dump", "--limit", "host1")

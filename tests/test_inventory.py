@@ -260,6 +260,9 @@ ERRORS = [
                   "did you mean 'dflash'?"], id="capture-convention"),
     pytest.param("[defaults.server]\ncapture_convention = \"EAGLE3\"\n\n[hosts.a]\n", 2,
                  ["defaults.server.capture_convention", "'EAGLE3' is not one of"], id="capture-convention-defaults"),
+    pytest.param(BASE + "\n[hosts.b.server]\ncapture_convention = \"dspark\"\n", 11,
+                 ["hosts.b.server.capture_convention", "needs capture_layers", "validation_hook.py:729-734"],
+                 id="capture-convention-without-layers"),
     pytest.param(BASE + "\n[groups]\ngpus = [\"a\", \"c\"]\n", 11, ["groups.gpus", "unknown host or group 'c'"],
                  id="group-unknown-host"),
     pytest.param(BASE + "\n[groups]\ngpus = \"a\"\n", 11, ["groups.gpus", "list of names"], id="group-type"),
@@ -488,5 +491,6 @@ def test_capture_convention_defaults_to_eagle3_and_reaches_the_agent_only_when_a
     assert (a.server.capture_convention, b.server.capture_convention) == ("eagle3", "dspark")
     assert "capture_convention" not in a.server.to_spec().to_wire()
     assert b.server.to_spec().to_wire()["capture_convention"] == "dspark"
-    p = write(tmp_path, "[defaults.server]\ncapture_convention = \"dflash\"\n\n[hosts.a]\n", "d.toml")
+    p = write(tmp_path, "[defaults.server]\ncapture_convention = \"dflash\"\ncapture_layers = [1]\n\n[hosts.a]\n",
+              "d.toml")
     assert load_inventory(p).hosts["a"].server.capture_convention == "dflash"

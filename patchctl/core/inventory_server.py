@@ -68,6 +68,11 @@ def read_server(L, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> ServerC
         _, p = pick("manager")
         L.fail(hp + ("unit",), "manager = \"systemd\" needs unit = \"<name>.service\"",
                line_of=hp if hserver else p)
+    if s.capture_convention != "eagle3" and not s.capture_layers:
+        v, p = pick("capture_convention")
+        L.fail(p, f"capture_convention = \"{s.capture_convention}\" needs capture_layers = [...]: SGLang 0.5.23 "
+               f"requires --return-aux-hidden-state-layer-ids with {s.capture_convention.upper()} "
+               "(sglang/srt/arg_groups/validation_hook.py:729-734)")
     _image_form(L, s, pick)
     if s.manager in ("docker", "podman") and not s.container:
         _, p = pick("manager")

@@ -19,8 +19,12 @@ check` judges a trained draft's ids by them (core/drafter.py).
 from __future__ import annotations
 
 from patchctl.host import capture_rules
-from patchctl.host.capture_rules import (ARCH_FILES, ARCH_RULE, CONVENTIONS, DSPARK_OWN, FLAG, METHOD,  # noqa: F401
+from patchctl.host.capture_rules import (ARCH_FILES, ARCH_RULE, CONVENTIONS, DSPARK_OWN, FLAG, METHOD,
                                          convention_of, dump_refusal, judge, rule_for, with_convention)
+
+__all__ = ["ARCH_FILES", "ARCH_RULE", "BLOCK_RULES", "BLOCK_WHERE", "CONVENTIONS", "DSPARK_OWN", "FLAG", "METHOD",
+           "RULES", "WHERE", "block_ids_for", "captured", "convention_of", "dump_refusal", "ids_for", "judge",
+           "rule_for", "sglang_layers", "with_convention"]
 
 # EAGLE-3: architectures[0] of the target's config.json -> its set_eagle3_layers_to_capture rule, for every
 # EntryClass whose rule is known (MindSpore's delegates outside SGLang's tree: not here)
