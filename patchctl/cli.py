@@ -162,6 +162,10 @@ def _trace_command(cmd: Commands) -> None:
     sp.add_argument("--arch", action="append", default=[], metavar="ARCH",
                     help="model architecture as in config.json's architectures (e.g. LlamaForCausalLM); repeatable "
                          "(default: every architecture SGLang registers)")
+    sp.add_argument("--capture-convention", choices=("eagle3", "dflash", "dspark"), default=None,
+                    help="with --arch: judge the capture under this convention (the inventory's capture_convention) "
+                         "instead of the series' own --speculative-algorithm; a model without that convention's "
+                         "method is reported as not capturing (exit 1)")
     tree_or_release(sp, "trace")
 
 

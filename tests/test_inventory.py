@@ -255,6 +255,14 @@ ERRORS = [
     pytest.param(BASE + "\n[hosts.b.server]\ncapture_layers = [1, \"x\"]\n", 11,
                  ["hosts.b.server.capture_layers", "layer ids"], id="capture-layers"),
     pytest.param(BASE + "\n[hosts.b.server]\nhidden_size = 0\n", 11, ["hosts.b.server.hidden_size"], id="hidden"),
+    pytest.param(BASE + "\n[hosts.b.server]\ncapture_convention = \"dflsh\"\n", 11,
+                 ["hosts.b.server.capture_convention", "'dflsh' is not one of: eagle3, dflash, dspark",
+                  "did you mean 'dflash'?"], id="capture-convention"),
+    pytest.param("[defaults.server]\ncapture_convention = \"EAGLE3\"\n\n[hosts.a]\n", 2,
+                 ["defaults.server.capture_convention", "'EAGLE3' is not one of"], id="capture-convention-defaults"),
+    pytest.param(BASE + "\n[hosts.b.server]\ncapture_convention = \"dspark\"\n", 11,
+                 ["hosts.b.server.capture_convention", "needs capture_layers", "validation_hook.py:729-734"],
+                 id="capture-convention-without-layers"),
     pytest.param(BASE + "\n[groups]\ngpus = [\"a\", \"c\"]\n", 11, ["groups.gpus", "unknown host or group 'c'"],
                  id="group-unknown-host"),
     pytest.param(BASE + "\n[groups]\ngpus = \"a\"\n", 11, ["groups.gpus", "list of names"], id="group-type"),
@@ -472,3 +480,17 @@ def test_the_image_form_of_a_container_host_resolves_to_docker_run_options(tmp_p
     hb = host_config(b.run)
     assert hb["DeviceRequests"][0]["DeviceIDs"] == ["0", "1"] and "IpcMode" not in hb
     assert hb["RestartPolicy"] == {"Name": "on-failure", "MaximumRetryCount": 3}
+
+
+def test_capture_convention_defaults_to_eagle3_and_reaches_the_agent_only_when_another(tmp_path):
+    """capture_convention: eagle3 unless set (per host or under [defaults.server]); the agent's ServerSpec carries
+    it only when it is not eagle3 (an eagle3 host's requests are byte for byte what they were before)."""
+    p = write(tmp_path, BASE + "\n[hosts.b.server]\ncapture_convention = \"dspark\"\ncapture_layers = [1, 11, 23]\n")
+    inv = load_inventory(p)
+    a, b = inv.hosts["a"], inv.hosts["b"]
+    assert (a.server.capture_convention, b.server.capture_convention) == ("eagle3", "dspark")
+    assert "capture_convention" not in a.server.to_spec().to_wire()
+    assert b.server.to_spec().to_wire()["capture_convention"] == "dspark"
+    p = write(tmp_path, "[defaults.server]\ncapture_convention = \"dflash\"\ncapture_layers = [1]\n\n[hosts.a]\n",
+              "d.toml")
+    assert load_inventory(p).hosts["a"].server.capture_convention == "dflash"

@@ -534,3 +534,66 @@ def test_multi_node_head_waits_for_followers(sglang_tree, start, tmp_path):
         follower.get("/health", timeout=2)  # followers serve no HTTP, as in SGLang
     follower.proc.kill()  # a node dies: the head's process group is broken
     assert head.wait_exit() == 1 and "node rank 1 left" in head.text()
+
+
+def test_capture_conventions_capture_the_architectures_own_layers(sglang_tree, start, tmp_path):
+    """DFLASH on a Llama stand-in captures what LlamaForCausalLM.set_dflash_layers_to_capture captures (ids + 1: the
+    outputs of the layers named), bit for bit the states an EAGLE3 server given those capture indices dumps; DSPARK
+    falls back to the same method. Kimi-K3's DSPARK keeps its taps in dspark_layers_to_capture, which the shipped
+    hidden_dump does not read: the server runs, the dump is refused in its error log (why patchctl refuses it)."""
+    from patchctl.simserver.model import write_model_config
+
+    tree = make_mini_tree(sglang_tree, tmp_path / "tree")
+    apply_series(tree, SERIES / "hidden-dump")
+    k3 = write_model_config(tmp_path / "k3", layers=N, hidden=H, vocab=V, model_type="kimi_k3",
+                            architecture="KimiK3ForConditionalGeneration")
+    runs = {"dflash": (["--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], None),
+            "dspark": (["--speculative-algorithm", "DSPARK", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], None),
+            "eagle3": (["--return-aux-hidden-state-layer-ids", "2", "4", "6"], None),
+            "k3": (["--speculative-algorithm", "DSPARK", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], k3)}
+    dumps, servers = {}, {}
+    for name, (args, model) in runs.items():
+        dumps[name] = tmp_path / f"dumps-{name}"
+        dumps[name].mkdir()
+        kw = {"model": model} if model else {}
+        servers[name] = start(tree, args=args, env={"SGLANG_HIDDEN_DUMP_DIR": str(dumps[name]),
+                                                    "SGLANG_HIDDEN_DUMP_RID_PREFIX": "c-"}, **kw)
+    ids = [(5 * j + 2) % V for j in range(24)]
+    for name, s in servers.items():
+        s.wait_ready()
+        assert gen(s, ids, rid="c-0")[0] == 200
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.wait_exit() == 0
+    assert "Capturing aux hidden states (dflash convention): input of layers [2, 4, 6]" in servers["dflash"].text()
+    metas = {}
+    for name in ("dflash", "dspark", "eagle3"):
+        metas[name], t = read_dump(dumps[name] / "c-0.safetensors")
+        assert json.loads(metas[name]["layers_to_capture"]) == [2, 4, 6]
+        assert json.loads(metas[name]["layer_outputs"]) == [1, 3, 5]
+        metas[name]["aux"] = t["aux_hidden_states"]
+    assert torch.equal(metas["dflash"]["aux"], metas["eagle3"]["aux"]) and torch.equal(metas["dspark"]["aux"],
+                                                                                         metas["eagle3"]["aux"])
+    # the ids the server was given, as the module records them (SGLang's server_args, the flag's ids)
+    assert json.loads(metas["dflash"]["eagle_aux_hidden_state_layer_ids"]) == [1, 3, 5]
+    assert [p.name for p in dumps["k3"].iterdir()] == ["_hidden_dump_errors.log"]
+    assert "no_layers_to_capture" in (dumps["k3"] / "_hidden_dump_errors.log").read_text()
+    assert "dspark_layers_to_capture = [1, 3, 5]" in servers["k3"].text()
+
+
+@pytest.mark.parametrize("arch,args,words", [
+    ("KimiK3ForConditionalGeneration", [], ["does not implement set_eagle3_layers_to_capture",
+                                            "attention_backend_setup.py:54-60"]),
+    ("LlamaForCausalLM", ["--speculative-algorithm", "DFLASH"], ["requires --return-aux-hidden-state-layer-ids"]),
+    ("ArceeForCausalLM", ["--speculative-algorithm", "DSPARK", "--return-aux-hidden-state-layer-ids", "1"],
+     ["implements neither set_dspark_layers_to_capture nor set_dflash_layers_to_capture"]),
+    ("LlamaForCausalLM", ["--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "1", str(N - 1)],
+     ["captured 1 aux hidden states", "names 2 layers"]),  # Llama captures layer inputs: no input after the last
+    ("LlamaForCausalLM", ["--speculative-algorithm", "NGRAM"], ["EAGLE3, DFLASH or DSPARK"]),
+])
+def test_capture_refused_at_start_as_sglang_refuses_it(sglang_tree, start, tmp_path, arch, args, words):
+    from patchctl.simserver.model import write_model_config
+
+    model = write_model_config(tmp_path / "m", layers=N, hidden=H, vocab=V, architecture=arch, weights=False)
+    s = start(sglang_tree, model=model, args=args)
+    assert s.wait_exit() == 1
+    assert all(w in s.text() for w in words) and "aux hidden-state capture refused" in s.text(), s.text()

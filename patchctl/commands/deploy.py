@@ -170,8 +170,13 @@ class UnitDeploy:
 
     def apply_fields(self) -> dict:
         """What each node's apply request carries (the same whether the preflight's gate sends it)."""
-        return dict(series=self.run.series_req, restart=self.restart_server, keep_lock=self.restart_server,
-                    repo_commit=self.run.repo_commit, **self.chain_fields())
+        fields = dict(series=self.run.series_req, restart=self.restart_server, keep_lock=self.restart_server,
+                      repo_commit=self.run.repo_commit)
+        layers = self.layers(self.head.host)
+        if layers:  # the restart's layer ids: the host judges the capture convention on them before any change
+            fields["capture_layers"] = layers
+        fields.update(self.chain_fields())
+        return fields
 
     def _apply_one(self, s: HostSession, chain: dict):
         """(session, its answer, its error): one node's apply, and with `chain` its restart and smoke.

@@ -81,18 +81,50 @@ def run_trace(app, args) -> int:
     report = cached_check(tree, series, archs, version)
     for t in report["targets"]:
         app.debug(f"changed function: {t['qualname']} ({t['file']}:{t['lineno']})")
+    refused = capture_refusals(series, archs, getattr(args, "capture_convention", None))
+    report["capture_refusals"] = refused
+    if refused:  # reached, but the server could not capture at all: not ok
+        report["ok"] = False
+        report["detail"] += "; cannot capture on " + ", ".join(sorted(refused))
     details = bool(archs) or app.verbose
     print_report(app, report, f"trace {series.name} {series.version}", details)
     if details and (not app.json or app.verbose):
         for r in report["_results"]:
             if r.reached:
-                app.info(f"{r.arch}: {r.target}: {r.describe()}")
+                but = f" — but {r.arch} cannot capture: see below" if r.arch in refused else ""
+                app.info(f"{r.arch}: {r.target}: {r.describe()}{but}")
     if not app.json or app.verbose:
         log_plugin(app, report)
         log_findings(app, report, app.verbose)
+    for arch, why in sorted(refused.items()):
+        for w in why:
+            app.info(f"{arch}: cannot capture: {w}")
     s = report["summary"]
     app.info(f"{'ok' if report['ok'] else 'FAILED'}: {report['detail']}; "
              f"{s['reached']}/{s['checks']} reached, {s['warnings_unmitigated']} unmitigated warning(s) "
              f"({s['warnings_blocking']} blocking) in {report['elapsed_s']:.2f}s"
              + (" (read back from the trace cache)" if report.get("cached") else ""))
     return 0 if report["ok"] else 1
+
+
+def capture_refusals(series, archs, convention=None) -> dict[str, list[str]]:
+    """arch -> why a server capturing with the series' flags (its --speculative-algorithm, or `convention`) could
+    not capture on it at all (host/capture_config.py: no method of that convention, SGLang's validation, ...).
+    Only for architectures named: a sweep of every architecture reports reachability alone."""
+    from patchctl.host.capture_config import refusals
+    from patchctl.host.capture_rules import WHERE_SGLANG, with_convention
+
+    if not series.smoke.dump_dir_env:
+        return {}
+    argv = with_convention(series.smoke.server_args, convention)
+    ids = list(series.smoke.layers) if series.smoke.layers else None
+    if ids and series.smoke.layers_arg:
+        argv += [series.smoke.layers_arg] + [str(i) for i in ids]
+    out = {}
+    for arch in archs:
+        # the ids are the inventory's capture_layers, which a trace does not read: not judged here
+        why = [w for w in refusals(argv, arch) if ids or WHERE_SGLANG["ids_required"] not in w and
+               "explicit layer ids required" not in w]
+        if why:
+            out[arch] = why
+    return out

@@ -22,6 +22,7 @@ from patchctl.core.redact import MASK
 from patchctl.core.remote import AgentFailure
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, ask_hosts, describe_holder, holder_is_stale
+from patchctl.host.capture_rules import FLAG, METHOD, judge, method_where, with_convention
 from patchctl.host.drafter import accept_of
 
 
@@ -144,7 +145,8 @@ def server_cell(srv: dict) -> str:
     if srv.get("health"):
         parts.append(srv["health"])
     if srv.get("series"):
-        parts.append(f"capture {srv['series']}")
+        conv = srv.get("capture_convention")
+        parts.append(f"capture {srv['series']}" + (f" ({conv} convention)" if conv else ""))
     c = srv.get("container")
     if c:
         parts.append(container_words(c))
@@ -363,12 +365,39 @@ def render_plan(app: App, series: Series, data: list[dict], show_diff: bool):
     return Group(*out)
 
 
+def capture_summary(series: Series, host: Host, arch: str | None) -> dict | None:
+    """The capture convention this host's restart names, its ids and what SGLang's method of that convention
+    captures for them on the served architecture (capture_rules; None: it cannot say, the blockers say why)."""
+    if not series.smoke.layers_arg or "--enable-return-aux-hidden-states" not in series.smoke.server_args:
+        return None
+    conv = host.server.capture_convention
+    ids = host.server.capture_layers or (list(series.smoke.layers) if series.smoke.layers else None)
+    layers, why = judge(conv, arch, ids)
+    return {"convention": conv, "flag": FLAG[conv], "ids": ids, "layers_to_capture": layers,
+            "method": method_where(conv, arch) if arch else METHOD[conv], "refused": bool(why)}
+
+
+def capture_words(c: dict, arch: str | None) -> str:
+    """One line of plan/status: 'dflash (--speculative-algorithm DFLASH): ids [1, 3] -> layers_to_capture ...'."""
+    head = f"{c['convention']} (--speculative-algorithm {c['flag']})"
+    ids = f"ids {c['ids']}" if c.get("ids") else "SGLang's default ids"
+    if c.get("refused"):
+        return f"{head}: {ids}; REFUSED on {arch or 'this model'} (see blocked)"
+    if c.get("layers_to_capture") is not None:
+        outs = [i - 1 for i in c["layers_to_capture"]]
+        return (f"{head}: {ids} -> layers_to_capture {c['layers_to_capture']} (outputs of layers {outs}) by "
+                f"{arch}'s {c['method']}")
+    return f"{head}: {ids}" + (f", by {arch}'s {c['method']}" if arch else "")
+
+
 def _plan_rows(d: dict, m) -> list[tuple[str, str]]:
     """(label, value) rows of one host read in the plan: sglang, model, trace, files, restart and its command."""
     rows = [("sglang", f"{d['sglang_version']} at {d['root']}")]
     arch = d.get("model_arch")
     rows.append(("model", f"{arch} (architectures[0] of config.json under the server's --model-path)" if arch
                  else "unknown (no config.json under the server command's --model-path)"))
+    if d.get("capture"):
+        rows.append(("capture", capture_words(d["capture"], arch)))
     r = d.get("reachability")
     rows.append(("trace", ("ok — " if r["ok"] else "BLOCKED — ") + r["detail"] if r
                  else "not run (architecture unknown or no single pinned SGLang release)"))
@@ -461,7 +490,8 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
     files = [{"path": f.path, "action": f.action} for p in series.patches for f in p.files]
     srv = probe.get("server") or {}
     restart = "no" if same and not cc else (
-        f"yes: {host.server.manager} on port {host.server.port} with {' '.join(series.smoke.server_args)}"
+        f"yes: {host.server.manager} on port {host.server.port} with "
+        f"{' '.join(with_convention(series.smoke.server_args, host.server.capture_convention))}"
         + (", then smoke" if series.smoke.hook or series.smoke.prompts else "")
         + (f" — {config_change_words(cc)}" if cc else ""))
     if not (same and not cc) and not srv.get("running"):
@@ -470,6 +500,7 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
         restart += (f"; {container_words(srv['container'])} now: patchctl runs a container made from the operator's "
                     "(same image, settings and mounts, the patched tree mounted read-only), the operator's is parked")
     return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
+            "capture": capture_summary(series, host, probe.get("model_arch")),
             "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")), "config_change": cc,
             "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),
             "diff": {p.file: p.text for p in series.patches}}

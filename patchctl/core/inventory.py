@@ -69,7 +69,8 @@ class Host:
             "become_user": (self.become_user or "root") if self.become else None,
             "groups": list(self.groups),
             "server": dict(self.server.to_spec().to_wire(), public_env=list(self.server.public_env),
-                           capture_layers=self.server.capture_layers, hidden_size=self.server.hidden_size),
+                           capture_layers=self.server.capture_layers, hidden_size=self.server.hidden_size,
+                           capture_convention=self.server.capture_convention),
         }
 
 
@@ -150,7 +151,8 @@ _HOST_KEYS = (
 _DEFAULT_KEYS = tuple(k for k in _HOST_KEYS if k != "address")
 _SERVER_KEYS = (
     "manager", "command", "host", "port", "env", "public_env", "log", "start_timeout", "stop_timeout",
-    "unit", "container", "socket", "capture_layers", "layer_outputs", "hidden_size", "speculative", "image", "run",
+    "unit", "container", "socket", "capture_layers", "capture_convention", "layer_outputs", "hidden_size",
+    "speculative", "image", "run",
 )
 _SERVERS_KEYS = ("nodes",)
 

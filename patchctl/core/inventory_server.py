@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from patchctl.host.capture_rules import CONVENTIONS
 from patchctl.host.docker_run import check_run
 from patchctl.host.drafter import check_speculative
 from patchctl.host.protocol import ServerSpec
@@ -29,6 +30,9 @@ class ServerConfig:
     stop_timeout: float = 60.0
     unit: str | None = None
     capture_layers: list[int] | None = None
+    # the capture convention (SGLang's --speculative-algorithm with --enable-return-aux-hidden-states): which
+    # model method picks the captured layers, by that family's rule (host/capture_rules.py); eagle3 by default
+    capture_convention: str = "eagle3"
     layer_outputs: list[int] | None = None
     hidden_size: int | None = None
     # [server.speculative]: algorithm, num_steps, eagle_topk, num_draft_tokens, args (host/drafter.py fills defaults)
@@ -43,7 +47,8 @@ class ServerConfig:
         return ServerSpec(manager=self.manager, command=self.command, host=self.host, port=self.port, env=dict(self.env),
                           log=self.log, start_timeout=self.start_timeout, stop_timeout=self.stop_timeout,
                           unit=self.unit, layer_outputs=self.layer_outputs, speculative=self.speculative,
-                          container=self.container, socket=self.socket, image=self.image, run=self.run)
+                          container=self.container, socket=self.socket, image=self.image, run=self.run,
+                          capture_convention=None if self.capture_convention == "eagle3" else self.capture_convention)
 
 
 def read_server(L, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> ServerConfig:
@@ -63,6 +68,11 @@ def read_server(L, dserver: dict, hserver: dict, hp: tuple[str, ...]) -> ServerC
         _, p = pick("manager")
         L.fail(hp + ("unit",), "manager = \"systemd\" needs unit = \"<name>.service\"",
                line_of=hp if hserver else p)
+    if s.capture_convention != "eagle3" and not s.capture_layers:
+        v, p = pick("capture_convention")
+        L.fail(p, f"capture_convention = \"{s.capture_convention}\" needs capture_layers = [...]: SGLang 0.5.23 "
+               f"requires --return-aux-hidden-state-layer-ids with {s.capture_convention.upper()} "
+               "(sglang/srt/arg_groups/validation_hook.py:729-734)")
     _image_form(L, s, pick)
     if s.manager in ("docker", "podman") and not s.container:
         _, p = pick("manager")
@@ -175,6 +185,7 @@ _SERVER_FIELDS = (
     ("container", lambda L, v, p: _container_name(L, v, p)),
     ("socket", lambda L, v, p: L.want_str(v, p, nonempty=True)),
     ("capture_layers", _layer_ids),
+    ("capture_convention", lambda L, v, p: L.want_choice(v, p, CONVENTIONS)),
     ("layer_outputs", _layer_ids),
     ("hidden_size", _positive),
     ("speculative", _speculative),

@@ -1,52 +1,73 @@
-"""SGLang 0.5.23's EAGLE-3 layer-id conventions per target architecture: which layers `set_eagle3_layers_to_capture`
-captures for explicit ids, and the ids that capture given layers.
+"""SGLang 0.5.23's layer-id conventions per target architecture and capture convention: which layers
+`set_eagle3_layers_to_capture`, `set_dflash_layers_to_capture` and `set_dspark_layers_to_capture` capture for
+explicit ids, and the ids that capture given layers.
 
-The same flag means different layers per architecture (`sglang/srt/models/`): Llama and its kin add 1 to
-each id, DeepseekV2 and its kin keep them as given (unless the first is 1), GptOss keeps them when the
-largest is num_hidden_layers. `capture collect` writes a draft config's ids by these rules
-(commands/capture/draftconfig.py) and `drafter check` judges a trained draft's ids by them (core/drafter.py).
+The tables themselves live in `patchctl/host/capture_rules.py` (the host's refusals and smoke judge with them,
+and the host package imports only the standard library); they are derived from every EntryClass's own method
+(tests/layer_rules_derive.py runs each on stand-in objects, tests/test_layer_rules.py checks the tables and every
+citation against the tree). This module is the controller's view of them.
+
+The same flag means different layers per architecture (`sglang/srt/models/`): for EAGLE-3, Llama and its kin add
+1 to each id, DeepseekV2 and its kin keep them as given (unless the first is 1), GptOss keeps them when the
+largest is num_hidden_layers; for DFLASH/DSPARK almost every architecture captures the outputs of the layers the
+ids name (Llama adds 1 to get its capture indices, Kimi-K3 keeps the ids as layer outputs), Muse Glimmer captures
+one layer earlier. Every list is in SGLang's `layers_to_capture` convention (the state entering layer i).
+`capture collect` writes a draft config's ids by these rules (commands/capture/draftconfig.py) and `drafter
+check` judges a trained draft's ids by them (core/drafter.py).
 """
 
 from __future__ import annotations
 
-# architectures[0] of the target's config.json -> its set_eagle3_layers_to_capture rule (SGLang 0.5.23;
-# found by resolving every EntryClass of sglang/srt/models/ to the method it inherits or delegates to)
-_PLUS_ONE = """ApertusForCausalLM BailingMoEForCausalLM BailingMoeForCausalLM BailingMoeV2ForCausalLM
-Cosmos3ForConditionalGeneration ExaoneMoEForCausalLM ExaoneMoeForCausalLM Gemma3ForCausalLM
-Gemma3ForConditionalGeneration Gemma4ForCausalLM Gemma4ForConditionalGeneration Gemma4UnifiedForConditionalGeneration
-Glm4MoeForCausalLM Glm5NextForConditionalGeneration InternLM3ForCausalLM InternS1ProForConditionalGeneration
-IQuestCoderForCausalLM LlamaForCausalLM Llama4ForCausalLM Llama4ForConditionalGeneration LongcatFlashForCausalLM
-MellumForCausalLM MiniMaxM2ForCausalLM MiniMaxM3SparseForCausalLM MiniMaxM3SparseForConditionalGeneration
-Ministral3ForCausalLM MistralForCausalLM Phi3ForCausalLM Qwen2ForCausalLM Qwen2MoeForCausalLM
-Qwen2_5_VLForConditionalGeneration Qwen3ForCausalLM Qwen3MoeForCausalLM Qwen3NextForCausalLM
-Qwen3VLForConditionalGeneration Qwen3VLMoeForConditionalGeneration Qwen3_5ForConditionalGeneration
-Qwen3_5MoeForConditionalGeneration SarvamMoEForCausalLM TeleFLMForCausalLM""".split()
-_DEEPSEEK = """DeepseekV2ForCausalLM DeepseekV3ForCausalLM DeepseekV32ForCausalLM KimiK25ForConditionalGeneration
-Glm4MoeLiteForCausalLM GlmMoeDsaForCausalLM MistralLarge3ForCausalLM""".split()
-RULES = {**{a: "plus_one" for a in _PLUS_ONE}, **{a: "deepseek" for a in _DEEPSEEK}, "GptOssForCausalLM": "gpt_oss"}
-WHERE = {"plus_one": "sglang/srt/models/llama.py:929-941 (and its kin): layers_to_capture = [id + 1 for id in ids]",
-         "deepseek": "sglang/srt/models/deepseek_v2.py:3458-3473: ids kept as given unless the first is 1",
-         "gpt_oss": "sglang/srt/models/gpt_oss.py:1337-1352: as given when max(ids) == num_hidden_layers, else + 1"}
+from patchctl.host import capture_rules
+from patchctl.host.capture_rules import (ARCH_FILES, ARCH_RULE, CONVENTIONS, DSPARK_OWN, FLAG, METHOD,
+                                         convention_of, dump_refusal, judge, rule_for, with_convention)
+
+__all__ = ["ARCH_FILES", "ARCH_RULE", "BLOCK_RULES", "BLOCK_WHERE", "CONVENTIONS", "DSPARK_OWN", "FLAG", "METHOD",
+           "RULES", "WHERE", "block_ids_for", "captured", "convention_of", "dump_refusal", "ids_for", "judge",
+           "rule_for", "sglang_layers", "with_convention"]
+
+# EAGLE-3: architectures[0] of the target's config.json -> its set_eagle3_layers_to_capture rule, for every
+# EntryClass whose rule is known (MindSpore's delegates outside SGLang's tree: not here)
+_EAGLE = capture_rules.RULES["eagle3"]
+RULES = {a: r for a, r in ARCH_RULE["eagle3"].items() if not _EAGLE[r].outside}
+WHERE = {name: "sglang/srt/" + r.where for name, r in _EAGLE.items()}
+# the rules whose explicit ids map as plus_one's do (they differ in their default or what they refuse)
+_KIN = {"plus_one_marks": "plus_one", "plus_one_all": "plus_one"}
+
+# DFLASH / DSPARK: architecture -> rule (capture_rules.RULES["dflash"] names them), WHERE per rule
+BLOCK_RULES = {c: dict(ARCH_RULE[c]) for c in ("dflash", "dspark")}
+BLOCK_WHERE = {name: "sglang/srt/" + r.where for name, r in capture_rules.RULES["dflash"].items()}
 
 
 def sglang_layers(rule: str, ids: list[int], num_layers: int | None = None) -> list[int]:
     """What SGLang 0.5.23's set_eagle3_layers_to_capture(ids) makes of explicit ids under `rule`."""
-    ids = list(ids)
-    if rule == "plus_one":
-        return [i + 1 for i in ids]
-    if rule == "deepseek":
-        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
-    if rule == "gpt_oss":
-        return ids if ids and max(ids) == num_layers else [i + 1 for i in ids]
-    raise ValueError(f"unknown rule {rule!r}")
+    if rule not in _EAGLE or _EAGLE[rule].outside:
+        raise ValueError(f"unknown rule {rule!r}")
+    return list(_EAGLE[rule].value(list(ids), num_layers))
 
 
 def ids_for(rule: str, layers: list[int], num_layers: int | None = None) -> list[int] | None:
     """The ids that `rule` maps to exactly `layers` (the architecture's own convention first), or None
     when no explicit ids can give them (DeepseekV2 cannot be made to capture layer 1)."""
     minus = [i - 1 for i in layers]
-    order = {"plus_one": [minus], "deepseek": [list(layers), minus], "gpt_oss": [minus, list(layers)]}[rule]
+    base = _KIN.get(rule, rule)
+    order = {"plus_one": [minus], "deepseek": [list(layers), minus], "gpt_oss": [minus, list(layers)]}[base]
     for ids in order:
         if min(ids, default=0) >= 0 and sglang_layers(rule, ids, num_layers) == list(layers):
             return ids
     return None
+
+
+def captured(convention: str, arch: str, ids: list[int] | None, num_layers: int | None = None) -> list[int] | None:
+    """The layers (`layers_to_capture` indices) SGLang captures for `ids` on `arch` under `convention`, or None
+    where it cannot say or SGLang would refuse (judge says why)."""
+    return judge(convention, arch, ids, num_layers)[0]
+
+
+def block_ids_for(convention: str, arch: str, layers: list[int], num_layers: int | None = None) -> list[int] | None:
+    """The DFLASH/DSPARK ids that make `arch` capture exactly `layers`, or None."""
+    rule = rule_for(convention, arch)
+    if rule is None or rule.outside or rule.broken:
+        return None
+    ids = [i - rule.shift for i in layers]
+    return ids if min(ids, default=0) >= 0 and captured(convention, arch, ids, num_layers) == list(layers) else None

@@ -43,6 +43,7 @@ import time
 
 from . import accept, artifact, capture, convert, draftstore, drafter_ops, plugin_site, regenerate, served, tokenizer
 from .capture_config import refusals
+from .capture_rules import convention_of
 from .deploy_ops import DeployOps, _originals
 from .dispatch import HANDLERS, handles
 from .drafter import read_record, refusal_with_capture, summary as drafter_summary
@@ -52,7 +53,7 @@ from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure
                        check_request)
 from .pull import pull_raw
 from .server import build_server_config, config_change, http_request, manager_for, server_values
-from .smoke import model_arch_of
+from .smoke import model_arch_of, model_config_of
 from .state import TreeState
 from .docker import Containers, derive_image, env_of, is_container_manager
 from .docker_run import made_spec
@@ -213,6 +214,8 @@ class Agent(DeployOps):
     def _server_status(self, mgr, cfg, probe_health=True):
         cur = mgr.current_config()
         out = {"running": bool(cur.get("running")), "series": cur.get("series"), "port": cfg["port"], "manager": cfg["manager"]}
+        if out["running"] and cur.get("series"):  # the capture convention the server runs with (its own command line)
+            out["capture_convention"] = convention_of(cur.get("argv"))
         if is_container_manager(cfg["manager"]):  # which container serves under the name, from what image
             out["container"] = {"name": cfg.get("container"), "id": cur.get("container_id"), "image": cur.get("image_id"),
                                 "serving": "missing" if cur.get("missing") else "foreign" if cur.get("foreign") else
@@ -318,8 +321,10 @@ class Agent(DeployOps):
         serving = refusal_with_capture(profile, read_record(self.state_dir))
         if serving:
             return [serving]
-        cfg = self.server_cfg(profile)
-        return refusals(cfg["argv"], model_arch_of(cfg["argv"]))
+        cfg = self.server_cfg(profile, self.req.get("capture_layers") or profile.get("layers"))
+        conf = model_config_of(cfg["argv"]) or {}
+        layers = conf.get("num_hidden_layers")
+        return refusals(cfg["argv"], model_arch_of(cfg["argv"]), layers if isinstance(layers, int) else None)
 
     def plugin_refusals(self, series):
         """Why SGLang, restarted with this plugin series, would serve without the plugin (host/plugin_site.py):

@@ -193,6 +193,8 @@ class CaptureProbeAnswer(Result):
     hostname: str = None
     model_config: dict = None  # config.json's fields a draft config copies (smoke.DRAFT_FIELDS)
     special_tokens: dict = None  # the served tokenizer's bos/eos/pad ids (tokenizer.special_ids)
+    capture_convention: str = None  # eagle3 | dflash | dspark: the running server's --speculative-algorithm
+    SPARSE = ("capture_convention",)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from . import limits
 from .events import AgentError, ControllerGone
 from .osutil import expand
 from .server import http_once, http_request
-from .smoke import FORMAT_VERSION, check_dump, expected_layers, model_facts
+from .smoke import FORMAT_VERSION, capture_convention, check_dump, expected_layers, model_facts
 from .streamed import Streamed
 from .tokenizer import served as served_tokenizer, special_ids
 
@@ -141,7 +141,9 @@ def probe(manifest, cfg, req):
         return out
     facts = model_facts(cfg)
     layers = cfg.get("capture_layers") or req.get("capture_layers") or (cfg.get("profile") or {}).get("layers")
-    expect = expected_layers(layers, (req.get("server") or {}).get("layer_outputs"), facts.get("num_hidden_layers"))
+    convention, arch = capture_convention(cfg, facts)
+    expect = expected_layers(layers, (req.get("server") or {}).get("layer_outputs"), facts.get("num_hidden_layers"),
+                             convention, arch)
     hidden = req.get("hidden_size") or (cfg.get("profile") or {}).get("hidden_size") or facts.get("hidden_size")
     k = len(list(expect.values())[0][0]) if expect else None
     if not hidden or not k:
@@ -156,7 +158,7 @@ def probe(manifest, cfg, req):
                bytes_per_token=bytes_per_token(k, int(hidden)), free_bytes=shutil.disk_usage(probe_dir).free,
                model_path=facts.get("model_path"), num_hidden_layers=facts.get("num_hidden_layers"),
                vocab_size=facts.get("vocab_size"), max_position_embeddings=facts.get("max_position_embeddings"),
-               architectures=facts.get("architectures"), format_version=FORMAT_VERSION,
+               architectures=facts.get("architectures"), format_version=FORMAT_VERSION, capture_convention=convention,
                config_context_len=facts.get("config_context_len"), config_context_from=facts.get("config_context_from"))
     out.update(server_limits(cfg))
     tok = served_tokenizer(cfg)  # `capture run` refuses a dataset prepared with another tokenizer

@@ -6,7 +6,13 @@
 Each rule names the flag or architecture and the SGLang 0.5.23 code that makes it so. A
 deploy that passed its smoke and then wrote nothing for real traffic is the worst outcome
 this tool can have, so these are refused up front rather than discovered after a restart.
+The capture convention (`--speculative-algorithm EAGLE3|DFLASH|DSPARK` beside
+`--enable-return-aux-hidden-states`) is judged by capture_rules: what SGLang's validation
+refuses, an architecture without that convention's method (Kimi-K3 with EAGLE3), the
+method's own checks on the ids, and where the hidden-dump module would mislabel the layers.
 """
+
+from .capture_rules import DRAFT_FLAG, WHERE_SGLANG, convention_of, dump_refusal, judge, layer_ids_of
 
 REFUSED_FLAGS = {
     "--enable-pdmux": (
@@ -40,9 +46,9 @@ def flag_values(argv, name):
     return out
 
 
-def refusals(argv, arch=None):
-    """Why the capture cannot work for a server started with `argv` serving `arch`: a list of
-    messages, empty when nothing is known to be wrong."""
+def refusals(argv, arch=None, num_layers=None):
+    """Why the capture cannot work for a server started with `argv` serving `arch` (of
+    `num_layers` layers, when known): a list of messages, empty when nothing is known to be wrong."""
     argv = [str(a) for a in argv or ()]
     out = []
     for flag, why in REFUSED_FLAGS.items():
@@ -57,7 +63,29 @@ def refusals(argv, arch=None):
                 continue
             if pp > 1:
                 out.append("%s %d: EAGLE-3 aux hidden-state capture needs pipeline parallel = 1 "
-                           "(SGLang captures on the last stage only); serve with %s 1" % (flag, pp, flag))
+                           "(SGLang captures on the last stage only: %s); serve with %s 1" % (
+                               flag, pp, WHERE_SGLANG["pp"], flag))
     if arch and arch in REFUSED_ARCHS:
         out.append("%s: %s" % (arch, REFUSED_ARCHS[arch]))
+    return out + convention_refusals(argv, arch, num_layers)
+
+
+def convention_refusals(argv, arch=None, num_layers=None):
+    """What SGLang 0.5.23 refuses at start, or the dump would get wrong, for the capture convention
+    and layer ids this command line names (none when it does not capture)."""
+    conv = convention_of(argv)
+    if conv is None:
+        return []
+    ids = layer_ids_of(argv)
+    if ids == "bad":
+        return ["--return-aux-hidden-state-layer-ids: not a list of integers"]
+    out = []
+    if flag_values(argv, DRAFT_FLAG):
+        out.append("%s: --enable-return-aux-hidden-states captures without a draft (%s)" % (
+            DRAFT_FLAG, WHERE_SGLANG["no_draft"]))
+    layers, why = judge(conv, arch, ids, num_layers)
+    out += why
+    dump = dump_refusal(conv, arch, ids, num_layers)
+    if dump:
+        out.append(dump)
     return out

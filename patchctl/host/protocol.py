@@ -292,7 +292,7 @@ EVENTS = {
     "server_ready": ("seconds",),
     "dump_dir_created": ("path", "user"),
     "smoke_passed": ("prompts", "tokens", "bytes", "seconds", "dump_dir", "layers", "hidden_size", "expected",
-                     "captured", "removed"),
+                     "captured", "removed", "capture_convention"),
     "sample_done": ("id", "path", "sha256", "bytes", "tokens", "turns", "seconds"),
     "sample_failed": ("id", "reason", "status"),
     "sample_returned": ("id", "reason"),

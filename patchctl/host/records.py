@@ -106,6 +106,9 @@ class ServerSpec(Record):
     socket: str = None  # docker|podman: the engine's API socket (None: its default)
     image: str = None  # docker|podman: the image patchctl makes the container from (host/docker_run.py)
     run: dict = None  # with image: the `docker run` options (docker_run.check_run's settings)
+    # the capture convention the restart names (capture_rules: "dflash" | "dspark"); None: the series' own (EAGLE3)
+    capture_convention: str = None
+    SPARSE = ("capture_convention",)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import threading
 import time
 
 from .atomic import write_atomic
+from .capture_rules import with_convention
 from .docker import DockerManager, is_container_manager, origin_argv
 from .docker_run import made_spec
 from .drafter import draft_dir, refusal_with_capture, speculative_args
@@ -78,7 +79,7 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
     series = None
     extra = []
     if profile:
-        extra = list(profile.get("server_args") or [])
+        extra = with_convention(profile.get("server_args") or [], srv.get("capture_convention"))
         if capture_layers:
             extra += [profile.get("layers_arg") or "--return-aux-hidden-state-layer-ids"] + [str(x) for x in capture_layers]
         for k, v in (profile.get("env") or {}).items():

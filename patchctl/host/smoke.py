@@ -18,6 +18,7 @@ import struct
 import time
 
 from . import dumpscan, limits
+from .capture_rules import convention_of, judge, method_where, rule_for
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail
 from .server import http_request
@@ -56,12 +57,15 @@ LAYER_NAMES = {
 }
 
 
-def expected_layers(given=None, outputs=None, num_layers=None):
+def expected_layers(given=None, outputs=None, num_layers=None, convention=None, arch=None):
     """What a dump's layers must be, each in the convention its source speaks:
     `given` (inventory/profile capture_layers) are the ids passed to SGLang's flag, which maps
     them per architecture (+1 on Llama, as given on DeepseekV2); `outputs` (layer_outputs) are
     the decoder layers whose outputs the drafter is trained on; without either, SGLang's default
-    capture indices [2, N//2, N-3] for the served model's N layers. {metadata key: (ids, source)}."""
+    capture indices [2, N//2, N-3] for the served model's N layers. Under the DFLASH or DSPARK
+    capture convention (`convention`, from the server's --speculative-algorithm) the dump must also
+    hold the layers that family's method of `arch` captures for the ids (capture_rules).
+    {metadata key: (ids, source)}."""
     exp = {}
     if given:
         exp["eagle_aux_hidden_state_layer_ids"] = (list(given), "capture_layers")
@@ -70,6 +74,12 @@ def expected_layers(given=None, outputs=None, num_layers=None):
     if not given and num_layers:
         n = int(num_layers)
         exp["layers_to_capture"] = ([2, n // 2, n - 3], "SGLang's default for N = %d layers (config.json)" % n)
+    if given and convention in ("dflash", "dspark") and arch:
+        layers, _ = judge(convention, arch, list(given), int(num_layers) if num_layers else None)
+        rule = rule_for(convention, arch)
+        if layers is not None and rule is not None:
+            exp["layers_to_capture"] = (layers, "%s of %s for ids %s (sglang/srt/%s)" % (
+                method_where(convention, arch).split(" ")[0], arch, list(given), rule.where))
     return exp
 
 
@@ -208,17 +218,35 @@ def model_facts(cfg):
     return facts
 
 
+def capture_convention(cfg, facts=None):
+    """(the capture convention the running server's command line names, the architecture it serves): what
+    expected_layers judges a dump by."""
+    argv = cfg.get("argv") or []
+    arch = model_arch_of(argv) or ((facts or {}).get("architectures") or [None])[0]
+    return convention_of(argv), arch
+
+
 def model_arch_of(argv):
     """architectures[0] of the config.json in the server command's --model-path, when it is a local dir."""
+    archs = (model_config_of(argv) or {}).get("architectures") or []
+    return archs[0] if archs and isinstance(archs, list) else None
+
+
+def model_config_of(argv):
+    """The config.json in the server command's --model-path (a multimodal wrapper's text_config, under the
+    wrapper's architectures, as SGLang's hf_text_config), when it is a local dir; else None."""
     for i, a in enumerate(argv[:-1]):
         if a in ("--model-path", "--model"):
             conf = os.path.join(expand(argv[i + 1]), "config.json")
             try:
                 with open(conf) as f:
-                    archs = json.load(f).get("architectures") or []
-                return archs[0] if archs else None
+                    c = json.load(f)
             except (OSError, ValueError):
                 return None
+            if not isinstance(c, dict):
+                return None
+            text = limits.text_config(c)
+            return dict(text, architectures=c.get("architectures"))
     return None
 
 
@@ -242,7 +270,7 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     dump_dir = expand(dump_dir)
     facts = model_facts(cfg)
     expect = expected_layers(host_layers or cfg.get("capture_layers") or profile.get("layers"),
-                             host_outputs, facts.get("num_hidden_layers"))
+                             host_outputs, facts.get("num_hidden_layers"), *capture_convention(cfg, facts))
     hidden = host_hidden or profile.get("hidden_size") or facts.get("hidden_size")
     vocab = int(facts.get("vocab_size") or 1000)
     prefix = smoke_prefix(env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "", run_id)
@@ -268,6 +296,7 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     removed = _remove(dump_dir, ours)
     result = {"prompts": n_prompts, "tokens": tokens, "bytes": nbytes, "seconds": round(time.time() - t0, 3),
               "layers": captured.get("layers_to_capture"), "hidden_size": hidden, "dump_dir": dump_dir,
+              "capture_convention": capture_convention(cfg)[0],
               "removed": len(removed), "captured": captured,
               "expected": dict((k, {"ids": ids, "from": src}) for k, (ids, src) in expect.items())}
     if problems:

@@ -43,7 +43,7 @@ from patchctl.simserver import knobs
 from patchctl.simserver.api import STAND_IN, App, Handler, tokenize
 from patchctl.simserver.engine import Engine, Work, derived_context_len
 from patchctl.simserver.hook import FORWARD_BATCH_INFO, MODEL_RUNNER, extract_batch_hook, extract_hook
-from patchctl.simserver.model import resolve_capture_ids
+from patchctl.simserver.model import CaptureRefused, resolve_capture
 from patchctl.simserver.multinode import DistInitError, follow_head, head_rendezvous
 from patchctl.simserver.tree import (HIDDEN_DUMP_MODULE, compile_check, find_sglang_root, import_hidden_dump,
                                      read_tree_version, stub_packages)
@@ -74,6 +74,12 @@ speculative decoding (EAGLE3 only, as SGLang 0.5.23 serves a SpecForge-trained d
   ignored everywhere), run the tree's hidden_dump hooks in speculative forwards, compute in bf16 (float32),
   speculate in PATCHCTL_SIM_LIGHT mode. SGLANG_SIMULATE_ACC_LEN fakes the acceptance as SGLang does.
   --enable-return-aux-hidden-states (capture) with a draft path is refused, as in SGLang.
+
+capture (--enable-return-aux-hidden-states --speculative-algorithm EAGLE3|DFLASH|DSPARK, the capture convention):
+  EAGLE3 ids are used as given; DFLASH/DSPARK capture the layers the served architecture's own method captures
+  (patchctl.host.capture_rules: Llama +1, Kimi-K3 keeps them as layer outputs in dspark_layers_to_capture); what
+  SGLang 0.5.23 refuses at start (DFLASH/DSPARK without --return-aux-hidden-state-layer-ids, a model without the
+  convention's method, e.g. Kimi-K3 with EAGLE3) exits 1 with SGLang's reason.
 """
 
 
@@ -154,7 +160,7 @@ def main(argv=None):
     spec_cfg = _spec(args, model_cfg, light)
     _compile(root)  # 1. compile what patches changed, as importing the tree would
     hd, hook, batch_hook = (None, None, None) if light else _hooks(root)  # 2./3. hidden_dump and its hooks
-    _check_capture(args, layers)
+    _check_capture(args, layers, model_cfg)
     engine = _engine(args, model_cfg, hook, hd, light, batch_hook, spec_cfg)
     app = App(args, root, version, model_cfg, engine, unknown)
     Handler.app = app
@@ -283,13 +289,16 @@ def _plugin_hooks(root: Path, hd, batch_hook):
     return module, hooks, hooks if "ForwardBatch.init_new" in hooks.hooked else None
 
 
-def _check_capture(args, layers: int) -> None:
-    capture = resolve_capture_ids(args, layers)
-    if capture is not None:
-        bad = [L for L in capture if L < 0 or L >= layers]
-        if bad:
-            _fatal(f"ValueError: aux hidden state layer ids {bad} out of range for {layers} layers")
-        logger.info("Capturing aux hidden states: input of layers %s (ids used as given)", capture)
+def _check_capture(args, layers: int, model_cfg: dict) -> None:
+    """The capture the flags ask for, refused as SGLang 0.5.23 refuses it at start (model.resolve_capture)."""
+    try:
+        cap = resolve_capture(args, layers, (model_cfg.get("architectures") or [None])[0])
+    except CaptureRefused as e:
+        _fatal(f"{e}\nStand-in start-up failed: aux hidden-state capture refused")
+    capture = cap.layers if cap else None
+    if cap is not None:
+        logger.info("Capturing aux hidden states (%s convention): input of layers %s (%s; the model's %s = %s)",
+                    cap.convention, capture, cap.how, cap.attr, cap.value)
     nan_layer = knobs.nan_layer()
     if nan_layer:
         if capture is None or int(nan_layer) not in capture:

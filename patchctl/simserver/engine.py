@@ -25,7 +25,7 @@ from pathlib import Path
 from patchctl.host import limits
 from patchctl.simserver import knobs
 from patchctl.simserver.ducks import NS, ForwardMode
-from patchctl.simserver.model import TinyModel, resolve_capture_ids
+from patchctl.simserver.model import TinyModel, resolve_capture
 
 logger = logging.getLogger("patchctl.simserver")
 
@@ -88,7 +88,8 @@ class Engine:
         self.vocab = int(model_cfg.get("vocab_size", 512))
         self.layers = int(model_cfg.get("num_hidden_layers", 8))
         self.hidden = int(model_cfg.get("hidden_size", 64))
-        self.capture_ids = resolve_capture_ids(args, self.layers)
+        self.capture = resolve_capture(args, self.layers, (model_cfg.get("architectures") or [None])[0])
+        self.capture_ids = self.capture.layers if self.capture else None
         # SGLang's ModelConfig context_len (--context-length, else config.json's) and the scheduler's bound
         self.context_len = getattr(args, "context_length", None) or derived_context_len(model_cfg)
         self.kv_tokens = knobs.kv_tokens()
@@ -104,13 +105,22 @@ class Engine:
             server_args=NS(**{**vars(args), "return_aux_hidden_state_layer_ids": args.return_aux_hidden_state_layer_ids}),
             model_config=NS(hidden_size=self.hidden, num_hidden_layers=self.layers, vocab_size=self.vocab,
                             hf_config=hf_config, hf_text_config=hf_config, model_path=args.model_path),
-            # Like SGLang's SpecAuxHiddenStateConfig: the ids as given, None for the model's default.
-            spec_aux_config=NS(eagle_use_aux_hidden_state=self.capture_ids is not None,
-                               eagle_aux_hidden_state_layer_ids=args.return_aux_hidden_state_layer_ids
-                               if self.capture_ids is not None else None),
-            # SGLang's set_eagle3_layers_to_capture sets this on the CausalLM's inner model.
-            model=NS(model=NS(layers_to_capture=list(self.capture_ids) if self.capture_ids else None)),
+            spec_aux_config=self._spec_aux_config(),
+            # SGLang's set_*_layers_to_capture sets this on the CausalLM's inner model (the attribute its method
+            # sets: layers_to_capture, or Kimi-K3's dspark_layers_to_capture, which hidden_dump does not read)
+            model=NS(model=NS(**({self.capture.attr: list(self.capture.value)} if self.capture else
+                                 {"layers_to_capture": None}))),
         )
+
+    def _spec_aux_config(self):
+        """Like SGLang's SpecAuxHiddenStateConfig after spec_aux_hidden_state.py:96-115: EAGLE3 keeps the ids as
+        given (None for the model's default), DFLASH/DSPARK their target layer ids."""
+        cap = self.capture
+        block = cap is not None and cap.convention != "eagle3"
+        return NS(eagle_use_aux_hidden_state=cap is not None and not block,
+                  eagle_aux_hidden_state_layer_ids=cap.ids if cap is not None and not block else None,
+                  dflash_use_aux_hidden_state=block, dflash_target_layer_ids=list(cap.ids) if block else None,
+                  is_dspark=block and cap.convention == "dspark")
 
     def load(self):
         if not self.light:

@@ -4,10 +4,15 @@ Model: embedding -> N layers `h = h + tanh(h @ W_i)` -> RMSNorm -> lm head (tied
 or, once a tokenizer is written beside it, a permutation of the embedding's rows onto the tokenizer's
 ordinary tokens: `weights.mapped_head`), float32 weights made from a fixed seed and read from the model directory
 (`weights.py`), greedy decoding (temperature is ignored). Tokens do not mix, so the next token depends on the last token only.
-Aux capture (`--enable-return-aux-hidden-states`): layer id L captures the
-INPUT of layer L (= output of layer L-1), ids used as given (DeepseekV2
-semantics; Llama would add 1); default `[2, N//2, N-3]`; the list is the model's
-`layers_to_capture` (`model_runner.model.model.layers_to_capture`, as in SGLang).
+Aux capture (`--enable-return-aux-hidden-states`), by the capture convention `--speculative-algorithm` names
+(`resolve_capture`): EAGLE3: layer id L captures the INPUT of layer L (= output of layer L-1), ids used as given
+(DeepseekV2 semantics whatever the architecture; Llama would add 1); default `[2, N//2, N-3]`. DFLASH / DSPARK:
+the layers the served architecture's own set_dflash/set_dspark_layers_to_capture captures for the ids, by
+patchctl.host.capture_rules (Llama: ids + 1, i.e. the outputs of the layers named), set on the attribute that
+method sets (`layers_to_capture`, or Kimi-K3's `dspark_layers_to_capture`, which the tree's hidden_dump does not
+read, as in SGLang). What SGLang refuses at start is refused (validation_hook; a model without the convention's
+method; the method's own checks; a layer the forward cannot capture, as logits_processor's first-forward check).
+The list is the model's attribute (`model_runner.model.model.<attr>`, as in SGLang).
 `logits_output.hidden_states` = concat of captured layers `[T, K*H]` bf16,
 `logits_output.last_hidden_states` = final post-norm `[T, H]` bf16.
 """
@@ -93,9 +98,58 @@ class TinyModel:
             return aux, last, logits.float()
 
 
-def resolve_capture_ids(args, layers):
+class CaptureRefused(Exception):
+    """What SGLang would raise at start for this capture (its message, as SGLang's)."""
+
+
+class Capture:
+    """The capture a server started with these flags makes: `ids` as given to the flag (None: the default),
+    `layers` the layer inputs the tiny model captures (SGLang's layers_to_capture convention), and the model
+    attribute SGLang's method sets (`attr` = `value`)."""
+
+    def __init__(self, convention, ids, layers, attr="layers_to_capture", value=None, how=""):
+        self.convention, self.ids, self.layers, self.attr, self.how = convention, ids, layers, attr, how
+        self.value = list(layers) if value is None else list(value)
+
+
+def resolve_capture(args, layers, arch=None):
+    """The Capture of `--enable-return-aux-hidden-states` (None without it); CaptureRefused with SGLang's reason
+    where SGLang 0.5.23 would not start (see the module doc)."""
+    from patchctl.host.capture_rules import judge, method_where, rule_for  # noqa: PLC0415
+
     if not args.enable_return_aux_hidden_states:
         return None
-    if args.return_aux_hidden_state_layer_ids:
-        return list(args.return_aux_hidden_state_layer_ids)
-    return [2, layers // 2, layers - 3]
+    conv = (args.speculative_algorithm or "").lower()
+    ids = list(args.return_aux_hidden_state_layer_ids) if args.return_aux_hidden_state_layer_ids is not None else None
+    if conv not in ("eagle3", "dflash", "dspark"):
+        raise CaptureRefused("ValueError: --enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, "
+                             f"DFLASH or DSPARK to name the capture convention, got {args.speculative_algorithm!r}.")
+    _, why = judge(conv, arch, ids, layers)
+    if why:
+        raise CaptureRefused("ValueError: " + why[0])
+    if conv == "eagle3":
+        got = ids if ids else [2, layers // 2, layers - 3]
+        cap = Capture(conv, ids, list(got), how="ids used as given (the stand-in's EAGLE3 convention)" if ids
+                      else "SGLang's default [2, N//2, N-3]")
+    else:
+        rule = rule_for(conv, arch)
+        if rule is None:  # an architecture SGLang 0.5.23 does not register: Llama's rule
+            rule = rule_for(conv, "LlamaForCausalLM")
+            arch_how = f"{arch!r} is no EntryClass of SGLang 0.5.23: LlamaForCausalLM's rule"
+        else:
+            arch_how = f"{arch}'s {method_where(conv, arch).split(' ')[0]}"
+        got = rule.captured(ids, layers)
+        cap = Capture(conv, ids, got, rule.attr, rule.value(ids, layers), how=f"{arch_how} ({rule.where})")
+    missing = [L for L in cap.layers if L >= layers]
+    if missing:  # the tiny model, as most of SGLang's, captures a layer's input: there is none after the last
+        raise CaptureRefused(f"ValueError: The model captured {len(cap.layers) - len(missing)} aux hidden states, but "
+                             f"--return-aux-hidden-state-layer-ids names {len(cap.layers)} layers. A layer this model "
+                             "cannot capture, usually its last layer, is the likely cause. (layers/logits_processor.py:"
+                             f"944-950; captures {cap.layers} of {layers} layers)")
+    return cap
+
+
+def resolve_capture_ids(args, layers, arch=None):
+    """The layer inputs the tiny model captures (resolve_capture's layers), None without capture."""
+    cap = resolve_capture(args, layers, arch)
+    return cap.layers if cap else None

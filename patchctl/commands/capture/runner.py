@@ -109,7 +109,7 @@ def _check(app: App, opts: CaptureOptions, name: str, ds, before: dict | None, l
         info["hosts"][l.host.name] = dict({k: l.info.get(k) for k in (
             "model_path", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings",
             "max_req_input_len", "context_length", "config_context_len", "architectures", "dump_dir", "layers", "bytes_per_token", "series", "version", "expect",
-            "model_config", "special_tokens")},
+            "model_config", "special_tokens", "capture_convention")},
             run_dir=f"{l.info['dump_dir']}/captures/{name}")
     info["tokenizer_check"] = tokenizer_check  # this invocation's (a resume may be checked otherwise)
     write_run_info(directory, info)
