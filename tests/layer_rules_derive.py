@@ -260,7 +260,7 @@ def pick_rule(rules: dict, matches: list[str], calls: list[str]) -> str | None:
 
 
 def tables(tree: Path) -> dict:
-    """{fam: {rule: [archs]}} as capture_rules._TABLE holds them (DSPARK: the archs with a method of their own)."""
+    """{fam: {rule: [archs]}} as capture_table.TABLE holds them (DSPARK: the archs with a method of their own)."""
     from patchctl.host.capture_rules import RULES
 
     g = generate(tree)

@@ -36,7 +36,7 @@ def test_the_tables_are_what_each_architectures_own_method_does(sglang_tree, der
     predictions agree with SGLang's own method on every case; none without one is."""
     want = tables(sglang_tree)
     for fam in cr.CONVENTIONS:
-        got = {rule: sorted(names.split()) for rule, names in cr._TABLE[fam].items()}
+        got = {rule: sorted(names.split()) for rule, names in cr.TABLE[fam].items()}
         assert got == {r: sorted(a) for r, a in want[fam].items()}, fam
         assert None not in want[fam], f"{fam}: an architecture no rule describes: {want[fam].get(None)}"
         for arch, matches in derived[fam].items():
