@@ -114,7 +114,8 @@ def test_piped_tables_never_break_words():
         for cell in re.split(r"[│┃]", l):
             c = cell.strip()
             if c.startswith("hidden-dum"):  # a series name, or a reference to a patch of hidden-dump
-                assert c in ("hidden-dump", "hidden-dump-dead-hook", "hidden-dump/0001-hidden-dump-module.patch",
+                assert c in ("hidden-dump", "hidden-dump-dead-hook", "hidden-dump-plugin",
+                             "hidden-dump/0001-hidden-dump-module.patch",
                              "hidden-dump/0003-forward-batch-prompt-lens.patch"), l
 
 
