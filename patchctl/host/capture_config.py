@@ -12,7 +12,8 @@ refuses, an architecture without that convention's method (Kimi-K3 with EAGLE3),
 method's own checks on the ids, and where the hidden-dump module would mislabel the layers.
 """
 
-from .capture_rules import DRAFT_FLAG, WHERE_SGLANG, convention_of, dump_refusal, judge, layer_ids_of
+from .capture_rules import (DRAFT_FLAG, WHERE_SGLANG, convention_of, dump_refusal, flag_values, judge,
+                            layer_ids_of)
 
 REFUSED_FLAGS = {
     "--enable-pdmux": (
@@ -31,19 +32,6 @@ REFUSED_ARCHS = {
 # EAGLE-3 aux capture runs on the last pipeline stage only and SGLang's capture mode
 # requires pipeline parallel = 1.
 PIPELINE_FLAGS = ("--pp-size", "--pipeline-parallel-size")
-
-
-def flag_values(argv, name):
-    """Every value given to `name` in argv (`--x v` or `--x=v`), in order; [] if absent.
-    A flag given without a value (a switch) yields ''."""
-    out = []
-    for i, a in enumerate(argv):
-        if a == name:
-            nxt = argv[i + 1] if i + 1 < len(argv) else ""
-            out.append("" if nxt.startswith("--") else nxt)
-        elif a.startswith(name + "="):
-            out.append(a[len(name) + 1:])
-    return out
 
 
 def refusals(argv, arch=None, num_layers=None):

@@ -224,7 +224,7 @@ def convention_of(argv):
     argv = [str(a) for a in argv or ()]
     if CAPTURE_FLAG not in argv and not any(a.startswith(CAPTURE_FLAG + "=") for a in argv):
         return None
-    vals = _values(argv, ALGORITHM_FLAG)
+    vals = flag_values(argv, ALGORITHM_FLAG)
     if not vals:
         return ""
     v = vals[-1]
@@ -254,7 +254,9 @@ def layer_ids_of(argv):
     return out
 
 
-def _values(argv, name):
+def flag_values(argv, name):
+    """Every value given to `name` in argv (`--x v` or `--x=v`), in order; [] if absent.
+    A flag given without a value (a switch) yields ''."""
     out = []
     for i, a in enumerate(argv):
         if a == name:
