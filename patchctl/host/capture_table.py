@@ -63,41 +63,26 @@ TABLE = {
             NemotronH_Nano_VL_V2 NemotronH_Omni_Reasoning_V3""",
         "qwen3_5_text": """Qwen3_5ForCausalLM Qwen3_5MoeForCausalLM""",
     },
-    "dspark": {
-        "outputs": """BailingMoeV3ForCausalLM""",
-        "beam": """BeamForCausalLM""",
-        "missing_inner": """Cosmos3ForConditionalGeneration Qwen3VLForConditionalGeneration""",
-        "plus_one": """DeepseekV2ForCausalLM DeepseekV32ForCausalLM DeepseekV3ForCausalLM DeepseekV3ForCausalLMNextN
-            Gemma4AssistantForCausalLM Gemma4ForCausalLM Gemma4ForConditionalGeneration
-            Gemma4UnifiedAssistantForCausalLM Gemma4UnifiedForConditionalGeneration Glm4MoeLiteForCausalLM
-            Glm4MoeLiteForCausalLMNextN Glm5NextForConditionalGeneration Glm5NextForConditionalGenerationNextN
-            GlmMoeDsaForCausalLM GlmMoeDsaForCausalLMNextN GptOssForCausalLM IQuestCoderForCausalLM
-            InternLM3ForCausalLM KimiK25ForConditionalGeneration LagunaForCausalLM Lfm2ForCausalLM
-            Lfm2MoeForCausalLM Lfm2VlForConditionalGeneration Llama4ForCausalLM LlamaForCausalLM
-            LlamaForCausalLMEagle LlamaForCausalLMEagle3 MiMoV2FlashForCausalLM MiMoV2ForCausalLM MiMoV2MTP
-            Ministral3ForCausalLM MistralForCausalLM MistralForCausalLMEagle MistralLarge3ForCausalLM
-            MistralLarge3ForCausalLMEagle NanbeigeForCausalLM Phi3ForCausalLM Qwen3ForCausalLM
-            TeleFLMForCausalLM""",
-        "dspark_outputs": """DeepseekV4ForCausalLM DeepseekV4ForCausalLMNextN KimiK3ForConditionalGeneration KimiK3LinearForCausalLM
-            KimiLinearForCausalLM""",
-        "inkling": """InklingForConditionalGeneration""",
-        "plus_one_marks": """InternS1ProForConditionalGeneration InternS2MobiusForConditionalGeneration
-            InternS2PreviewForConditionalGeneration MellumForCausalLM Qwen3MoeForCausalLM
-            Qwen3MoeForCausalLMMTP Qwen3NextForCausalLM Qwen3NextForCausalLMMTP
-            Qwen3VLMoeForConditionalGeneration Qwen3_5ForConditionalGeneration
-            Qwen3_5MoeForConditionalGeneration Qwen4ExpForConditionalGeneration""",
-        "as_given_marks": """Lfm2BidirectionalModel""",
-        "minimax_dspark": """MiniMaxM3SparseForConditionalGeneration""",
-        "as_given": """MuseGlimmerForCausalLM MuseGlimmerForConditionalGeneration""",
-        "muse_spark": """MuseSparkForConditionalGeneration""",
-        "plus_one_set": """NemotronHForCausalLM NemotronHForCausalLMMTP NemotronHPuzzleForCausalLM NemotronH_Nano_Omni_Reasoning_V3
-            NemotronH_Nano_VL_V2 NemotronH_Omni_Reasoning_V3""",
-        "qwen3_5_text": """Qwen3_5ForCausalLM Qwen3_5MoeForCausalLM""",
-    },
 }
-# the architectures with a set_dspark_layers_to_capture of their own (the others' DSPARK falls back to DFLASH's)
-DSPARK_OWN = frozenset("""BailingMoeV3ForCausalLM DeepseekV4ForCausalLM DeepseekV4ForCausalLMNextN KimiK3ForConditionalGeneration
-    KimiK3LinearForCausalLM KimiLinearForCausalLM MiniMaxM3SparseForConditionalGeneration""".split())
+# the architectures with a set_dspark_layers_to_capture of their own, and its rule; every other architecture's
+# DSPARK is its DFLASH (SGLang falls back to set_dflash_layers_to_capture)
+DSPARK_OWN_RULE = {"BailingMoeV3ForCausalLM": "outputs", "DeepseekV4ForCausalLM": "dspark_outputs",
+                   "DeepseekV4ForCausalLMNextN": "dspark_outputs", "KimiK3ForConditionalGeneration": "dspark_outputs",
+                   "KimiK3LinearForCausalLM": "dspark_outputs", "KimiLinearForCausalLM": "dspark_outputs",
+                   "MiniMaxM3SparseForConditionalGeneration": "minimax_dspark"}
+DSPARK_OWN = frozenset(DSPARK_OWN_RULE)
+
+
+def _dspark(dflash):
+    """DSPARK's table: DFLASH's, each architecture with a method of its own under that method's rule."""
+    pairs = [(a, rule) for rule, names in dflash.items() for a in names.split() if a not in DSPARK_OWN_RULE]
+    out = {}
+    for arch, rule in pairs + list(DSPARK_OWN_RULE.items()):
+        out.setdefault(rule, []).append(arch)
+    return dict((rule, " ".join(sorted(archs))) for rule, archs in out.items())
+
+
+TABLE["dspark"] = _dspark(TABLE["dflash"])
 # methods reached through MiniCPMV.__getattr__ (models/minicpmv.py:1770-1773) on the class config.json's version
 # picks at load: not judged here (neither refused nor predicted)
 DYNAMIC = frozenset("MiniCPMV MiniCPMV4_6ForConditionalGeneration MiniCPMV4_7ForConditionalGeneration".split())
