@@ -85,9 +85,11 @@ def generate(base: Path, n: int) -> dict:
     for name, done_n, ended in (("done", n, True), ("half", n // 2, False)):
         d = base / "state" / "patchctl" / "captures" / name
         d.mkdir(parents=True, exist_ok=True)
+        # run.json as runner._check writes it: the dataset entry is Dataset.info()'s (a validation ended), the
+        # hosts' entries hold only what these rows read (the probe's model facts are not used by them)
         info = {"name": name, "created": "2026-12-06T00:00:00+0000", "prefix": prefix + name,
                 "dataset": {"path": str(ds), "sha256": h.hexdigest(), "samples": n, "tokens": tokens,
-                            "bytes": ds.stat().st_size},
+                            "loss_mask": False},
                 "hosts": {x: {"run_dir": f"/dumps/captures/{name}", "dump_dir": "/dumps"} for x in HOSTS}}
         (d / "run.json").write_text(json.dumps(info, indent=2, sort_keys=True))
         t = 1.7e9
