@@ -73,9 +73,10 @@ def run_paths(collection: Path) -> dict[str, Path]:
 
 
 def run_config_text(hidden_states_path: str, target_model_path: str, draft_config: Path, output_dir: Path,
-                    max_length: int, notes: list[str], settings: dict | None = None) -> str:
+                    max_length: int, notes: list[str], settings: dict | None = None, strategy: str = "eagle3") -> str:
     """specforge-run.yaml in SpecForge 0.2.0's schema (strings JSON-quoted: valid YAML double-quoted scalars);
-    `settings` (settings_for): the epochs, learning rate and TTT steps for the data's size."""
+    `settings` (settings_for): the epochs, learning rate and TTT steps for the data's size; `strategy`: SpecForge's
+    training.strategy (eagle3, dflash, dspark: the collection's capture convention)."""
     q = json.dumps
     d = {**DEFAULTS, "ttt_length": 7, **(settings or {})}
     head = "".join(f"# {line}\n" for line in notes)
@@ -88,25 +89,31 @@ def run_config_text(hidden_states_path: str, target_model_path: str, draft_confi
             f"  max_length: {int(max_length)}   # longer samples are cut here (SpecForge's default 2048, or the longest collected)\n"
             f"  cache_dir: {q(str(output_dir / 'cache'))}   # SpecForge's vocab map cache (default ./cache)\n"
             "training:\n"
-            "  strategy: eagle3\n"
+            f"  strategy: {strategy}\n"
             f"  num_epochs: {d['num_epochs']}\n"
             f"  batch_size: {d['batch_size']}\n"
             f"  learning_rate: {d['learning_rate']}\n"
-            f"  ttt_length: {d['ttt_length']}\n"
+            + (f"  ttt_length: {d['ttt_length']}\n" if strategy == "eagle3" else "") +
             "  attention_backend: sdpa   # GPU: flex_attention (SpecForge's default) is faster\n"
             "  fsdp_sharding: NO_SHARD   # one process; several GPUs: deployment.trainer.nproc_per_node=N and SHARD_GRAD_OP\n"
             f"  log_interval: {d['log_interval']}\n"
             f"output_dir: {q(str(output_dir))}\n"
-            "run_id: eagle3\n")
+            f"run_id: {strategy}\n")
 
 
-def command_line(collection: Path, cpu: bool, settings: dict | None = None) -> str:
+def export_to(strategy: str) -> str:
+    """SpecForge 0.2.0's exporter for a strategy: its SGLang exporter takes EAGLE-3 checkpoints only
+    (export/to_sglang.py: "use --to hf for DFlash-family ... draft model directories")."""
+    return "sglang" if strategy == "eagle3" else "hf"
+
+
+def command_line(collection: Path, cpu: bool, settings: dict | None = None, strategy: str = "eagle3") -> str:
     """The one line a user types to train and export (SpecForge's own CLI), as collect's summary prints it;
     `settings` (settings_for, also in the run config) shown as overrides, so the line says what it trains with."""
     p = run_paths(collection)
     env = "".join(f"{k}={v} " for k, v in CPU_ENV.items()) if cpu else ""
     extra = "".join(" " + shlex.quote(o) for o in overrides_of(settings))
-    return (f"{env}specforge train --config {shlex.quote(str(p['run']))}{extra} && specforge export --to sglang "
+    return (f"{env}specforge train --config {shlex.quote(str(p['run']))}{extra} && specforge export --to {export_to(strategy)} "
             f"--checkpoint {shlex.quote(str(p['output']))} --draft-config {shlex.quote(str(p['draft_config']))} "
             f"--output-dir {shlex.quote(str(p['draft']))}")
 

@@ -233,11 +233,13 @@ class ConvertAnswer(Result):
     converted: int = None
     present: int = None
     failed: int = None
+    untrainable: int = None  # left out: the algorithm's SpecForge normalizer would refuse them (not failures)
     bytes: int = None
     tokens: int = None
     seconds: float = None
     out_dir: str = None
     workers: int = None
+    SPARSE = ("untrainable",)
 
 
 @dataclass

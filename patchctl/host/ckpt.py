@@ -1,8 +1,8 @@
 """One hidden-dump file -> one SpecForge `.ckpt`, at the disk's rate: every byte read once, written once.
 
-SpecForge reads its offline samples with `torch.load`; each is one `torch.save`d dict {"input_ids" [T],
-"loss_mask" [T], "hidden_state" [1, T, H], "aux_hidden_state" [1, T, K*H]} (commands/capture/specforge.py
-has the format). The path of one sample, used by the agent's `convert` op and the controller's
+SpecForge reads its offline samples with `torch.load`; each is one `torch.save`d dict, for EAGLE-3
+{"input_ids" [T], "loss_mask" [T], "hidden_state" [1, T, H], "aux_hidden_state" [1, T, K*H]}, for DFlash and
+DSpark the names their own layouts give (LAYOUTS; commands/capture/specforge.py has the formats). The path of one sample, used by the agent's `convert` op and the controller's
 `convert_file` alike (host/convert.py):
 
     read_dump   the dump read into this thread's buffer, kept between samples (no fresh pages to fault in
@@ -133,10 +133,35 @@ def _tensor(torch, buf, entry, want_dtype, name):
     return torch.frombuffer(buf[start:end], dtype=tdtype).reshape(shape)
 
 
-def sample_of(torch, buf, loss_mask, k=None):
-    """(SpecForge's sample dict, T, the dump's metadata) for a dump's bytes `buf` (views of them, no copy);
-    ValueError when it is not a hidden-dump file of the expected layout (or holds another number of
-    layers than `k`)."""
+# SpecForge 0.2.0's offline storage per training algorithm: each file one torch.save'd dict of input_ids [T] and
+# loss_mask [T] (int64) and these [1, T, W] bf16 tensors, named as the algorithm's own OfflineCaptureLayout names
+# them (specforge/algorithms/<name>/providers.py: aux_feature <- the captured layers, last_hidden_feature <- the
+# final post-norm hidden state; EAGLE-3's as scripts/prepare_hidden_states.py writes it). "aux": the dump's
+# aux_hidden_states [T, K*H]; "last": its hidden_states [T, H] (the logits processor's input: what SpecForge's
+# offline SGLang capture returns as last_hidden_states, offline_capture/sglang_backend/utils.py).
+LAYOUTS = {
+    "eagle3": (("hidden_state", "last"), ("aux_hidden_state", "aux")),
+    "dflash": (("hidden_states", "aux"),),
+    "dspark": (("hidden_states", "aux"), ("target_last_hidden_states", "last")),
+}
+ALGORITHMS = tuple(LAYOUTS)
+BLOCK = ("dflash", "dspark")  # their normalizers refuse a sample without two consecutive supervised tokens
+
+
+class Untrainable(ValueError):
+    """A sample SpecForge's normalizer for the algorithm would refuse (dflash_family_data.py
+    normalize_offline_sample: "require two consecutive supervised tokens"): never written."""
+
+
+def consecutive(mask):
+    """SpecForge's has_consecutive_supervised_tokens (data/loss_mask.py): two adjacent 1s."""
+    return any(a and b for a, b in zip(mask, mask[1:]))
+
+
+def sample_of(torch, buf, loss_mask, k=None, algorithm="eagle3"):
+    """(SpecForge's sample dict for `algorithm`, T, the dump's metadata) for a dump's bytes `buf` (views of them,
+    no copy); ValueError when it is not a hidden-dump file of the expected layout (or holds another number of
+    layers than `k`), Untrainable when the algorithm's normalizer would refuse it."""
     meta, t = layout(buf)
     for name in ("input_ids", "hidden_states", "aux_hidden_states"):
         if name not in t:
@@ -150,14 +175,19 @@ def sample_of(torch, buf, loss_mask, k=None):
             list(ids.shape), list(hidden.shape), list(aux.shape)))
     if k is not None and aux.shape[1] != k * hidden.shape[1]:
         raise ValueError("aux_hidden_states is %d wide, %d layers of %d expected" % (aux.shape[1], k, hidden.shape[1]))
+    if loss_mask is not None and len(loss_mask) != T:
+        raise ValueError("loss_mask has %d values for %d tokens" % (len(loss_mask), T))
+    if algorithm in BLOCK and not consecutive(list(loss_mask) if loss_mask is not None else [1] * T):
+        raise Untrainable("no two consecutive supervised tokens in its loss_mask (%d tokens): SpecForge's %s "
+                          "normalizer refuses it (algorithms/common/dflash_family_data.py)" % (T, algorithm))
     if loss_mask is None:
         mask = torch.ones(T, dtype=torch.int64)
-    elif len(loss_mask) != T:
-        raise ValueError("loss_mask has %d values for %d tokens" % (len(loss_mask), T))
     else:
         mask = torch.tensor(loss_mask, dtype=torch.int64)
-    sample = {"input_ids": ids, "loss_mask": mask, "hidden_state": hidden.unsqueeze(0),
-              "aux_hidden_state": aux.unsqueeze(0)}
+    source = {"aux": aux, "last": hidden}
+    sample = {"input_ids": ids, "loss_mask": mask}
+    for name, src in LAYOUTS[algorithm]:
+        sample[name] = source[src].unsqueeze(0)
     return sample, int(T), meta
 
 

@@ -44,6 +44,7 @@ from .smoke import check_layers
 
 LAYER_KEYS = ("layers_to_capture", "layer_outputs", "eagle_aux_hidden_state_layer_ids")
 SPECFORGE_K = 3  # SpecForge's LlamaForCausalLMEagle3 asserts hidden_states.size(-1) == target_hidden_size * 3
+UNTRAINABLE = "untrainable"  # a sample the algorithm's SpecForge normalizer refuses: left out, not a failure
 
 
 def target_rel(sid, fmt):
@@ -91,10 +92,10 @@ def _need_torch():
     return torch
 
 
-def convert_file(dump_path, out_tmp, loss_mask, k=None):
+def convert_file(dump_path, out_tmp, loss_mask, k=None, algorithm="eagle3"):
     """The controller's path: the ckpt of one (already verified) dump file written to `out_tmp`,
-    fsynced; (T, the dump's metadata, the ckpt's sha256, its bytes). The same code as the agent's
-    (host/ckpt.py)."""
+    fsynced, in `algorithm`'s layout (ckpt.LAYOUTS); (T, the dump's metadata, the ckpt's sha256, its bytes).
+    The same code as the agent's (host/ckpt.py)."""
     torch = _need_torch()
     fd = os.open(str(dump_path), os.O_RDONLY)
     try:
@@ -104,12 +105,12 @@ def convert_file(dump_path, out_tmp, loss_mask, k=None):
         os.close(fd)
     if len(view) != size:
         raise ValueError("%s shrank while it was read (%d of %d bytes)" % (dump_path, len(view), size))
-    sample, T, meta = ckpt.sample_of(torch, view, loss_mask, k)
+    sample, T, meta = ckpt.sample_of(torch, view, loss_mask, k, algorithm)
     sha, nbytes = ckpt.save(torch, sample, str(out_tmp))
     return T, meta, sha, nbytes
 
 
-def _convert_one(root, item, partial, expect, k, sync=True):
+def _convert_one(root, item, partial, expect, k, algorithm, sync=True):
     """In a worker process: one dump read (inside root), checked and converted to `partial`, fsynced unless
     `sync` is False (the op then fsyncs it on a thread of its own while this worker takes the next dump).
     {"ok": True, sha256, bytes, tokens, layers} or {"ok": False, status, reason}."""
@@ -132,7 +133,7 @@ def _convert_one(root, item, partial, expect, k, sync=True):
         os.close(fd)
     digest = ckpt.Digest(view)  # hashed on a thread of its own while the dump is converted
     try:
-        res = _convert_view(view, item, partial, expect, k, sync)
+        res = _convert_view(view, item, partial, expect, k, algorithm, sync)
     finally:
         got = digest.hexdigest()  # before anything returns: the buffer is the next dump's
     if got != item.get("sha256"):
@@ -144,10 +145,12 @@ def _convert_one(root, item, partial, expect, k, sync=True):
     return res
 
 
-def _convert_view(view, item, partial, expect, k, sync):
+def _convert_view(view, item, partial, expect, k, algorithm, sync):
     """A read dump's bytes checked and converted to `partial` (its sha256 is checked by the caller)."""
     try:
-        sample, T, meta = ckpt.sample_of(_need_torch(), view, item.get("loss_mask"), k)
+        sample, T, meta = ckpt.sample_of(_need_torch(), view, item.get("loss_mask"), k, algorithm)
+    except ckpt.Untrainable as e:
+        return {"ok": False, "status": UNTRAINABLE, "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - this sample's failure only
         return {"ok": False, "status": "bad dump", "reason": "cannot convert: %s" % e}
     problems = check_layers(meta, expect) if expect else []
@@ -179,6 +182,9 @@ class Converter(object):
         self.out = expand(req.get("out_dir") or "")
         self.expect = dict((key, (v["ids"], v["from"])) for key, v in (req.get("expect") or {}).items())
         self.k = req.get("layers")
+        self.algorithm = req.get("algorithm") or "eagle3"
+        if self.algorithm not in ckpt.ALGORITHMS:
+            raise AgentError("bad_input", "algorithm %r: expected one of %s" % (self.algorithm, ", ".join(ckpt.ALGORITHMS)))
         self.stdin = stdin
         self.workers = max(1, int(req.get("workers") or max(1, (os.cpu_count() or 2) - 1)))
         self.dir = SharedDir(self.out, self.run, self.host, state_dir)
@@ -229,7 +235,7 @@ class Converter(object):
                 if not os.path.isdir(d):
                     os.makedirs(d, 0o755, exist_ok=True)
                 partial = "%s.%s%s" % (dest, self.host, PARTIAL)
-                args = (self.root, item, partial, self.expect, self.k)
+                args = (self.root, item, partial, self.expect, self.k, self.algorithm)
                 if pool is None:
                     self._finish(item, rel, partial, _convert_one(*args))
                     self._pause()
@@ -295,7 +301,8 @@ class Converter(object):
 
     def _failed(self, item, status, reason):
         with self.lock:
-            self.counts["failed"] += 1
+            key = "untrainable" if status == UNTRAINABLE else "failed"
+            self.counts[key] = self.counts.get(key, 0) + 1
         event("sample_failed", id=item["id"], status=status, reason=reason)
 
 

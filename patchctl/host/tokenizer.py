@@ -84,10 +84,13 @@ def served(cfg, with_data=False):
 
 
 def special_ids(path):
-    """{"bos_token_id", "eos_token_id", "pad_token_id"} of the tokenizer files in `path`: each special token
-    tokenizer_config.json names (a string or {"content": ...}), looked up in tokenizer.json's added tokens,
-    then its vocabulary; a token not named or not found is left out. A draft model's config carries these
-    ids (SpecForge's draft embeds with padding_idx = pad_token_id), so they must be the served tokenizer's."""
+    """{"bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id", "unk_token_id", "tokenizer_size"} of the
+    tokenizer files in `path`: each special token tokenizer_config.json names (a string or {"content": ...}),
+    looked up in tokenizer.json's added tokens, then its vocabulary; a token not named or not found is left out.
+    tokenizer_size: the distinct ids of the vocabulary and the added tokens (`len(tokenizer)`). A draft model's
+    config carries these ids (SpecForge's draft embeds with padding_idx = pad_token_id; a DFlash/DSpark draft's
+    mask token is the tokenizer's, else an unused slot, else pad/eos/unk: training/model_utils.py
+    resolve_mask_token_id), so they must be the served tokenizer's."""
     import json
 
     path = expand(path or "")
@@ -101,7 +104,12 @@ def special_ids(path):
     ids = dict((t.get("content"), t.get("id")) for t in tok.get("added_tokens") or [] if isinstance(t, dict))
     vocab = (tok.get("model") or {}).get("vocab")
     out = {}
-    for key in ("bos", "eos", "pad"):
+    # BPE/WordPiece: {token: id}; Unigram: [[piece, score], ...] (ids are the positions)
+    seen = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab))) if isinstance(vocab, list) else set()
+    seen.update(i for i in ids.values() if isinstance(i, int))
+    if seen:
+        out = {"tokenizer_size": len(seen)}
+    for key in ("bos", "eos", "pad", "mask", "unk"):
         name = conf.get(key + "_token")
         if isinstance(name, dict):
             name = name.get("content")

@@ -26,16 +26,19 @@ import time
 from collections import deque
 from pathlib import Path
 
-from patchctl.commands.capture.collection import (ALL_ONES, INDEX, OK_STATES, PARTIAL, Item, expectation,
+from patchctl.commands.capture.collection import (ALL_ONES, INDEX, LEFT_OUT, OK_STATES, PARTIAL, Item, expectation,
                                                   finish_collection, loss_mask, not_collected, pending_by_host,
                                                   plan_items, prepare_to, print_summary, run_dataset, write_summary)
 from patchctl.commands.capture.journal import load_run, mb
 from patchctl.commands.capture.onhost import run_on_host
 from patchctl.commands.capture.pulling import partial_name, pull_batch
+from patchctl.commands.capture.specforge import algorithm_of
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
 from patchctl.core.options import CaptureOptions
 from patchctl.host import convert as hconvert
+from patchctl.host.ckpt import Untrainable
+from patchctl.host.convert import SPECFORGE_K, UNTRAINABLE
 from patchctl.host.protocol import Outcome
 from patchctl.host.smoke import check_layers
 from patchctl.core.session import Run, host_error
@@ -74,6 +77,7 @@ class Collector:
         self.streams = streams
         self.reporter = reporter
         self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
+        self.algorithm = algorithm_of(info) if fmt == "specforge" else None
         self.dataset = None
         self._index = open(out / INDEX, "ab")
         self._lock = threading.Lock()  # hosts are pulled in parallel threads
@@ -117,11 +121,13 @@ class Collector:
                     it.status, it.reason = "host error", f"{outcome}: {msg}"
             return outcome.exit_code, f"{outcome}: {msg}"
         done = sum(it.status in OK_STATES for it in items)
-        bad = len(items) - done
+        left = sum(it.status in LEFT_OUT for it in items)
+        bad = len(items) - done - left
         kept = f"; {mb(tally['kept'])} resumed from partial files" if tally["kept"] else ""
         return (1 if bad else 0), (f"{done} of {len(items)} files, {mb(tally['bytes'])} in {secs:.1f}s "
                                    f"({tally['bytes'] / secs / 1e6:.1f} MB/s, {n} stream{'s' if n > 1 else ''})"
-                                   + kept + (f"; {bad} not collected" if bad else ""))
+                                   + kept + (f"; {bad} not collected" if bad else "")
+                                   + (f"; {left} untrainable, left out" if left else ""))
 
     def _claim(self, queue: deque, most: int) -> list[Item]:
         """The next files for one stream: up to PULL_BATCH bytes of them (at least one), `most` at most (a host's
@@ -204,8 +210,12 @@ class Collector:
 
                 ckpt = dest.with_name(dest.name + PARTIAL)
                 mask, it.mask_source = self.loss_mask(it.id)
-                try:
-                    _T, _meta, digest, _n = convert(tmp, ckpt, mask)  # the ckpt's sha256, hashed as it was written
+                facts = (self.info.get("hosts") or {}).get(it.host) or {}
+                try:  # the ckpt's sha256, hashed as it was written
+                    _T, _meta, digest, _n = convert(tmp, ckpt, mask, self.algorithm, facts.get("layers") or SPECFORGE_K)
+                except Untrainable as e:  # left out, as SpecForge's own normalizer would
+                    it.status, it.reason = UNTRAINABLE, f"{it.host}:{it.rec['path']}: {e}"
+                    return
                 except Exception as e:  # noqa: BLE001 - a file that does not convert is this sample's failure only
                     it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: cannot convert: {e}"
                     if ckpt.exists():

@@ -22,6 +22,7 @@ from patchctl import __version__
 from patchctl.commands.capture import draftconfig
 from patchctl.commands.capture.dataset import open_run_dataset
 from patchctl.commands.capture.journal import SHOWN, RunState, dataset_index_dir, mb
+from patchctl.commands.capture.specforge import algorithm_of, conventions
 from patchctl.core import drafttrain
 from patchctl.core.console import App, table
 from patchctl.core.errors import BadInput
@@ -33,6 +34,7 @@ from patchctl.host.collection import PARTIAL  # our own temporary names: a crash
 INDEX, SUMMARY, DRAFT = "index.jsonl", "index.json", "draft-config.json"
 ALL_ONES = "all ones (no loss_mask in the dataset)"
 OK_STATES = ("collected", "present", "indexed", "converted")
+LEFT_OUT = ("untrainable",)  # not collected, by SpecForge's own rule for the algorithm: counted, not a failure
 
 
 # --- what to do with each done sample ------------------------------------------------------------
@@ -192,6 +194,8 @@ def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item],
          "loss_mask": "dataset" if ds.get("loss_mask") else ALL_ONES, "index": INDEX,
          "files": None if fmt == "in-place" else "files/<first 2 hex of sha256(id)>/<safe id>"
                   + (".ckpt" if fmt.startswith("specforge") else ".safetensors")}
+    if fmt.startswith("specforge"):
+        s["specforge_algorithm"] = algorithm_of(info)  # one: _format refused a run of several
     s.update(extra)
     _write_atomic(out / SUMMARY, (json.dumps(s, indent=2, sort_keys=True) + "\n").encode())
     return s
@@ -205,7 +209,11 @@ def write_draft_config(out: Path, name: str, info: dict, items: list[Item]) -> l
             seen = sets.setdefault(it.host, [])
             if it.layers not in seen:
                 seen.append(it.layers)
-    cfg, problems = draftconfig.draft_config(name, info.get("hosts") or {}, sets)
+    convs = sorted(set(conventions(info).values())) or ["eagle3"]
+    cfg, problems = draftconfig.draft_config(name, info.get("hosts") or {}, sets, convs[0])
+    if len(convs) > 1:
+        problems.append(f"the hosts captured under different conventions ({', '.join(convs)}): one draft config "
+                        "cannot serve them")
     _write_atomic(out / DRAFT, (json.dumps(cfg, indent=2) + "\n").encode())
     return problems, cfg
 
@@ -255,7 +263,7 @@ def pending_by_host(items: list[Item]) -> dict[str, list[Item]]:
 def not_collected(failures: list[dict], codes: list[int], emit) -> int:
     """Each sample of a selected host not collected made an event and an exit 1; the run's exit code."""
     for f in failures:
-        if f["status"] != "not selected":
+        if f["status"] != "not selected" and f["status"] not in LEFT_OUT:
             codes.append(1)
             emit(f)
     return worst(codes)

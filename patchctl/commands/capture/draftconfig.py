@@ -30,13 +30,16 @@ unknown keys as attributes, so `_patchctl` is tolerated (and export writes it in
 
 from __future__ import annotations
 
+from patchctl.commands.capture import blockdraft
 from patchctl.core.layerids import RULES, WHERE, ids_for, sglang_layers  # noqa: F401 - the rules live in core:
 # `drafter check` judges a trained draft's ids by them too
 
 
-def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, dict]) -> tuple[dict, list[str]]:
+def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, dict],
+                 convention: str = "eagle3") -> tuple[dict, list[str]]:
     """(draft-config.json's contents, problems). `host_facts`: run.json's hosts (model facts);
-    `layer_sets`: host -> the distinct layer metadata its collected files hold (one, when all is well)."""
+    `layer_sets`: host -> the distinct layer metadata its collected files hold (one, when all is well);
+    `convention`: the run's capture convention (dflash and dspark: capture/blockdraft.py)."""
     problems: list[str] = []
     distinct = {json_key(v) for sets in layer_sets.values() for v in sets}
     facts = [host_facts.get(h) or {} for h in sorted(layer_sets)] or list(host_facts.values())
@@ -49,6 +52,9 @@ def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, di
     n = first.get("num_hidden_layers")
     prov = {"target_hidden_size": "hidden_size of the target's config.json (run.json, read by the capture probe)",
             "vocab_size": "vocab_size of the target's config.json (run.json)"}
+    if convention in blockdraft.ARCH:
+        meta = _one_layer_set(layer_sets, distinct, problems)
+        return blockdraft.draft_config(run, convention, first, meta, problems, prov), problems
     ids, layers = _layer_ids(layer_sets, distinct, arch, n, problems, prov)
     cfg = {
         "_comment": ("EAGLE-3 draft-config fields fixed by capture run %r (patchctl capture collect): merge them into "
@@ -70,19 +76,26 @@ def draft_config(run: str, host_facts: dict[str, dict], layer_sets: dict[str, di
     return cfg, problems
 
 
-def _layer_ids(layer_sets: dict[str, dict], distinct: set, arch, n, problems: list[str], prov: dict):
-    """(eagle_aux_hidden_state_layer_ids, layers_to_capture) from the collected files' layer metadata, each None
-    where it cannot be known (why added to `problems`; where a value came from to `prov`)."""
+def _one_layer_set(layer_sets: dict[str, dict], distinct: set, problems: list[str]) -> dict | None:
+    """The collected files' one layer metadata, or None (why added to `problems`)."""
     if len(distinct) > 1:
         problems.append("the collected files hold different capture layers per host ("
                         + "; ".join(f"{h}: {' and '.join(str(v.get('layers_to_capture')) for v in sets)}"
                                     for h, sets in sorted(layer_sets.items()))
                         + "): one draft config cannot serve them")
-        return None, None
+        return None
     if not layer_sets:
         problems.append("no collected file: the capture layers are unknown")
+        return None
+    return next(iter(layer_sets.values()))[0]
+
+
+def _layer_ids(layer_sets: dict[str, dict], distinct: set, arch, n, problems: list[str], prov: dict):
+    """(eagle_aux_hidden_state_layer_ids, layers_to_capture) from the collected files' layer metadata, each None
+    where it cannot be known (why added to `problems`; where a value came from to `prov`)."""
+    meta = _one_layer_set(layer_sets, distinct, problems)
+    if meta is None:
         return None, None
-    meta = next(iter(layer_sets.values()))[0]
     layers = meta.get("layers_to_capture")
     given = meta.get("eagle_aux_hidden_state_layer_ids")
     rule = RULES.get(arch)
@@ -124,6 +137,8 @@ LLAMA_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000
 def draft_model_config(fields: dict, facts: dict) -> tuple[dict, list[str]]:
     """(draft-model-config.json, problems): `fields` is draft_config()'s result, `facts` one host's run.json
     facts (model_config and special_tokens from the capture probe; absent for runs captured before them)."""
+    if fields.get("dflash_config") is not None:
+        return blockdraft.draft_model_config(fields, facts)
     p = dict(fields.get("_patchctl") or {})
     problems = list(p.get("problems") or [])
     mc = facts.get("model_config") or {}

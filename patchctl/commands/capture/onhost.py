@@ -13,10 +13,11 @@ import threading
 import time
 from pathlib import Path
 
-from patchctl.commands.capture.collection import (ALL_ONES, INDEX, OK_STATES, Item, finish_collection, loss_mask,
+from patchctl.commands.capture.collection import (ALL_ONES, INDEX, LEFT_OUT, OK_STATES, Item, finish_collection, loss_mask,
                                                   not_collected, pending_by_host, plan_items, prepare_to,
                                                   print_summary, run_dataset, write_summary)
 from patchctl.commands.capture.journal import RunState, mb, run_dir
+from patchctl.commands.capture.specforge import algorithm_of
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput
 from patchctl.core.options import CaptureOptions
@@ -99,6 +100,7 @@ class OnHost:
         s = self.run.session(host)
         req = s.request("convert", run=self.name, out_dir=self.host_dir, host=host.name, ids=self.ids,
                         expect=facts.get("expect") or {}, layers=facts.get("layers") or hconvert.SPECFORGE_K,
+                        algorithm=algorithm_of(self.info),
                         workers=self.workers,
                         # tests: the host pauses after each sample (a conversion that can be interrupted half way)
                         pause_s=float(os.environ.get("PATCHCTL_CONVERT_PAUSE_S") or 0) or None)
@@ -116,8 +118,10 @@ class OnHost:
         left = [it for it in items if it.status == "pending"]
         for it in left:
             it.status, it.reason = "no answer", f"{host.name} ended without an answer for it"
-        bad = sum(it.status not in OK_STATES for it in items)
-        msg = (f"{res.get('converted', 0)} converted, {res.get('present', 0)} already there, {res.get('failed', 0)} failed; "
+        bad = sum(it.status not in OK_STATES + LEFT_OUT for it in items)
+        left_out = f", {res['untrainable']} untrainable (left out)" if res.get("untrainable") else ""
+        msg = (f"{res.get('converted', 0)} converted, {res.get('present', 0)} already there, {res.get('failed', 0)} failed"
+               f"{left_out}; "
                f"{mb(res.get('bytes') or 0)} in {res.get('seconds')}s with {res.get('workers')} workers")
         return (1 if bad else 0), msg, res
 

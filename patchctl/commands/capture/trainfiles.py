@@ -34,7 +34,11 @@ def write(out: Path, fields: dict, host_facts: dict, hosts: list[str], hidden_st
     """Write both files into `out` (the run config's epochs, learning rate and TTT steps fit `samples`,
     drafttrain.settings_for); {"draft_model_config", "run_config", "command", "target_here", "settings",
     "settings_why", "problems"} for the summary."""
+    strategy = (fields.get("_patchctl") or {}).get("capture_convention") or "eagle3"
     settings, why = drafttrain.settings_for(samples)
+    if strategy != "eagle3":  # TTT steps are EAGLE-3's; a block draft predicts a block in one pass
+        settings.pop("ttt_length", None)
+        why = why.replace(", 2 TTT steps", "").replace(", 7 TTT steps", "")
     host = hosts[0] if hosts else next(iter(host_facts), None)
     facts = host_facts.get(host) or {}
     cfg, problems = draftconfig.draft_model_config(fields, facts)
@@ -45,7 +49,7 @@ def write(out: Path, fields: dict, host_facts: dict, hosts: list[str], hidden_st
              "patchctl capture collect.",
              "Train and export (on a machine without CUDA prefix the first command with "
              f"{' '.join(f'{k}={v}' for k, v in drafttrain.CPU_ENV.items())}):",
-             "  " + drafttrain.command_line(out, cpu=False, settings=settings),
+             "  " + drafttrain.command_line(out, cpu=False, settings=settings, strategy=strategy),
              "Training settings: " + why + ".",
              "Any field can be overridden on the command line: specforge train --config THIS training.max_steps=100"]
     if not here:
@@ -54,11 +58,13 @@ def write(out: Path, fields: dict, host_facts: dict, hosts: list[str], hidden_st
                      "files, the weights holding embed_tokens and lm_head with their index file)")
     text = drafttrain.run_config_text(hidden_states_path, os.path.expanduser(model_path) if here else model_path,
                                       paths["draft_config"], paths["output"], max(drafttrain.DEFAULTS["max_length"],
-                                                                                   longest), notes, settings)
+                                                                                   longest), notes, settings,
+                                      strategy)
     write_atomic(paths["draft_config"], (json.dumps(cfg, indent=2) + "\n").encode())
     write_atomic(paths["run"], text.encode())
     return {"draft_model_config": str(paths["draft_config"]), "run_config": str(paths["run"]),
-            "command": drafttrain.command_line(out, cpu=_no_cuda_here(), settings=settings), "target_here": here,
+            "command": drafttrain.command_line(out, cpu=_no_cuda_here(), settings=settings, strategy=strategy),
+            "strategy": strategy, "target_here": here,
             "settings": settings, "settings_why": why,
             "target_model_path": model_path, "target_host": host, "problems": problems}
 
