@@ -135,7 +135,7 @@ class Trained:
 def train_and_export(collection: Path, overrides: list[str] = (), cpu: bool | None = None, env: dict | None = None,
                      log=None, timeout: float | None = None) -> Trained:
     """`specforge train --config COLLECTION/specforge-run.yaml [overrides]` then `specforge export --to sglang`
-    into COLLECTION-draft, in child processes of this Python (`-m specforge.cli`: the same program as the
+    (a DFlash/DSpark draft config: `--to hf`, export_to) into COLLECTION-draft, in child processes of this Python (`-m specforge.cli`: the same program as the
     `specforge` script); the exported eagle_config, hidden and vocab sizes checked against the draft config.
     `cpu` None: no CUDA in this Python's torch (asked in the child, torch is not imported here)."""
     p = run_paths(collection)
@@ -158,10 +158,12 @@ def train_and_export(collection: Path, overrides: list[str] = (), cpu: bool | No
     _run([sys.executable, "-m", "specforge.cli", "train", "--config", str(p["run"]), *overrides], child_env, log,
          timeout, losses, total=total)
     t1 = time.time()
-    _run([sys.executable, "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint", str(out),
+    draft_config = json.loads(p["draft_config"].read_text())
+    to = export_to("eagle3" if draft_config.get("dflash_config") is None else "dflash")
+    _run([sys.executable, "-m", "specforge.cli", "export", "--to", to, "--checkpoint", str(out),
           "--draft-config", str(p["draft_config"]), "--output-dir", str(p["draft"])], child_env, log, timeout, None)
     t2 = time.time()
-    exported = check_export(p["draft"], json.loads(p["draft_config"].read_text()))
+    exported = check_export(p["draft"], draft_config)
     return Trained(p["draft"], out, losses, round(t1 - t0, 1), round(t2 - t1, 1), exported)
 
 
@@ -225,15 +227,24 @@ def check_export(draft_dir: Path, draft_config: dict) -> dict:
     for k in ("architectures", "hidden_size", "vocab_size", "draft_vocab_size", "target_hidden_size"):
         if k in draft_config and got.get(k) != draft_config[k]:
             bad.append(f"{k} {got.get(k)!r}, the draft config has {draft_config[k]!r}")
-    want = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    have = (got.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if want is None or have != want:
-        bad.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {have!r}, the capture's are {want!r}")
+    block = draft_config.get("dflash_config") is not None  # a DFlash / DSpark draft: its own keys
+    keys = (("dflash_config", "target_layer_ids"), ("dflash_config", "mask_token_id"), ("block_size",)) if block \
+        else (("eagle_config", "eagle_aux_hidden_state_layer_ids"),)
+    for key in keys:
+        want, have = _at(draft_config, key), _at(got, key)
+        if want is None or have != want:
+            bad.append(f"{'.'.join(key)} {have!r}, the capture's are {want!r}")
     if not list(Path(draft_dir).glob("*.safetensors")):
         bad.append("no *.safetensors weights")
     if bad:
         raise TrainFailed(f"{path}: the exported draft does not match the capture: " + "; ".join(bad))
     return got
+
+
+def _at(d: dict, key: tuple):
+    for k in key:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
 
 
 def cannot_train(env: dict | None = None) -> str | None:
