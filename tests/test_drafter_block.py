@@ -1,0 +1,158 @@
+"""`drafter check` of DFlash and DSpark drafts (core/drafter_block.py): the draft's config.json and weights as
+SGLang 0.5.23 builds them, against the served model and against the capture it was trained on. Each refusal
+names its field; a clean draft passes; the CLI exits 2 on a problem (DESIGN.md's exit codes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from draft_util import block_config, write_block_draft_dir
+from patchctl.core import drafter
+
+REPO = Path(__file__).resolve().parent.parent
+H, V, LAYERS = 64, 512, 8
+IDS = [1, 3, 5]  # the draft's convention: outputs of layers 1, 3, 5 = Llama's capture indices [2, 4, 6]
+TCFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": H, "vocab_size": V, "num_hidden_layers": LAYERS}
+TARGET = {"source": "the served model's (gpu-a: /models/t/config.json)", **TCFG}
+
+
+def draft(tmp_path, name="draft", **kw):
+    kw.setdefault("layer_ids", IDS)
+    kw.setdefault("target_cfg", TCFG)
+    return write_block_draft_dir(tmp_path / name, **kw)
+
+
+def collection(d: Path, ids=IDS, layers=(2, 4, 6), algorithm="DFLASH", convention=None, mask=V - 1, block=4) -> Path:
+    """A collection's draft-config.json as `capture collect` writes it for a block drafter: SpecForge's draft
+    config keys (dflash_config.target_layer_ids in the draft's convention, block_size, mask_token_id) and the
+    capture's facts under _patchctl."""
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = block_config(TCFG, ids, block, mask, algorithm)
+    cfg["_patchctl"] = {"run": "run1", "layers_to_capture": list(layers), "target_architectures": TCFG["architectures"],
+                        "target_num_hidden_layers": LAYERS, "capture_convention": convention or algorithm.lower()}
+    (d / "draft-config.json").write_text(json.dumps(cfg))
+    (d / "index.json").write_text(json.dumps({"run": "run1", "dataset": {}}))
+    return d
+
+
+def fields(d, **kw):
+    return [(p.field, p.found) for p in drafter.check_draft(drafter.read_draft(d), **kw)]
+
+
+def test_clean_dflash_and_dspark_drafts_pass_alone_against_target_and_data(tmp_path):
+    for algo in ("DFLASH", "DSPARK"):
+        d = draft(tmp_path, algo, algorithm=algo)
+        data = drafter.read_data(collection(tmp_path / f"coll-{algo}", algorithm=algo))
+        assert data["capture_convention"] == algo.lower() and data["block_ids"] == IDS and data["block_size"] == 4
+        assert fields(d) == [] and fields(d, target=TARGET, data=data) == [], algo
+        s = drafter.summary(drafter.read_draft(d))
+        assert s["algorithm"] == algo and s["layer_ids"] == IDS and s["block_size"] == 4
+
+
+def test_target_layer_ids_other_than_the_captures_refused_naming_the_field(tmp_path):
+    d = draft(tmp_path, layer_ids=[1, 3, 6])
+    data = drafter.read_data(collection(tmp_path / "coll"))
+    probs = drafter.check_draft(drafter.read_draft(d), data=data)
+    assert [p.field for p in probs] == ["dflash_config.target_layer_ids"], probs
+    m = probs[0].message()
+    assert "[1, 3, 6]" in m and "[1, 3, 5]" in m and "captured at layers [2, 4, 6]" in m and "[2, 4, 7]" in m, m
+    # a collection that names only the ids (no layers_to_capture): compared as given
+    c = collection(tmp_path / "coll2", layers=())
+    assert fields(d, data=drafter.read_data(c)) == [("dflash_config.target_layer_ids", [1, 3, 6])]
+
+
+def test_missing_layer_ids_block_size_and_mask_token_refused(tmp_path):
+    d = draft(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["dflash_config"]["target_layer_ids"], cfg["block_size"], cfg["dflash_config"]["mask_token_id"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    probs = drafter.check_draft(drafter.read_draft(d))
+    got = {p.field: p.message() for p in probs}
+    assert "build_target_layer_ids" in got["dflash_config.target_layer_ids"]
+    assert "a block of 16" in got["block_size"]
+    assert "<|MASK|>" in got["dflash_config.mask_token_id"]
+
+
+def test_hidden_size_vocab_and_mask_token_against_target_and_data(tmp_path):
+    d = draft(tmp_path, name="wide", target_cfg={**TCFG, "hidden_size": 128})
+    assert ("hidden_size", 128) in fields(d, target=TARGET)
+    d = draft(tmp_path, name="vocab", target_cfg={**TCFG, "vocab_size": 1024})  # its mask token 1023: in its vocab
+    got = fields(d, target=TARGET)
+    assert ("vocab_size", 1024) in got and ("dflash_config.mask_token_id", 1023) in got, got
+    d = draft(tmp_path, name="mask", mask_token_id=V)
+    assert fields(d) == [("dflash_config.mask_token_id", V)]
+    d = draft(tmp_path, name="mask2", mask_token_id=7)
+    data = drafter.read_data(collection(tmp_path / "coll"))
+    assert fields(d, data=data) == [("dflash_config.mask_token_id", 7)]
+
+
+def test_algorithm_other_than_the_captures_refused(tmp_path):
+    d = draft(tmp_path, algorithm="DSPARK")
+    data = drafter.read_data(collection(tmp_path / "coll", algorithm="DFLASH"))
+    probs = drafter.check_draft(drafter.read_draft(d), data=data)
+    assert [p.field for p in probs] == ["architectures[0]"], probs
+    assert "DSparkDraftModel (--speculative-algorithm DSPARK)" in probs[0].message()
+    assert "capture convention dflash" in probs[0].message()
+
+
+def test_layer_ids_outside_the_target_and_a_dspark_draft_without_markov_head(tmp_path):
+    d = draft(tmp_path, layer_ids=[1, 3, 8])
+    probs = drafter.check_draft(drafter.read_draft(d), target=TARGET)
+    assert [p.field for p in probs] == ["dflash_config.target_layer_ids"] and "dflash_utils.py:578-585" in probs[0].why
+    d = draft(tmp_path, name="nomarkov", algorithm="DSPARK")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["markov_rank"] = 0
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert [f for f, _ in fields(d)] == ["dflash_config.markov_rank"]
+
+
+def test_weights_checked_as_sglangs_dflash_loader_takes_them(tmp_path):
+    import torch
+
+    d = draft(tmp_path, drop=("layers.0.self_attn.q_norm.weight",), extra_tensors={"lm_head.weight": torch.zeros(V, H)})
+    got = fields(d)
+    assert ("tensor layers.0.self_attn.q_norm.weight", None) in got and ("name", "lm_head.weight") in got, got
+    d = draft(tmp_path, name="fc", layer_ids=[1, 3])  # fc of 2 layers beside a config naming 3
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = IDS
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert fields(d) == [("shape", "[64, 128]")]
+
+
+def test_cli_exit_codes(tmp_path):
+    good, bad = draft(tmp_path), draft(tmp_path, name="bad", layer_ids=[1, 3, 6])
+    coll = collection(tmp_path / "coll")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def cli(d):
+        return subprocess.run([sys.executable, "-m", "patchctl", "--json", "drafter", "check", str(d), "--data", str(coll)],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+
+    p = cli(good)
+    assert p.returncode == 0, p.stdout + p.stderr
+    p = cli(bad)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert [x["field"] for x in json.loads(p.stdout)["problems"]] == ["dflash_config.target_layer_ids"]
+
+
+def test_the_test_drafts_layout_is_specforges(tmp_path):
+    """SpecForge 0.2.0's DFlashDraftModel, saved, has the names, shapes and config keys write_block_draft_dir writes."""
+    code = (
+        "import json,sys; from transformers import Qwen3Config; from specforge.modeling.draft.dflash import DFlashDraftModel\n"
+        "c=Qwen3Config(hidden_size=64,intermediate_size=256,num_hidden_layers=1,num_attention_heads=4,num_key_value_heads=2,"
+        "head_dim=16,vocab_size=512,max_position_embeddings=2048)\n"
+        "c.architectures=['DFlashDraftModel']; c.block_size=4; c.num_target_layers=8\n"
+        "c.dflash_config={'target_layer_ids':[1,3,5],'mask_token_id':511}\n"
+        "DFlashDraftModel(c).save_pretrained(sys.argv[1])\n")
+    out = tmp_path / "sf"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "specforge_shim"))
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, env=env, capture_output=True, timeout=300)
+    ours = draft(tmp_path)
+    a, b = drafter.read_draft(out), drafter.read_draft(ours)
+    assert {k: t.shape for k, t in a.tensors.items()} == {k: t.shape for k, t in b.tensors.items()}
+    assert set(a.config) - {"dtype"} <= set(b.config) and a.config["dflash_config"] == b.config["dflash_config"]
+    assert drafter.check_draft(a, target=TARGET) == []
