@@ -156,3 +156,59 @@ def test_the_test_drafts_layout_is_specforges(tmp_path):
     assert {k: t.shape for k, t in a.tensors.items()} == {k: t.shape for k, t in b.tensors.items()}
     assert set(a.config) - {"dtype"} <= set(b.config) and a.config["dflash_config"] == b.config["dflash_config"]
     assert drafter.check_draft(a, target=TARGET) == []
+
+
+# --- stage 2: the flags a DFLASH / DSPARK server is started with, refused before any restart ------------------
+
+def test_block_settings_flags_and_what_sglang_overrides():
+    from patchctl.host.drafter import check_speculative, speculative_args
+
+    s, probs = check_speculative({"algorithm": "DFLASH"})
+    assert probs == [] and s == {"algorithm": "DFLASH", "args": []}
+    assert speculative_args(s, "/d", {"block_size": 4}) == ["--speculative-algorithm", "DFLASH",
+                                                            "--speculative-draft-model-path", "/d",
+                                                            "--speculative-dflash-block-size", "4"]
+    s, probs = check_speculative({"algorithm": "DSPARK", "block_size": 7})
+    assert probs == [] and speculative_args(s, "/d", {"block_size": 4})[-2:] == ["--speculative-dspark-block-size", "7"]
+    _, probs = check_speculative({"algorithm": "DFLASH", "num_steps": 3, "num_draft_tokens": 4})
+    assert [k for k, _ in probs] == ["num_steps", "num_draft_tokens"] and "speculative_hook.py:368-387" in probs[1][1]
+    _, probs = check_speculative({"algorithm": "EAGLE3", "block_size": 4})
+    assert [k for k, _ in probs] == ["block_size"]
+    _, probs = check_speculative({"algorithm": "DFLASH", "args": ["--speculative-dflash-block-size", "8"]})
+    assert [k for k, _ in probs] == ["args"]
+
+
+def test_wrong_algorithm_and_block_size_refused_naming_the_flag():
+    from patchctl.host.drafter import DEFAULTS, check_speculative, launch_problems
+
+    dfl = check_speculative({"algorithm": "DFLASH"})[0]
+    assert launch_problems(dfl, [], "DFlashDraftModel", 4) == []
+    probs = launch_problems(dict(DEFAULTS, args=[]), [], "DFlashDraftModel", 4)  # the inventory's EAGLE3
+    assert [k for k, _ in probs] == ["--speculative-algorithm"] and 'algorithm = "DFLASH"' in probs[0][1]
+    probs = launch_problems(check_speculative({"algorithm": "DSPARK"})[0], [], "DFlashDraftModel", 4)
+    assert [k for k, _ in probs] == ["--speculative-algorithm"] and "Markov head" in probs[0][1]
+    probs = launch_problems(dfl, [], "LlamaForCausalLMEagle3")
+    assert [k for k, _ in probs] == ["--speculative-algorithm"] and 'algorithm = "EAGLE3"' in probs[0][1]
+    probs = launch_problems(check_speculative({"algorithm": "DFLASH", "block_size": 8})[0], [], "DFlashDraftModel", 4)
+    assert [k for k, _ in probs] == ["--speculative-dflash-block-size"], probs
+    assert "block_size 4" in probs[0][1] and "dflash_worker_v2.py:511-521" in probs[0][1]
+    probs = launch_problems(dict(dfl, args=["--speculative-draft-attention-backend", "trtllm_mha"]), [],
+                            "DFlashDraftModel", 4)
+    assert [k for k, _ in probs] == ["--speculative-draft-attention-backend"]
+
+
+def test_the_cited_sglang_lines_say_what_the_refusals_claim(sglang_tree):
+    srt = sglang_tree / "sglang/srt"
+    hook = (srt / "arg_groups/speculative_hook.py").read_text().splitlines()
+    assert "Both --speculative-num-draft-tokens and --speculative-dflash-block-size" in "\n".join(hook[367:387])
+    assert "speculative_num_draft_tokens must equal gamma + 1" in "\n".join(hook[821:838])
+    worker = (srt / "speculative/dflash_worker_v2.py").read_text().splitlines()
+    assert "DFLASH block size mismatch" in "\n".join(worker[510:521])
+    assert "mask_token_id is outside the target vocab size" in "\n".join(worker[1399:1408])
+    utils = (srt / "speculative/dflash_utils.py").read_text().splitlines()
+    assert "def build_target_layer_ids" in utils[347] and "out-of-range layer id" in "\n".join(utils[577:585])
+    cfg = (srt / "speculative/dspark_components/dspark_config.py").read_text().splitlines()
+    assert "DSpark gamma mismatch" in "\n".join(cfg[107:117])
+    aux = (srt / "model_executor/model_runner_components/spec_aux_hidden_state.py").read_text().splitlines()
+    assert "DSPARK requires markov_rank > 0" in "\n".join(aux[267:272])
+    assert "EntryClass" in (srt / "models/dflash.py").read_text().splitlines()[1316]
