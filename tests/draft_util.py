@@ -339,3 +339,51 @@ def write_block_draft_dir(path, *, target_model_dir=None, target_cfg=None, layer
     cfg = block_config(target_cfg, layer_ids, block_size, mask_token_id, algorithm, **overrides)
     tensors = {n: t for n, t in block_tensors(cfg, seed).items() if n not in drop}
     return save_draft(path, cfg, tensors, extra_tensors)
+
+
+def fit_good_block_draft(path, *, target_model_dir, layer_ids, block_size=4, iters=400, seed=0, algorithm="DFLASH",
+                         **overrides) -> Path:
+    """A DFlash (or DSpark) draft trained in plain torch (Adam, seconds of one core) through the stand-in's own block
+    forward (patchctl/simserver/draft_block.py) to propose the stand-in's greedy continuation of the block's anchor:
+    real target aux states of random prefixes as context, block position k labelled with the k-th greedy token
+    after the anchor (the stand-in's next token depends on the last token only). Saved as write_block_draft_dir."""
+    import torch
+
+    from patchctl.simserver.draft_block import BlockDraft
+    from patchctl.simserver.model import TinyModel
+
+    write_block_draft_dir(path, target_model_dir=target_model_dir, layer_ids=layer_ids, block_size=block_size,
+                          seed=seed, algorithm=algorithm, **overrides)
+    tcfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    L, H, V = tcfg["num_hidden_layers"], tcfg["hidden_size"], tcfg["vocab_size"]
+    window = block_size if algorithm == "DFLASH" else block_size + 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = TinyModel(L, H, V, None, model_dir=target_model_dir)
+        draft = BlockDraft(path, algorithm, tcfg, target.embed, target.lm_head)
+        _, _, lg = target.forward(torch.arange(V), torch.arange(V), capture_ids=draft.target_layers)
+        nxt = lg.argmax(-1)  # the stand-in's greedy next token of every token
+        g = torch.Generator().manual_seed(seed + 1)
+        opt = torch.optim.Adam([t.requires_grad_() for t in draft.w.values()], lr=1e-2)
+        B, T = 64, 6
+        for _ in range(iters):
+            ids = torch.randint(0, V, (B, T), generator=g)
+            aux, _, _ = target.forward(ids.reshape(-1), torch.arange(B * T), capture_ids=draft.target_layers)
+            ctx = draft.project(aux.float().view(B, T, -1)[:, :-1])
+            block = torch.full((B, window), draft.mask, dtype=torch.int64)
+            block[:, 0] = ids[:, -1]
+            labels, cur = [], ids[:, -1]
+            for _ in range(window - 1):
+                cur = nxt[cur]
+                labels.append(cur)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(draft.forward(ctx, block).flatten(0, 1),
+                                                     torch.stack(labels, 1).flatten())
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    tensors = {n: t.detach() for n, t in draft.w.items()}
+    extra = {n: t for n, t in block_tensors(draft.cfg, seed).items() if n.startswith("markov_head.")}
+    return save_draft(path, draft.cfg, {**tensors, **extra})
