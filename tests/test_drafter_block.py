@@ -1,6 +1,6 @@
 """`drafter check` of DFlash and DSpark drafts (core/drafter_block.py): the draft's config.json and weights as
 SGLang 0.5.23 builds them, against the served model and against the capture it was trained on. Each refusal
-names its field; a clean draft passes; the CLI exits 2 on a problem (DESIGN.md's exit codes)."""
+names its field; a clean draft passes; the CLI exits 2 on a problem (docs/design.md "Exit codes")."""
 
 from __future__ import annotations
 
