@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from draft_util import block_config, write_block_draft_dir
 from patchctl.core import drafter
 
@@ -212,3 +214,29 @@ def test_the_cited_sglang_lines_say_what_the_refusals_claim(sglang_tree):
     aux = (srt / "model_executor/model_runner_components/spec_aux_hidden_state.py").read_text().splitlines()
     assert "DSPARK requires markov_rank > 0" in "\n".join(aux[267:272])
     assert "EntryClass" in (srt / "models/dflash.py").read_text().splitlines()[1316]
+
+
+def test_the_stand_in_resolves_block_flags_as_sglang_does(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from patchctl.simserver.spec import SpecRefused, resolve
+
+    d = draft(tmp_path, block_size=4)
+
+    def args(algo, **kw):
+        base = dict(speculative_algorithm=algo, speculative_draft_model_path=str(d), enable_return_aux_hidden_states=False,
+                    speculative_num_steps=None, speculative_eagle_topk=None, speculative_num_draft_tokens=None,
+                    speculative_dflash_block_size=None, speculative_dspark_block_size=None)
+        return NS(**{**base, **kw})
+
+    c = resolve(args("DFLASH"), TCFG)  # the draft's block_size: a window of 4, 3 proposals a step
+    assert (c.algorithm, c.draft_tokens, c.steps) == ("DFLASH", 4, 3)
+    assert resolve(args("DFLASH", speculative_dflash_block_size=8), TCFG).draft_tokens == 8  # the flag wins
+    with pytest.raises(SpecRefused, match="For DFLASH they must match"):
+        resolve(args("DFLASH", speculative_dflash_block_size=8, speculative_num_draft_tokens=4), TCFG)
+    c = resolve(args("DSPARK"), TCFG)  # gamma = the draft's block_size, window gamma + 1
+    assert (c.draft_tokens, c.steps) == (5, 4)
+    with pytest.raises(SpecRefused, match="must equal gamma \\+ 1"):
+        resolve(args("DSPARK", speculative_dspark_block_size=3, speculative_num_draft_tokens=3), TCFG)
+    with pytest.raises(SpecRefused, match="requires setting --speculative-draft-model-path"):
+        resolve(args("DFLASH", speculative_draft_model_path=None), TCFG)
