@@ -275,3 +275,115 @@ def write_mla_target_config(path, *, kimi=False, layers=8, hidden=64, vocab=512,
                "vision_config": {"model_type": "moonvit"}, "torch_dtype": "bfloat16"}
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return d
+
+
+# --- block drafters: DFlash / DSpark (SGLang 0.5.23 models/dflash.py, models/dspark.py) ----------------------
+
+def block_config(target_cfg: dict, layer_ids, block_size=4, mask_token_id=None, algorithm="DFLASH", **overrides) -> dict:
+    """config.json of a DFlash (or, with algorithm DSPARK, DSpark) draft as SpecForge 0.2.0's DFlashDraftModel
+    `save_pretrained` writes it (a Qwen3Config: checked against a real save of `DFlashDraftModel(Qwen3Config(...))`
+    in tests/test_drafter_block.py): top-level `block_size` and `num_target_layers`, `dflash_config` with
+    `target_layer_ids` (the draft's convention: id L = the output of target layer L) and `mask_token_id`."""
+    t = target_cfg.get("text_config") if isinstance(target_cfg.get("text_config"), dict) else target_cfg
+    H, V, N = int(t["hidden_size"]), int(t["vocab_size"]), int(t["num_hidden_layers"])
+    dc = {"mask_token_id": int(V - 1 if mask_token_id is None else mask_token_id), "target_layer_ids": list(layer_ids)}
+    if algorithm == "DSPARK":
+        dc.update(attention_mode="gqa", markov_head_type="vanilla", markov_rank=8, projector_type="dspark")
+    cfg = {"architectures": ["DSparkDraftModel" if algorithm == "DSPARK" else "DFlashDraftModel"],
+           "attention_bias": False, "attention_dropout": 0.0, "block_size": int(block_size), "bos_token_id": None,
+           "dflash_config": dc, "dtype": "bfloat16", "eos_token_id": None, "head_dim": H // 4, "hidden_act": "silu",
+           "hidden_size": H, "initializer_range": 0.02, "intermediate_size": 4 * H, "layer_types": ["full_attention"],
+           "max_position_embeddings": 2048, "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 4,
+           "num_hidden_layers": 1, "num_key_value_heads": 2, "num_target_layers": N, "pad_token_id": None,
+           "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+           "sliding_window": None, "tie_word_embeddings": False, "transformers_version": "5.19.0", "use_cache": True,
+           "use_sliding_window": False, "vocab_size": V}
+    cfg.update(overrides)
+    return cfg
+
+
+def block_tensors(cfg: dict, seed: int = 0) -> dict:
+    """{name: float32 tensor} of an untrained block draft, the names SpecForge's save_pretrained writes (no
+    embedding, no lm head: the target's serve); a DSpark draft adds its vanilla Markov head."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    H, I, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    k = len(cfg["dflash_config"]["target_layer_ids"])
+
+    def lin(o, i):
+        return torch.randn(o, i, generator=g) * cfg["initializer_range"]
+
+    t = {"fc.weight": lin(H, k * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": lin(nh * hd, H), p + "self_attn.k_proj.weight": lin(nkv * hd, H),
+                  p + "self_attn.v_proj.weight": lin(nkv * hd, H), p + "self_attn.o_proj.weight": lin(H, nh * hd),
+                  p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+                  p + "mlp.gate_proj.weight": lin(I, H), p + "mlp.up_proj.weight": lin(I, H),
+                  p + "mlp.down_proj.weight": lin(H, I), p + "input_layernorm.weight": torch.ones(H),
+                  p + "post_attention_layernorm.weight": torch.ones(H)})
+    rank = cfg["dflash_config"].get("markov_rank")
+    if rank:
+        t["markov_head.markov_w1.weight"] = lin(cfg["vocab_size"], rank)
+        t["markov_head.markov_w2.weight"] = lin(cfg["vocab_size"], rank)
+    return t
+
+
+def write_block_draft_dir(path, *, target_model_dir=None, target_cfg=None, layer_ids, block_size=4, seed=0,
+                          algorithm="DFLASH", mask_token_id=None, drop=(), extra_tensors=None, **overrides) -> Path:
+    """An untrained DFlash / DSpark draft directory for the model in `target_model_dir` (or `target_cfg`)."""
+    if target_cfg is None:
+        target_cfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    cfg = block_config(target_cfg, layer_ids, block_size, mask_token_id, algorithm, **overrides)
+    tensors = {n: t for n, t in block_tensors(cfg, seed).items() if n not in drop}
+    return save_draft(path, cfg, tensors, extra_tensors)
+
+
+def fit_good_block_draft(path, *, target_model_dir, layer_ids, block_size=4, iters=400, seed=0, algorithm="DFLASH",
+                         **overrides) -> Path:
+    """A DFlash (or DSpark) draft trained in plain torch (Adam, seconds of one core) through the stand-in's own block
+    forward (patchctl/simserver/draft_block.py) to propose the stand-in's greedy continuation of the block's anchor:
+    real target aux states of random prefixes as context, block position k labelled with the k-th greedy token
+    after the anchor (the stand-in's next token depends on the last token only). Saved as write_block_draft_dir."""
+    import torch
+
+    from patchctl.simserver.draft_block import BlockDraft
+    from patchctl.simserver.model import TinyModel
+
+    write_block_draft_dir(path, target_model_dir=target_model_dir, layer_ids=layer_ids, block_size=block_size,
+                          seed=seed, algorithm=algorithm, **overrides)
+    tcfg = json.loads((Path(target_model_dir) / "config.json").read_text())
+    L, H, V = tcfg["num_hidden_layers"], tcfg["hidden_size"], tcfg["vocab_size"]
+    window = block_size if algorithm == "DFLASH" else block_size + 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = TinyModel(L, H, V, None, model_dir=target_model_dir)
+        draft = BlockDraft(path, algorithm, tcfg, target.embed, target.lm_head)
+        _, _, lg = target.forward(torch.arange(V), torch.arange(V), capture_ids=draft.target_layers)
+        nxt = lg.argmax(-1)  # the stand-in's greedy next token of every token
+        g = torch.Generator().manual_seed(seed + 1)
+        opt = torch.optim.Adam([t.requires_grad_() for t in draft.w.values()], lr=1e-2)
+        B, T = 64, 6
+        for _ in range(iters):
+            ids = torch.randint(0, V, (B, T), generator=g)
+            aux, _, _ = target.forward(ids.reshape(-1), torch.arange(B * T), capture_ids=draft.target_layers)
+            ctx = draft.project(aux.float().view(B, T, -1)[:, :-1])
+            block = torch.full((B, window), draft.mask, dtype=torch.int64)
+            block[:, 0] = ids[:, -1]
+            labels, cur = [], ids[:, -1]
+            for _ in range(window - 1):
+                cur = nxt[cur]
+                labels.append(cur)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(draft.forward(ctx, block).flatten(0, 1),
+                                                     torch.stack(labels, 1).flatten())
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    tensors = {n: t.detach() for n, t in draft.w.items()}
+    extra = {n: t for n, t in block_tensors(draft.cfg, seed).items() if n.startswith("markov_head.")}
+    return save_draft(path, draft.cfg, {**tensors, **extra})

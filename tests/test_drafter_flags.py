@@ -46,11 +46,12 @@ def test_the_draft_backend_table_is_sglangs(sglang_tree):
     assert set(re.findall(r'"([a-z_0-9]+)": self\._create_', table)) == set(DRAFT_BACKENDS)
 
 
-def test_eagle3_is_the_only_algorithm_and_says_why():
+def test_eagle3_dflash_and_dspark_are_the_algorithms_and_says_why():
     for algo in ("EAGLE", "NEXTN", "STANDALONE"):
         _, probs = check_speculative({"algorithm": algo})
         assert [k for k, _ in probs] == ["algorithm"] and "spec_aux_hidden_state.py:185" in probs[0][1]
     assert check_speculative({"algorithm": "EAGLE3"})[1] == []
+    assert check_speculative({"algorithm": "DFLASH"})[1] == [] and check_speculative({"algorithm": "DSPARK"})[1] == []
 
 
 def test_tree_sizes_follow_sglangs_candidate_count():

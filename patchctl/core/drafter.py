@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchctl.core import datasetmeta, drafter_mla, layerids
+from patchctl.core import datasetmeta, drafter_block, drafter_mla, layerids
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
 
@@ -285,7 +285,7 @@ def read_data(dir) -> dict:
            "layers": pc.get("layers_to_capture"), "target_hidden_size": dc.get("target_hidden_size"),
            "vocab_size": dc.get("vocab_size"), "architectures": pc.get("target_architectures"),
            "num_hidden_layers": pc.get("target_num_hidden_layers"), "target_model": pc.get("target_model"),
-           "tokenizer": None, "template": None, "tokenizer_why": None}
+           "tokenizer": None, "template": None, "tokenizer_why": None, **drafter_block.data_fields(dc)}
     try:
         ds = (json.loads((d / "index.json").read_text()).get("dataset") or {})
     except (OSError, ValueError, AttributeError):
@@ -344,9 +344,13 @@ class _Checks:
 
     def run(self) -> list[Problem]:
         arch = (self.c.get("architectures") or [None])[0] if isinstance(self.c.get("architectures"), list) else None
+        if arch in drafter_block.ARCHS:  # DFlash / DSpark: core/drafter_block.py
+            drafter_block.BlockChecks(self, arch).run()
+            return self.out
         if arch not in EAGLE3_ARCHS:
-            self.add("architectures[0]", arch, " or ".join(EAGLE3_ARCHS), expected_from="what SGLang 0.5.23 loads as an "
-                     "EAGLE-3 draft (the EntryClass of models/llama_eagle3.py, models/kimi_k25_eagle3.py)")
+            self.add("architectures[0]", arch, " or ".join(EAGLE3_ARCHS + tuple(drafter_block.ARCHS)), expected_from=
+                     "what SGLang 0.5.23 loads as a draft (the EntryClass of models/llama_eagle3.py, kimi_k25_eagle3.py, "
+                     + drafter_block.WHERE_ARCH + ")")
         mla = arch == drafter_mla.ARCH
         sizes = drafter_mla.config_sizes(self.c, self.add) if mla else self.config_fields()
         ids = self.layer_ids()
@@ -585,5 +589,6 @@ def summary(facts: DraftFacts) -> dict:
             "target_hidden_size": c.get("target_hidden_size"), "vocab_size": c.get("vocab_size"),
             "draft_vocab_size": c.get("draft_vocab_size"),
             "layer_ids": (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            if isinstance(c.get("eagle_config"), dict) else None,
+            if isinstance(c.get("eagle_config"), dict) else drafter_block.layer_ids(c),
+            "algorithm": drafter_block.algorithm_of(c) or "EAGLE3", "block_size": drafter_block.block_size(c),
             "files": facts.files, "tensors": len(facts.tensors)}

@@ -28,14 +28,21 @@ from .atomic import write_atomic
 from .events import AgentError
 from .osutil import read_json
 
-ALGORITHMS = ("EAGLE3",)
+ALGORITHMS = ("EAGLE3", "DFLASH", "DSPARK")
 # set all three, the same in both arms of a canary (SGLang's own defaults depend on the target's architecture)
 DEFAULTS = {"algorithm": "EAGLE3", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
-KEYS = ("algorithm", "num_steps", "eagle_topk", "num_draft_tokens", "args")
+EAGLE_KEYS = ("num_steps", "eagle_topk", "num_draft_tokens")
+KEYS = ("algorithm", "num_steps", "eagle_topk", "num_draft_tokens", "block_size", "args")
+# the block drafters' own block-size flag (arg_groups/fields/spec.py:70-81): DFLASH's verify window (= its
+# --speculative-num-draft-tokens), DSPARK's gamma (tokens proposed per step; verify window gamma + 1)
+BLOCK_FLAG = {"DFLASH": "--speculative-dflash-block-size", "DSPARK": "--speculative-dspark-block-size"}
+# the draft architectures each block algorithm's worker serves (models/dflash.py:1317, models/dspark.py:995)
+BLOCK_ARCHS = {"DFLASH": ("DFlashDraftModel",), "DSPARK": ("DSparkDraftModel", "Qwen3DSparkModel", "LingDSparkModel")}
+EAGLE3_DRAFTS = ("LlamaForCausalLMEagle3", "Eagle3DeepseekV2ForCausalLM")
 # flags patchctl writes itself from the settings and the deployed drafter; `args` may not carry them
 MANAGED_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
                  "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--enable-return-aux-hidden-states",
-                 "--return-aux-hidden-state-layer-ids")
+                 "--return-aux-hidden-state-layer-ids") + tuple(BLOCK_FLAG.values())
 # SGLANG_SIMULATE_ACC_LEN makes SGLang fake the acceptance (environ.py): a measured canary would be a lie
 FAKING_ENV = ("SGLANG_SIMULATE_ACC_LEN",)
 STATES = ("pending", "verified")
@@ -54,6 +61,15 @@ SG = {
                      "target's prefill/decode attention backend; one not in its table is a ValueError at start)",
     "mla_only": "speculative/draft_utils.py:335-345, 358-362, 378-382, 512-516, 532-538",
     "mha_only": "speculative/draft_utils.py:346-357, 504-511 (layers/attention/trtllm_mha_backend.py has no MLA path)",
+    "block_steps": "arg_groups/speculative_hook.py:329-366 (DFLASH), :767-789 (DSPARK): num_steps and eagle_topk "
+                   "overridden to 1 with a warning",
+    "dflash_tokens": "arg_groups/speculative_hook.py:368-387 (--speculative-num-draft-tokens must equal the block size)",
+    "dspark_tokens": "arg_groups/speculative_hook.py:822-838 (--speculative-num-draft-tokens must equal gamma + 1)",
+    "block_mismatch": {"DFLASH": "speculative/dflash_worker_v2.py:511-521", "DSPARK":
+                       "speculative/dspark_components/dspark_config.py:108-117"},
+    "dflash_backend": "arg_groups/speculative_hook.py:945-983 (trtllm_mha only for an all-sliding or causal draft, "
+                      "else a fallback with a warning)",
+    "block_worker": "model_executor/model_runner_components/spec_aux_hidden_state.py:199-283",
 }
 WHY_EAGLE3 = ("an EAGLE-3 draft (LlamaForCausalLMEagle3, Eagle3DeepseekV2ForCausalLM) is fed the target's aux hidden "
               "states, and SGLang 0.5.23 captures them only for EAGLE3 (%s; %s): with EAGLE or NEXTN the draft loads, "
@@ -82,7 +98,7 @@ def check_speculative(table):
             problems.append((k, "unknown key; expected one of: %s" % ", ".join(KEYS)))
         elif k == "algorithm":
             if v not in ALGORITHMS:
-                problems.append((k, "%r: patchctl deploys EAGLE-3 drafters (expected %s): %s" % (
+                problems.append((k, "%r: patchctl deploys EAGLE-3, DFlash and DSpark drafters (expected %s): %s" % (
                     v, " or ".join(ALGORITHMS), WHY_EAGLE3)))
             out[k] = v
         elif k == "args":
@@ -98,11 +114,27 @@ def check_speculative(table):
                 problems.append((k, "expected a positive integer, got %r" % (v,)))
             out[k] = v
     given = set((table or {}).keys())
+    if out["algorithm"] in BLOCK_FLAG:
+        return _block_settings(out, given, problems)
+    if "block_size" in given:
+        problems.append(("block_size", "a DFLASH or DSPARK setting; EAGLE3 drafts num_steps tokens a step"))
     if given & set(("eagle_topk", "num_draft_tokens")) and "num_steps" not in given:
         problems.append(("num_steps", "SGLang 0.5.23 refuses eagle_topk or num_draft_tokens without num_steps "
                                       "(a bare assert: %s)" % SG["steps_assert"]))
     elif not problems:
         problems += _combination(out)
+    return out, problems
+
+
+def _block_settings(out, given, problems):
+    """A DFLASH / DSPARK table: the algorithm, its block size (absent: the deployed draft's own) and args. The
+    EAGLE keys are refused: SGLang overrides steps and top-k to 1 and needs draft tokens = the block size
+    (DFLASH) or gamma + 1 (DSPARK); patchctl sets the block-size flag itself."""
+    for k in EAGLE_KEYS:
+        out.pop(k, None)
+        if k in given:
+            problems.append((k, "not a %s setting: %s; %s; set block_size (or leave it to the draft's config.json)" % (
+                out["algorithm"], SG["block_steps"], SG["dflash_tokens" if out["algorithm"] == "DFLASH" else "dspark_tokens"])))
     return out, problems
 
 
@@ -135,16 +167,54 @@ def flag_values(words):
     return out
 
 
-def launch_problems(settings, command_words, draft_arch):
+def _algorithm_problems(algo, draft_arch):
+    """[(flag, problem)] when the algorithm's worker does not serve a draft of this architecture."""
+    if not draft_arch:
+        return []
+    if algo == "EAGLE3" and draft_arch not in EAGLE3_DRAFTS and any(draft_arch in a for a in BLOCK_ARCHS.values()):
+        want = [a for a, archs in BLOCK_ARCHS.items() if draft_arch in archs][0]
+        return [("--speculative-algorithm", "EAGLE3 for the block draft %s: the EAGLE-3 worker reads eagle_config, "
+                 "which it has none of, and silently captures SGLang's default layers (%s); set [server.speculative] "
+                 "algorithm = \"%s\"" % (draft_arch, SG["eagle3_aux"], want))]
+    if algo in BLOCK_ARCHS and draft_arch not in BLOCK_ARCHS[algo]:
+        other = [a for a, archs in BLOCK_ARCHS.items() if draft_arch in archs]
+        hint = ("set [server.speculative] algorithm = \"%s\"" % (other[0] if other else "EAGLE3"))
+        why = ("the DSPARK worker refuses a draft without a Markov head at start (%s)" % SG["block_worker"]
+               if algo == "DSPARK" else "the DFLASH worker builds the draft's own class and feeds it as a DFlash draft "
+               "(%s)" % SG["block_worker"])
+        return [("--speculative-algorithm", "%s for a %s draft (its worker serves %s): %s; %s" % (
+            algo, draft_arch, ", ".join(BLOCK_ARCHS[algo]), why, hint))]
+    return []
+
+
+def _block_problems(s, f, draft_block):
+    """[(flag, problem)] for a DFLASH / DSPARK server: the block size against the draft's, the draft backend."""
+    algo, out = s.get("algorithm"), []
+    flag, bs = BLOCK_FLAG[algo], s.get("block_size")
+    if bs is not None and draft_block is not None and bs != draft_block:
+        out.append((flag, "%s (the inventory's [server.speculative] block_size) for a draft trained with block_size %s: "
+                          "SGLang 0.5.23 serves the flag's size with only a log warning (%s), so the draft would "
+                          "propose blocks it was not trained on; set block_size = %s or leave it out (patchctl then "
+                          "passes the draft's own)" % (bs, draft_block, SG["block_mismatch"][algo], draft_block)))
+    if algo == "DFLASH" and f.get("--speculative-draft-attention-backend") == "trtllm_mha":
+        out.append(("--speculative-draft-attention-backend", "trtllm_mha for a DFlash draft (non-causal blocks): SGLang "
+                    "0.5.23 serves another backend than named (%s); give fa3, flashinfer or triton" % SG["dflash_backend"]))
+    return out
+
+
+def launch_problems(settings, command_words, draft_arch, draft_block=None):
     """[(flag, problem)]: what the server command (`command_words`, the inventory's `command` split plus
     `[server.speculative] args`) and the settings would start that SGLang 0.5.23 refuses at start, or starts
-    and serves wrongly, for a draft of architecture `draft_arch`. Only what the words name is judged: a backend
-    SGLang picks itself (none given) is not known here."""
+    and serves wrongly, for a draft of architecture `draft_arch` (a block draft's `block_size`: `draft_block`).
+    Only what the words name is judged: a backend SGLang picks itself (none given) is not known here."""
     s = settings or DEFAULTS
     f = flag_values(list(command_words or []) + list(s.get("args") or []))
-    out = []
-    if s.get("algorithm", "EAGLE3") != "EAGLE3" and draft_arch:
-        out.append(("--speculative-algorithm", "%s for a %s draft: %s" % (s.get("algorithm"), draft_arch, WHY_EAGLE3)))
+    algo = s.get("algorithm", "EAGLE3")
+    out = _algorithm_problems(algo, draft_arch)
+    if algo in BLOCK_FLAG:
+        return out + _block_problems(s, f, draft_block)
+    if algo != "EAGLE3" and draft_arch:
+        out.append(("--speculative-algorithm", "%s for a %s draft: %s" % (algo, draft_arch, WHY_EAGLE3)))
     target = [f[k] for k in BACKEND_FLAGS if k in f]
     explicit = f.get("--speculative-draft-attention-backend")
     topk = s.get("eagle_topk", 1)
@@ -175,9 +245,16 @@ def launch_problems(settings, command_words, draft_arch):
     return out
 
 
-def speculative_args(settings, draft_path):
-    """The flags a server speculating with the drafter at `draft_path` is started with."""
+def speculative_args(settings, draft_path, drafter=None):
+    """The flags a server speculating with the drafter at `draft_path` is started with (`drafter`: its record,
+    whose `block_size` a DFLASH / DSPARK server gets where the settings name none: both canary arms and every
+    restart then serve the same, named size)."""
     s = settings or DEFAULTS
+    algo = s.get("algorithm", "EAGLE3")
+    if algo in BLOCK_FLAG:
+        bs = s.get("block_size") or (drafter or {}).get("block_size")
+        return (["--speculative-algorithm", algo, "--speculative-draft-model-path", draft_path]
+                + ([BLOCK_FLAG[algo], str(bs)] if bs else []) + list(s.get("args") or []))
     return (["--speculative-algorithm", s.get("algorithm", "EAGLE3"), "--speculative-draft-model-path", draft_path,
              "--speculative-num-steps", str(s["num_steps"]), "--speculative-eagle-topk", str(s["eagle_topk"]),
              "--speculative-num-draft-tokens", str(s["num_draft_tokens"])] + list(s.get("args") or []))
@@ -214,7 +291,7 @@ def summary(rec):
     if not rec:
         return None
     keep = ("digest", "source", "data_run", "status", "run_id", "deployed_at", "verified_at", "acceptance", "speculative",
-            "path")
+            "path", "algorithm", "block_size")
     return dict((k, rec.get(k)) for k in keep if rec.get(k) is not None)
 
 

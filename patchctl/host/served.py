@@ -26,7 +26,8 @@ MLA_LAYOUT = ("num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_hea
 WATCHED_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
 SPEC_FLAGS = {"--speculative-algorithm": "algorithm", "--speculative-draft-model-path": "draft_path",
               "--speculative-num-steps": "num_steps", "--speculative-eagle-topk": "eagle_topk",
-              "--speculative-num-draft-tokens": "num_draft_tokens"}
+              "--speculative-num-draft-tokens": "num_draft_tokens", "--speculative-dflash-block-size": "block_size",
+              "--speculative-dspark-block-size": "block_size"}
 
 
 def speculative_of(argv):

@@ -91,7 +91,7 @@ def build_server_config(req, profile=None, capture_layers=None, drafter=None):
         refused = refusal_with_capture(profile, drafter)
         if refused:
             raise AgentError("bad_input", refused)
-        extra = extra + speculative_args(srv.get("speculative"), draft_dir(state_dir, drafter["digest"]))
+        extra = extra + speculative_args(srv.get("speculative"), draft_dir(state_dir, drafter["digest"]), drafter)
     return LaunchConfig(
         manager=srv.get("manager", "process"), argv=argv + extra, extra_args=extra, env=env,
         log=expand(srv.get("log") or os.path.join(state_dir, "server.log")), host=srv["host"], port=int(srv["port"]),

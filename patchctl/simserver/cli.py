@@ -105,6 +105,10 @@ def build_parser():
                    help="stand-in supports --speculative-eagle-topk 1 only (chain drafting)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="with top-k 1 always steps + 1 (as SGLang forces it)")
+    p.add_argument("--speculative-dflash-block-size", type=int, default=None,
+                   help="DFLASH: the block (verify window); default the draft config's block_size, else 16")
+    p.add_argument("--speculative-dspark-block-size", type=int, default=None,
+                   help="DSPARK: gamma, tokens proposed a step (verify window gamma + 1); default the draft's block_size")
     p.add_argument("--return-aux-hidden-state-layer-ids", nargs="+", default=None,
                    help="layer ids to capture (input of each layer; used as given); also a JSON list")
     p.add_argument("--disable-radix-cache", action="store_true")
@@ -320,8 +324,9 @@ def _spec(args, model_cfg: dict, light: bool):
     if cfg is not None and light:
         _fatal("PATCHCTL_SIM_LIGHT: the light stand-in has no model to speculate with; drop the knob or the draft")
     if cfg is not None:  # the resolved values, as SGLang's server_args shows them
-        args.speculative_algorithm = "EAGLE3"
-        args.speculative_num_steps, args.speculative_eagle_topk = cfg.steps, cfg.topk
+        args.speculative_algorithm = cfg.algorithm
+        args.speculative_num_steps, args.speculative_eagle_topk = (1, 1) if cfg.algorithm != "EAGLE3" else (cfg.steps,
+                                                                                                           cfg.topk)
         args.speculative_num_draft_tokens = cfg.draft_tokens
     return cfg
 

@@ -137,6 +137,8 @@ class Engine:
         from patchctl.simserver.weights import load_weights  # noqa: PLC0415
 
         params = load_weights(self.args.model_path, self.layers, self.hidden, self.vocab)
+        if self.spec_cfg.algorithm != "EAGLE3":
+            return self._load_block_draft(params)
         draft = open_draft(self.spec_cfg.draft_path)(self.spec_cfg.draft_path, self.cfg,
                                                      params["model.embed_tokens.weight"], params["lm_head.weight"])
         self._check_draft_context(draft)
@@ -149,6 +151,22 @@ class Engine:
                     "from d2t" if draft.hot is not None else "none", self.spec_cfg.steps, self.spec_cfg.topk,
                     self.spec_cfg.draft_tokens)
         self.speculator = Speculator(self.spec_cfg, self.model, draft)
+
+    def _load_block_draft(self, params):
+        """A DFlash / DSpark draft (draft_block.py), proposing a block at a time."""
+        from patchctl.simserver.draft_block import BlockDraft, BlockSpeculator  # noqa: PLC0415
+
+        draft = BlockDraft(self.spec_cfg.draft_path, self.spec_cfg.algorithm, self.cfg,
+                           params["model.embed_tokens.weight"], params["lm_head.weight"])
+        self._check_draft_context(draft)
+        if draft.block_size is not None and int(draft.block_size) != self.spec_cfg.steps + (
+                self.spec_cfg.algorithm == "DFLASH"):
+            logger.warning("%s block size mismatch: serving %d draft tokens a step but draft config block_size=%s.",
+                           self.spec_cfg.algorithm, self.spec_cfg.draft_tokens, draft.block_size)
+        logger.info("%s draft %s loaded: fed the target's layers %s (%s); verify window %d, mask token %d",
+                    self.spec_cfg.algorithm, draft.path, draft.target_layers, draft.layers_how,
+                    self.spec_cfg.draft_tokens, draft.mask)
+        self.speculator = BlockSpeculator(self.spec_cfg, self.model, draft)
 
     def _check_draft_context(self, draft):
         """SGLang's draft ModelConfig gets the target's context length (configs/model_config.py

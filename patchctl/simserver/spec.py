@@ -43,6 +43,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger("patchctl.simserver")
 
@@ -61,9 +62,10 @@ class SpecRefused(ValueError):
 @dataclass
 class SpecConfig:
     draft_path: str
-    steps: int
+    steps: int  # tokens proposed per verify step (a block draft's window - 1)
     topk: int
-    draft_tokens: int
+    draft_tokens: int  # SGLang's speculative_num_draft_tokens (a block draft's verify window)
+    algorithm: str = "EAGLE3"
 
 
 def auto_params(arch: str | None) -> tuple[int, int, int]:
@@ -82,8 +84,11 @@ def resolve(args, model_cfg: dict) -> SpecConfig | None:
         if args.speculative_draft_model_path is not None:
             logger.warning("--speculative-draft-model-path without --speculative-algorithm: no speculation")
         return None
+    if algo in ("DFLASH", "DSPARK"):
+        return resolve_block(args, algo)
     if algo != "EAGLE3":
-        raise SpecRefused(f"stand-in serves --speculative-algorithm EAGLE3 only, got {args.speculative_algorithm!r}")
+        raise SpecRefused(f"stand-in serves --speculative-algorithm EAGLE3, DFLASH or DSPARK, got "
+                          f"{args.speculative_algorithm!r}")
     if args.speculative_draft_model_path is None:
         raise SpecRefused("stand-in needs --speculative-draft-model-path with --speculative-algorithm EAGLE3 "
                           "(its target has no built-in draft)")
@@ -105,6 +110,50 @@ def resolve(args, model_cfg: dict) -> SpecConfig | None:
                        "speculative_eagle_topk == 1")
         ntok = steps + 1
     return SpecConfig(args.speculative_draft_model_path, steps, topk, ntok)
+
+
+def _draft_block_size(path):
+    from patchctl.simserver.draft import DraftError, read_config  # noqa: PLC0415
+
+    try:
+        cfg = read_config(Path(path))[1]
+    except DraftError:
+        return None
+    dc = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    return dc.get("block_size", cfg.get("block_size"))
+
+
+def resolve_block(args, algo: str) -> SpecConfig:
+    """DFLASH / DSPARK as arg_groups/speculative_hook.py resolves them (:287-442, :666-884): a draft path
+    required; steps and top-k overridden to 1 (with SGLang's warning); DFLASH's window = its block-size flag
+    (equal to --speculative-num-draft-tokens where both are set), else the draft config's block_size, else 16;
+    DSPARK's gamma = its flag, else the draft's block_size, else 7, the window gamma + 1."""
+    if args.speculative_draft_model_path is None:
+        raise SpecRefused(f"ValueError: {algo} speculative decoding requires setting --speculative-draft-model-path.")
+    for name, v in (("speculative_num_steps", args.speculative_num_steps),
+                    ("speculative_eagle_topk", args.speculative_eagle_topk)):
+        if v is not None and v != 1:
+            logger.warning("%s only supports %s == 1; overriding %s=%s to 1.", algo, name, name, v)
+    ntok = args.speculative_num_draft_tokens
+    if algo == "DFLASH":
+        bs = args.speculative_dflash_block_size
+        if bs is not None and bs <= 0:
+            raise SpecRefused(f"ValueError: DFLASH requires --speculative-dflash-block-size to be positive, got {bs}.")
+        if bs is not None and ntok is not None and ntok != bs:
+            raise SpecRefused("ValueError: Both --speculative-num-draft-tokens and --speculative-dflash-block-size are "
+                              f"set but they differ. For DFLASH they must match. speculative_num_draft_tokens={ntok}, "
+                              f"speculative_dflash_block_size={bs}.")
+        window = bs or ntok or _draft_block_size(args.speculative_draft_model_path) or 16
+    else:
+        gamma = args.speculative_dspark_block_size or _draft_block_size(args.speculative_draft_model_path) or (
+            None if ntok is not None else 7)
+        if gamma is not None and ntok is not None and ntok != gamma + 1:
+            raise SpecRefused(f"ValueError: DSpark speculative_num_draft_tokens must equal gamma + 1 (= {gamma + 1} for "
+                              f"gamma={gamma}), but got speculative_num_draft_tokens={ntok}.")
+        window = gamma + 1 if gamma is not None else ntok
+    if window < 2:
+        raise SpecRefused(f"{algo}: a verify window of {window} proposes nothing")
+    return SpecConfig(args.speculative_draft_model_path, window - 1, 1, int(window), algo)
 
 
 class Totals:

@@ -170,6 +170,8 @@ def serving(spec: dict | None) -> str:
         return "capture mode (no speculation)"
     if not spec.get("algorithm"):
         return "no speculation"
+    if spec.get("block_size") or spec["algorithm"] in ("DFLASH", "DSPARK"):
+        return f"{spec['algorithm']} {spec.get('draft_path') or ''} (block size {spec.get('block_size') or 'the draft config'})"
     steps = "/".join(str(spec.get(k, "-")) for k in ("num_steps", "eagle_topk", "num_draft_tokens"))
     return f"{spec['algorithm']} {spec.get('draft_path') or ''} (steps/topk/draft {steps})".replace("  ", " ")
 

@@ -13,7 +13,7 @@ could not be read (its row says why).
 
 from __future__ import annotations
 
-from patchctl.core import drafter, drafter_mla
+from patchctl.core import drafter, drafter_block, drafter_mla
 from patchctl.core.console import App, table
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import Run, host_error, worst
@@ -60,9 +60,10 @@ def launch_rows(h, facts) -> list[dict]:
     except ValueError:
         words = []
     arch = (facts.config.get("architectures") or [None])[0] if isinstance(facts.config.get("architectures"), list) else None
+    block = drafter_block.block_size(facts.config) if arch in drafter_block.ARCHS else None
     where = f"{h.name}'s server command and [server.speculative]"
     return [{"field": flag, "found": None, "expected": None, "where": where, "expected_from": "SGLang 0.5.23",
-             "why": why, "message": f"{where}: {flag}: {why}"} for flag, why in launch_problems(h.server.speculative, words, arch)]
+             "why": why, "message": f"{where}: {flag}: {why}"} for flag, why in launch_problems(h.server.speculative, words, arch, block)]
 
 
 def judge_host(run: Run, h, facts, data, seen=frozenset()) -> dict:

@@ -250,7 +250,16 @@ def _prepare(opts: DrafterOptions, app: App | None = None) -> dict:
     return {"facts": facts, "data": data, "artifact": art, "prompts": ps, "prompts_digest": ps.digest, "gate": gate,
             "gate_words": words, "not_sent": {}, "sent": {}, "probes": {}, "left_out": left,
             "drafter": {"digest": art.digest, "source": str(Path(opts.dir).resolve()),
-                        "data_run": (data or {}).get("run")}}
+                        "data_run": (data or {}).get("run"), **_block_facts(facts.config)}}
+
+
+def _block_facts(config: dict) -> dict:
+    """A block draft's algorithm and block size, recorded with it on the host: the block-size flag a DFLASH /
+    DSPARK server gets where [server.speculative] names none (host/drafter.py speculative_args)."""
+    from patchctl.core import drafter_block
+
+    algo = drafter_block.algorithm_of(config)
+    return {"algorithm": algo, "block_size": drafter_block.block_size(config)} if algo else {}
 
 
 def left_out_words(dir, left: dict[str, str]) -> str:
