@@ -198,3 +198,21 @@ def test_on_host_a_dspark_run_is_converted_on_its_host_to_the_same_files(fleet1,
     assert there == here and len(there) == len(SAMPLES) - 1
     summary = json.loads((dest / "index.json").read_text())
     assert summary["specforge_algorithm"] == "dspark" and summary["not_collected"] == {"untrainable": 1}
+
+
+def test_drafter_check_judges_a_block_draft_against_the_collection_it_was_trained_on(fleet1, runs, tmp_path):
+    """`drafter check DRAFT --data COLLECTION` reads the block draft fields collect wrote (draft-config.json): a
+    DFlash draft with the capture's target_layer_ids and mask token passes; one whose ids are the capture indices
+    (what Llama's + 1 rule would turn into other layers) is refused, naming the field."""
+    from draft_util import write_block_draft_dir
+
+    f, to = fleet1, runs["dflash"][0]
+    model = f.hosts[0].dir / "model"
+    good = write_block_draft_dir(tmp_path / "good", target_model_dir=model, layer_ids=LAYERS, block_size=16,
+                                 mask_token_id=400)
+    p = f.patchctl("drafter", "check", str(good), "--data", str(to))
+    assert p.returncode == 0, p.stdout + p.stderr
+    bad = write_block_draft_dir(tmp_path / "bad", target_model_dir=model, layer_ids=[2, 4, 6], block_size=16,
+                                mask_token_id=400)
+    p = f.patchctl("drafter", "check", str(bad), "--data", str(to))
+    assert p.returncode == 2 and "target_layer_ids" in p.stdout + p.stderr, p.stdout + p.stderr
