@@ -11,16 +11,21 @@ are filled from a fixed seed.
 
 Replaced, and why:
   * each layer's attention core, `self_attn.forward` of every KimiK3DeltaAttention (KDA) and KimiK3MLAAttention
-    layer: KDA's chunked delta rule runs fla's Triton kernels and MLA needs an MLA attention backend
-    (FlashInfer/FlashMLA/Triton), all GPU-only. The stand-in keeps the contract the decoder layer relies on:
-    [T, H] bf16 in, [T, H] bf16 out on the same rows, deterministic (`tanh(h @ W_i) * 0.5`, W_i seeded per layer),
-    and it mixes nothing across tokens. Everything around it (input norm, residual stream, the captures at the next
-    layer's input and at the final norm, the MLP) is SGLang's.
+    layer (their projections included): KDA's core goes through RadixLinearAttention to SGLang's hybrid
+    linear-attention backend (its recurrent-state pool and fla's chunked-KDA Triton kernels) and its output norm is
+    FusedRMSNormGated (Triton); MLA needs an MLA attention backend (FlashInfer/FlashMLA/Triton). None runs without a
+    GPU (not attempted on CPU: the harness's runner allocates no KDA state pool). The stand-in keeps the contract
+    the decoder layer relies on: [T, H] bf16 in, [T, H] bf16 out on the same rows, deterministic
+    (`tanh(h @ W_i) * 0.5`, W_i seeded per layer), and it mixes nothing across tokens. Everything around it (input
+    norm, residual stream, the captures at the next layer's input and at the final norm, the MLP) is SGLang's.
   * `torch.cuda.Stream`: KimiK3LinearModel.__init__ creates three alt streams unless on HIP; torch +cpu has no
     CUDA, so the constructor gets None (the layers then run on the current stream, as they do when
     `alt_streams` is None).
-  * the vision tower: the wrapper is built `language_only` where it can be (no MoonViT3d on CPU); see
-    `build_kimi_k3`.
+  * the vision tower: the wrapper KimiK3ForConditionalGeneration is made without running its __init__ (which builds
+    the MoonViT3d tower and projector, not wanted on CPU): its `language_model` is the real KimiK3LinearForCausalLM,
+    `config.language_only` is set, and `shared_experts_config` is what SGLang's loader sets (model_loader/loader.py
+    :311). Its methods (`model`, set_dspark/set_dflash_layers_to_capture, get_aux_hidden_states_width, forward
+    through general_mm_embed_routine) are the real class's.
   * the runner's config.json: the harness's ModelRunner is built from a Llama-shaped config.json of the same
     H / N / vocabulary (so SGLang sizes a plain KV pool: Kimi-K3's hybrid KDA state pools are GPU pools), then its
     hf_config.architectures names KimiK3ForConditionalGeneration, what the module records as model_arch.
@@ -33,7 +38,7 @@ import types
 import torch
 from torch import nn
 
-K3_LAYERS = 6  # layers 1, 2, 4, 5 KDA (1-based ids of linear_attn_config), 3 and 6 MLA: K3's hybrid mix
+# linear_attn_config ids are 1-based: layers 0, 1, 3, 4 KDA, 2 and 5 MLA (K3's hybrid mix)
 KDA_LAYERS, MLA_LAYERS = [1, 2, 4, 5], [3, 6]
 
 
