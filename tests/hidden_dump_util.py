@@ -115,7 +115,7 @@ class Batch:
 
 def write_dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None, mutate=None, prefix="0",
                dtype=torch.bfloat16, fmt="2", num_tokens=None, hidden_size=None):
-    """A dump as hidden-dump 2.0.0 writes it (seeded tensors); the default is Llama's
+    """A dump as hidden-dump 2.2.0 writes it (seeded tensors); the default is Llama's
     `--return-aux-hidden-state-layer-ids 2 4 5`, which captures layers_to_capture [3, 5, 6] (the outputs of
     layers 2, 4, 5). `mutate(aux, hidden)` changes the tensors before they are saved. Returns the input ids."""
     ids = ids if ids is not None else list(range(10, 10 + T))
@@ -132,5 +132,6 @@ def write_dump(path, T=5, H=8, K=3, layers=(3, 5, 6), given=(2, 4, 5), ids=None,
                                    "layers_convention": "layers_to_capture", "layers_to_capture": json.dumps(layers),
                                    "layer_outputs": json.dumps([i - 1 for i in layers]),
                                    "eagle_aux_hidden_state_layer_ids": json.dumps(list(given) if given else None),
+                                   "layers_source": "layers_to_capture",
                                    "model_arch": "X", "dtype": "bfloat16"})
     return ids

@@ -47,6 +47,9 @@ Replaced, and why:
     `LogitsProcessor(input_ids, hidden, lm_head, forward_batch, aux)` is called as
     LlamaForCausalLM.forward does.  Its lm_head is this TP rank's vocab shard, so SGLang's
     own logits all-gather runs.
+    Spec "model": "kimi_k3" loads SGLang's own Kimi-K3 classes at tiny size instead (their real
+    set_dspark/set_dflash_layers_to_capture and capture loop; only the attention cores and the
+    vision tower replaced): tests/real_sglang_k3.py, which says what and why.
   * attention kernels: none run (the tiny model has no attention); the real torch_native
     backend's metadata init still runs in EagerRunner.
   * GPU-only parts: device is "cpu", collectives go over gloo.  Three module-level choices
@@ -233,7 +236,7 @@ class Harness:
             """The real ModelRunner; only the model it loads is the tiny one."""
 
             def load_model(self):
-                self.model = TinyCausalLM(self.model_config)
+                self.model = _load_model(spec, self.model_config)
                 self.dtype = self.model_config.dtype
                 self.sliding_window_size = None
                 self.weight_load_mem_usage = 0
@@ -530,6 +533,13 @@ class Harness:
                 res[k] = "unresolved: %s" % e
         sac = mr.spec_aux_config
         inner = mr.model.model
+        if spec_model(self.spec) == "kimi_k3":  # the real Kimi-K3 classes (real_sglang_k3.py)
+            from real_sglang_k3 import k3_facts
+
+            inner = types.SimpleNamespace(layers_to_capture=[])
+            mr.model.real_class = type(mr.model).__name__
+            mr.model.capture_aux_hidden_states = mr.model.language_model.capture_aux_hidden_states
+            self.notes["kimi_k3"] = k3_facts(mr.model)
         return {
             "resolved": res,
             "aux_hidden_state_capture": rc.get_exec().features.aux_hidden_state_capture,
@@ -603,6 +613,21 @@ def _cpu_engine_padding(backend) -> None:
 
 
 # --------------------------------------------------------------------------- the tiny model
+
+
+def spec_model(spec: dict) -> str:
+    return spec.get("model", "tiny")
+
+
+def _load_model(spec: dict, model_config):
+    """The model the harness's ModelRunner loads: the tiny one, or (spec "model": "kimi_k3") SGLang's own Kimi-K3
+    classes at tiny size (tests/real_sglang_k3.py, which says what it replaces)."""
+    if spec_model(spec) == "kimi_k3":
+        from real_sglang_k3 import build_kimi_k3
+
+        model_config.hf_config.architectures = ["KimiK3ForConditionalGeneration"]
+        return build_kimi_k3(model_config)
+    return TinyCausalLM(model_config)
 
 
 class _TinyInner(nn.Module):

@@ -52,8 +52,7 @@ def fleet2(fleet2m):
 def test_kimi_k3_with_eagle3_is_refused_before_any_restart(fleet2):
     """The series' EAGLE3 convention on Kimi-K3 (no set_eagle3_layers_to_capture): plan says blocked, naming SGLang's
     file and line; apply exits 2 with the same reason before the tree or the server is touched. DSPARK without ids is
-    refused with the inventory (file and line, SGLang's validation line); with ids, because the hidden-dump module reads layers_to_capture and Kimi-K3 keeps
-    its taps in dspark_layers_to_capture (it would dump nothing)."""
+    refused with the inventory (file and line, SGLang's validation line)."""
     f = fleet2
     h0, h1 = f.hosts
     before = [(f.digest(h), f.server_pid(h)) for h in f.hosts]
@@ -78,14 +77,38 @@ def test_kimi_k3_with_eagle3_is_refused_before_any_restart(fleet2):
     assert p.returncode == 2 and f"{f.inventory}:" in p.stderr, p.stdout + p.stderr
     assert "hosts.host1.server.capture_convention" in p.stderr and "needs capture_layers" in p.stderr
     assert "validation_hook.py:729-734" in p.stderr
-    inventory(f, host1={"capture_convention": "dspark", "capture_layers": [1, 3, 5]})
-    p, plan = f.json("plan", "hidden-dump", "--limit", "host1", expect=2)
-    assert "--speculative-algorithm DSPARK" in plan[0]["restart"]
-    assert [b for b in plan[0]["blockers"] if "dspark_layers_to_capture" in b and "no_layers_to_capture" in b]
-    assert plan[0]["capture"]["layers_to_capture"] == [2, 4, 6]  # what SGLang would capture: the outputs of 1, 3, 5
-    p = f.patchctl("apply", "hidden-dump", "--limit", "host1")
-    assert p.returncode == 2 and "dspark_layers_to_capture" in p.stdout + p.stderr
     assert [(f.digest(h), f.server_pid(h)) for h in f.hosts] == before
+
+
+def test_kimi_k3_with_dspark_captures_the_outputs_of_the_layers_named(fleet2, tmp_path):
+    """capture_convention = "dspark" with capture_layers [1, 3, 5] on the Kimi-K3 host: plan has no blocker (the
+    hidden-dump module >= 2.2.0 reads Kimi-K3's dspark_layers_to_capture), the restart names DSPARK and the ids, and
+    the smoke passes on a dump holding layers_to_capture [2, 4, 6] (the outputs of layers 1, 3, 5) with the model's
+    own list under dspark_layers_to_capture, as a capture run's files do."""
+    f = fleet2
+    h1 = f.hosts[1]
+    inventory(f, host1={"capture_convention": "dspark", "capture_layers": [1, 3, 5]})
+    p, plan = f.json("plan", "hidden-dump", "--limit", "host1")
+    assert "--speculative-algorithm DSPARK" in plan[0]["restart"] and plan[0]["blockers"] == [], plan
+    assert plan[0]["capture"]["layers_to_capture"] == [2, 4, 6]  # what SGLang would capture: the outputs of 1, 3, 5
+    p, res = f.json("apply", "hidden-dump", "--limit", "host1")
+    assert "smoke passed" in p.stderr, p.stderr
+    argv = f.server_argv(h1)
+    assert argv[argv.index("--speculative-algorithm") + 1] == "DSPARK" and "EAGLE3" not in argv
+    j = argv.index("--return-aux-hidden-state-layer-ids")
+    assert argv[j + 1:j + 4] == ["1", "3", "5"]
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text("".join(json.dumps({"id": f"k{i}", "input_ids": [20 + i, 31, 47, 58 + i, 99, 120]}) + "\n"
+                          for i in range(2)))
+    p = f.patchctl("capture", "run", str(ds), "--name", "k3", "--limit", "host1", "--keep-free", "0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    files = sorted((h1.dumps / "captures" / "k3").rglob("*.safetensors"))
+    assert len(files) == 2
+    with safe_open(str(files[0]), "pt") as d:
+        meta = d.metadata()
+        assert d.get_tensor("aux_hidden_states").shape[1] == 3 * 64
+    assert meta["layers_source"] == "dspark_layers_to_capture" and json.loads(meta["dspark_layers_to_capture"]) == [1, 3, 5]
+    assert json.loads(meta["layers_to_capture"]) == [2, 4, 6] and meta["capture_convention"] == "dspark"
 
 
 def test_a_dflash_capture_on_llama_dumps_the_dflash_rules_layers(fleet2, tmp_path):
@@ -132,8 +155,8 @@ def test_a_dflash_capture_on_llama_dumps_the_dflash_rules_layers(fleet2, tmp_pat
 
 def test_trace_no_longer_says_a_plain_reached_for_kimi_k3(tmp_path):
     """`trace hidden-dump --arch KimiK3ForConditionalGeneration`: the hooks are reached (ModelRunner), but the
-    series' EAGLE3 convention cannot start on it: exit 1, SGLang's reason; under --capture-convention dspark the
-    hidden-dump module's limit is named; Llama is fine either way."""
+    series' EAGLE3 convention cannot start on it: exit 1, SGLang's reason; under --capture-convention dspark it
+    captures (the hidden-dump module reads dspark_layers_to_capture); Llama is fine either way."""
     env_cmd = [sys.executable, "-m", "patchctl", "--patches", str(REPO / "patches"), "trace", "hidden-dump"]
     p = subprocess.run(env_cmd + ["--arch", K3], capture_output=True, text=True, timeout=600)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -141,7 +164,7 @@ def test_trace_no_longer_says_a_plain_reached_for_kimi_k3(tmp_path):
         in p.stderr and "but KimiK3ForConditionalGeneration cannot capture" in p.stderr, p.stderr
     p = subprocess.run(env_cmd + ["--arch", K3, "--capture-convention", "dspark"], capture_output=True, text=True,
                        timeout=600)
-    assert p.returncode == 1 and "dspark_layers_to_capture" in p.stderr, p.stderr
+    assert p.returncode == 0 and "cannot capture" not in p.stderr, p.stderr
     for conv in ("eagle3", "dflash"):
         p = subprocess.run(env_cmd + ["--arch", "LlamaForCausalLM", "--capture-convention", conv], capture_output=True,
                            text=True, timeout=600)

@@ -262,7 +262,7 @@ def test_dead_hook_series_hooks_llama_model_forward_not_model_runner(sglang_tree
     assert "hidden_dump" not in (tree_dir / MODEL_RUNNER).read_text()
     data = tomllib.loads((DEAD_SERIES / "series.toml").read_text())
     assert data["series"]["name"] == "hidden-dump-dead-hook"
-    assert data["series"]["version"] == "1.1.0"
+    assert data["series"]["version"] == "1.2.0"
     real = tomllib.loads((SERIES / "series.toml").read_text())
     assert {k: v for k, v in data["smoke"].items() if k != "hook"} == \
         {k: v for k, v in real["smoke"].items() if k != "hook"}
@@ -323,7 +323,7 @@ def test_one_correct_file_per_request(hd):
             "prompt_len": str(T), "hidden_size": "16",
             "layers": "[2, 6, 9]", "layers_convention": "layers_to_capture",
             "layers_to_capture": "[2, 6, 9]", "layer_outputs": "[1, 5, 8]",
-            "eagle_aux_hidden_state_layer_ids": "null",
+            "eagle_aux_hidden_state_layer_ids": "null", "layers_source": "layers_to_capture",
             "model_arch": "LlamaForCausalLM", "dtype": "bfloat16",
         }
     s = hd.stats()
@@ -349,6 +349,58 @@ def test_layers_metadata_names_what_the_model_captured(hd, arch, ids, captured):
     assert json.loads(meta["layer_outputs"]) == [i - 1 for i in captured]
     assert json.loads(meta["eagle_aux_hidden_state_layer_ids"]) == ids
     assert meta["model_arch"] == arch and meta["hidden_size"] == "8"
+
+
+def _block_runner(model, ids, dspark=True, arch="KimiK3ForConditionalGeneration"):
+    """A duck ModelRunner for a DFLASH/DSPARK capture: spec_aux_config as SGLang resolves it
+    (spec_aux_hidden_state.py _resolve_capture_only_aux_hidden_state), `model` as given."""
+    r = make_runner(hidden=8, num_layers=61, arch=arch)
+    r.spec_aux_config = types.SimpleNamespace(eagle_aux_hidden_state_layer_ids=None, eagle_use_aux_hidden_state=False,
+                                              dflash_use_aux_hidden_state=True, dflash_target_layer_ids=list(ids),
+                                              is_dspark=dspark)
+    r.server_args = types.SimpleNamespace(return_aux_hidden_state_layer_ids=list(ids))
+    r.model = model
+    return r
+
+
+@pytest.mark.parametrize("name,model,dspark,own,captured", [
+    # Kimi-K3: KimiK3ForConditionalGeneration.model is its language_model (KimiK3LinearForCausalLM), whose
+    # .model (KimiK3LinearModel) holds dspark_layers_to_capture = the ids as given, layer OUTPUTS
+    # (kimi_k3.py set_dspark_layers_to_capture; set_dflash_layers_to_capture reuses it: no +1)
+    ("kimi-k3 dspark", "k3", True, [1, 11, 23], [2, 12, 24]),
+    ("kimi-k3 dflash", "k3", False, [1, 11, 23], [2, 12, 24]),
+    # Inkling: the outer class keeps its language model in .llm, _dflash_layers_to_capture a set of outputs
+    ("inkling", "inkling", False, [1, 11, 23], [2, 12, 24]),
+])
+def test_a_block_capture_list_is_read_wherever_sglang_keeps_it(hd, name, model, dspark, own, captured):
+    inner = types.SimpleNamespace(dspark_layers_to_capture=list(own)) if model == "k3" else \
+        types.SimpleNamespace(_dflash_layers_to_capture=set(own), layers=[])
+    if model == "k3":
+        lm = types.SimpleNamespace(model=inner, capture_aux_hidden_states=True)
+        outer = types.SimpleNamespace(language_model=lm, model=lm)
+    else:
+        outer = types.SimpleNamespace(llm=inner)
+    b = Batch(["p-0"], [4], hidden=8, k=3)
+    hd.on_forward_end(_block_runner(outer, own, dspark), b.forward_batch, b.logits_output)
+    assert hd.flush(60)
+    tensors, meta = load(hd.dir / "p-0.safetensors")
+    assert torch.equal(tensors["aux_hidden_states"].view(torch.int16), b.expected(0)[1].view(torch.int16))
+    attr = "dspark_layers_to_capture" if model == "k3" else "_dflash_layers_to_capture"
+    assert meta["layers_source"] == attr and json.loads(meta[attr]) == own  # the model's own list, verbatim
+    assert json.loads(meta["layer_outputs"]) == own  # what a DFLASH/DSPARK draft's target_layer_ids name
+    assert json.loads(meta["layers"]) == json.loads(meta["layers_to_capture"]) == captured
+    assert json.loads(meta["eagle_aux_hidden_state_layer_ids"]) == own  # the flag's ids, as given
+    assert meta["capture_convention"] == ("dspark" if dspark else "dflash")
+
+
+def test_no_capture_list_anywhere_names_every_attribute_it_looked_for(hd):
+    b = Batch(["p-0"], [4], hidden=8, k=3)
+    outer = types.SimpleNamespace(language_model=types.SimpleNamespace(model=types.SimpleNamespace(
+        dspark_layers_to_capture=None)))
+    hd.on_forward_end(_block_runner(outer, [1, 2, 3]), b.forward_batch, b.logits_output)
+    assert hd.flush(60) and dumped(hd.dir) == []
+    log = (hd.dir / "_hidden_dump_errors.log").read_text()
+    assert "no_layers_to_capture" in log and "dspark_layers_to_capture" in log and "_dflash_layers_to_capture" in log
 
 
 def test_chunks_of_a_prompt_are_never_written_as_samples(hd):

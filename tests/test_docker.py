@@ -439,7 +439,7 @@ def test_a_verified_container_deploy_becomes_an_image_to_roll_out(df):
     p, res = f.json("image", "--limit", h.name, "--repo", "patchctl-test-derived")
     tag = res[0]["tag"]
     try:
-        assert tag.startswith("patchctl-test-derived:hidden-dump-2.1.0-"), res
+        assert tag.startswith("patchctl-test-derived:hidden-dump-2.2.0-"), res
         doc = json.loads(docker("image", "inspect", tag).stdout)[0]
         was = inspect(f.container(h) + PARKED)
         assert doc["Config"]["Labels"]["io.patchctl.base"] == was["Image"] and doc["Parent"] in ("", was["Image"])
@@ -584,7 +584,7 @@ def test_a_plugin_series_goes_into_the_containers_python_and_out_byte_for_byte(d
     _, res = f.json("image", "--limit", h.name, "--repo", "patchctl-test-derived")
     tag = res[0]["tag"]
     try:
-        assert tag.startswith("patchctl-test-derived:hidden-dump-plugin-2.1.0-"), res
+        assert tag.startswith("patchctl-test-derived:hidden-dump-plugin-2.2.0-"), res
         doc = json.loads(docker("image", "inspect", tag).stdout)[0]
         img_env = dict(e.split("=", 1) for e in doc["Config"]["Env"])
         base = json.loads(docker("image", "inspect", before[0]["Image"]).stdout)[0]
@@ -595,7 +595,7 @@ def test_a_plugin_series_goes_into_the_containers_python_and_out_byte_for_byte(d
             {k: v for k, v in base_env.items() if k != "PYTHONPATH"}
         cid = docker("create", tag).stdout.decode().strip()
         try:
-            for rel in ("patchctl_hidden_dump/hidden_dump.py", "patchctl_hidden_dump-2.1.0.dist-info/entry_points.txt"):
+            for rel in ("patchctl_hidden_dump/hidden_dump.py", "patchctl_hidden_dump-2.2.0.dist-info/entry_points.txt"):
                 assert file_in(cid, f"{IMAGE_PLUGIN_SITE}/{rel}") == (h.state / "plugins/site" / rel).read_bytes()
             assert b"hidden_dump" not in file_in(cid, f"{IN_ROOT}/sglang/srt/model_executor/model_runner.py")
         finally:

@@ -167,7 +167,7 @@ def test_plan_touches_nothing_and_tells_what_apply_would_do(fleet):
     f = fleet
     before = snapshot(f)
     p, plan = f.json("plan", "hidden-dump", "--limit", "host0,host1")
-    assert [d["action"] for d in plan] == ["apply hidden-dump 2.1.0 (3 patches)"] * 2
+    assert [d["action"] for d in plan] == ["apply hidden-dump 2.2.0 (3 patches)"] * 2
     assert {x["path"] for x in plan[0]["files"]} == {"sglang/srt/hidden_dump.py", "sglang/srt/model_executor/model_runner.py",
                                                    "sglang/srt/model_executor/forward_batch_info.py"}
     assert plan[0]["restart"].startswith("yes") and plan[0]["blockers"] == []

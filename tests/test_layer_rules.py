@@ -126,8 +126,9 @@ def test_kimi_k3_captures_with_dspark_and_dflash_but_not_eagle3():
     assert cr.judge("dflash", "KimiK3ForConditionalGeneration", [1, 11], 61) == ([2, 12], [])
     assert cr.method_where("dspark", "KimiK3ForConditionalGeneration") == "set_dspark_layers_to_capture"
     assert "falls back" in cr.method_where("dspark", "LlamaForCausalLM")
-    # but the hidden-dump module reads layers_to_capture: it would dump nothing there
-    assert "dspark_layers_to_capture" in cr.dump_refusal("dspark", "KimiK3ForConditionalGeneration", [1, 11], 61)
+    # the hidden-dump module (>= 2.2.0) reads dspark_layers_to_capture as layer outputs: labelled right
+    assert cr.dump_refusal("dspark", "KimiK3ForConditionalGeneration", [1, 11], 61) is None
+    assert cr.rule_for("dspark", "KimiK3ForConditionalGeneration").dump_labels([1, 11], 61) == [2, 12]
 
 
 def test_the_conventions_differ_on_the_same_ids():
@@ -169,7 +170,33 @@ def test_the_dump_labels_refusal_names_what_the_module_would_get_wrong():
     assert cr.dump_refusal("dflash", "MuseGlimmerForCausalLM", [2, 5], 8) is None  # capture indices, labelled right
     off = cr.dump_refusal("dspark", "BailingMoeV3ForCausalLM", [1, 3], 8)
     assert "one off" in off and "[1, 3]" in off and "[2, 4]" in off
-    assert "no_layers_to_capture" in cr.dump_refusal("dflash", "InklingForConditionalGeneration", [1, 3], 8)
+    # read since hidden-dump 2.2.0, as layer outputs: Inkling's set, Kimi-K3's / Kimi-Linear's / DeepSeek-V4's list
+    for conv, arch in (("dflash", "InklingForConditionalGeneration"), ("dspark", "KimiLinearForCausalLM"),
+                       ("dspark", "DeepseekV4ForCausalLM"), ("dflash", "KimiK3LinearForCausalLM")):
+        assert cr.dump_refusal(conv, arch, [1, 3], 8) is None, (conv, arch)
+        assert cr.rule_for(conv, arch).dump_labels([1, 3], 8) == cr.judge(conv, arch, [1, 3], 8)[0] == [2, 4]
+    unread = cr.Rule("x", "models/x.py:1: _taps = ids", attr="_taps", attr_shift=0)
+    cr.RULES["dflash"]["x_test"], cr.ARCH_RULE["dflash"]["XForTest"] = unread, "x_test"
+    try:
+        assert "no_layers_to_capture" in cr.dump_refusal("dflash", "XForTest", [1, 3], 8)
+    finally:
+        del cr.RULES["dflash"]["x_test"], cr.ARCH_RULE["dflash"]["XForTest"]
+
+
+def test_the_module_reads_every_attribute_sglangs_capture_methods_set(sglang_tree, tmp_path):
+    """Every `<name>layers_to_capture =` assignment of sglang/srt/models/ sets an attribute the shipped hidden-dump
+    module reads (its CAPTURE_ATTRS), with the shift capture_rules.DUMP_ATTRS says: the two tables are one."""
+    import ast
+
+    from hidden_dump_util import MODULE, patched_tree
+
+    names = set()
+    for f in sorted((sglang_tree / "sglang" / "srt" / "models").glob("*.py")):
+        names |= set(re.findall(r"\.(\w*layers_to_capture)(?:\s*:[^=\n]+)?\s*=[^=]", f.read_text()))
+    assert names == {"layers_to_capture", "dspark_layers_to_capture", "_dflash_layers_to_capture"}
+    mod = ast.parse((patched_tree(sglang_tree, tmp_path) / MODULE).read_text())
+    node = next(n for n in mod.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CAPTURE_ATTRS")
+    assert dict(ast.literal_eval(node.value)) == cr.DUMP_ATTRS
 
 
 def test_layerids_keeps_its_eagle3_api_over_the_derived_table():

@@ -102,7 +102,7 @@ def test_a_hook_target_the_trace_cannot_read_is_refused(patches):
     ('target = "sglang.srt.model_executor.model_runner.ModelRunner.forward"', 'target = "os.system"',
      "must be a dotted name inside sglang", 'target = "os.system"'),
     ('path = "patchctl_hidden_dump/__init__.py"', 'path = "../x.py"', "must be a relative path", 'path = "../x.py"'),
-    ('version = 3', 'version = 2', "pins version 2", "series = "),
+    ('version = 4', 'version = 3', "pins version 3", "series = "),
 ])
 def test_bad_plugin_tables_name_file_line_and_what_was_expected(patches, old, new, needle, key):
     edit_toml(patches, old, new)

@@ -539,8 +539,9 @@ def test_multi_node_head_waits_for_followers(sglang_tree, start, tmp_path):
 def test_capture_conventions_capture_the_architectures_own_layers(sglang_tree, start, tmp_path):
     """DFLASH on a Llama stand-in captures what LlamaForCausalLM.set_dflash_layers_to_capture captures (ids + 1: the
     outputs of the layers named), bit for bit the states an EAGLE3 server given those capture indices dumps; DSPARK
-    falls back to the same method. Kimi-K3's DSPARK keeps its taps in dspark_layers_to_capture, which the shipped
-    hidden_dump does not read: the server runs, the dump is refused in its error log (why patchctl refuses it)."""
+    falls back to the same method. Kimi-K3's DSPARK keeps its taps in dspark_layers_to_capture (layer outputs, on
+    KimiK3LinearModel inside the wrapper's language_model), which the shipped hidden_dump reads: the same states,
+    labelled as captured, the model's own list under its own name; and, unlike Llama, it can tap the last layer."""
     from patchctl.simserver.model import write_model_config
 
     tree = make_mini_tree(sglang_tree, tmp_path / "tree")
@@ -550,7 +551,9 @@ def test_capture_conventions_capture_the_architectures_own_layers(sglang_tree, s
     runs = {"dflash": (["--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], None),
             "dspark": (["--speculative-algorithm", "DSPARK", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], None),
             "eagle3": (["--return-aux-hidden-state-layer-ids", "2", "4", "6"], None),
-            "k3": (["--speculative-algorithm", "DSPARK", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], k3)}
+            "k3": (["--speculative-algorithm", "DSPARK", "--return-aux-hidden-state-layer-ids", "1", "3", "5"], k3),
+            "k3last": (["--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "1", "3", str(N - 1)],
+                       k3)}
     dumps, servers = {}, {}
     for name, (args, model) in runs.items():
         dumps[name] = tmp_path / f"dumps-{name}"
@@ -575,9 +578,18 @@ def test_capture_conventions_capture_the_architectures_own_layers(sglang_tree, s
                                                                                          metas["eagle3"]["aux"])
     # the ids the server was given, as the module records them (SGLang's server_args, the flag's ids)
     assert json.loads(metas["dflash"]["eagle_aux_hidden_state_layer_ids"]) == [1, 3, 5]
-    assert [p.name for p in dumps["k3"].iterdir()] == ["_hidden_dump_errors.log"]
-    assert "no_layers_to_capture" in (dumps["k3"] / "_hidden_dump_errors.log").read_text()
     assert "dspark_layers_to_capture = [1, 3, 5]" in servers["k3"].text()
+    assert [p.name for p in dumps["k3"].iterdir()] == ["c-0.safetensors"]
+    meta, t = read_dump(dumps["k3"] / "c-0.safetensors")
+    assert torch.equal(t["aux_hidden_states"], metas["eagle3"]["aux"])  # the outputs of layers 1, 3, 5
+    assert meta["layers_source"] == "dspark_layers_to_capture" and json.loads(meta["dspark_layers_to_capture"]) == [1, 3, 5]
+    assert json.loads(meta["layers_to_capture"]) == [2, 4, 6] and json.loads(meta["layer_outputs"]) == [1, 3, 5]
+    assert meta["capture_convention"] == "dspark" and json.loads(meta["eagle_aux_hidden_state_layer_ids"]) == [1, 3, 5]
+    # DFLASH on Kimi-K3 is its DSPARK method (no +1), and the last layer's output is a tap there
+    meta, t = read_dump(dumps["k3last"] / "c-0.safetensors")
+    assert json.loads(meta["dspark_layers_to_capture"]) == [1, 3, N - 1] and meta["capture_convention"] == "dflash"
+    assert json.loads(meta["layers_to_capture"]) == [2, 4, N]
+    assert torch.equal(t["aux_hidden_states"][:, :2 * H], metas["eagle3"]["aux"][:, :2 * H])
 
 
 @pytest.mark.parametrize("arch,args,words", [

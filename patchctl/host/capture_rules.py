@@ -23,11 +23,17 @@ DFLASH rule), Muse Glimmer's DFLASH rule keeps them as capture indices too.
 Rules: RULES[convention][rule] -> Rule; ARCH_RULE[convention][arch] -> rule name; an architecture of
 ARCH_FILES (every EntryClass of sglang/srt/models/) missing from ARCH_RULE[convention] has no method of
 that convention. `judge(convention, arch, ids, num_layers)` says what SGLang would capture, or why it
-cannot; `dump_refusal` says where the hidden-dump module, which reads the model's own `layers_to_capture`,
-would write nothing or mislabel the layers.
+cannot; `dump_refusal` says where the hidden-dump module, which reads the model's own list (`layers_to_capture`,
+Kimi-K3's `dspark_layers_to_capture`, Inkling's `_dflash_layers_to_capture`: DUMP_ATTRS), would write nothing or
+mislabel the layers.
 """
 
 from .capture_table import ARCH_FILES, DSPARK_OWN, DYNAMIC, TABLE  # the generated table
+
+# The attributes the hidden-dump module (>= 2.2.0, sglang/srt/hidden_dump.py CAPTURE_ATTRS) reads the model's capture
+# list from, and what it adds to their ids to record capture indices: layers_to_capture holds capture indices, Kimi-K3's
+# (Kimi-Linear's, DeepSeek-V4's) dspark_layers_to_capture and Inkling's _dflash_layers_to_capture layer outputs.
+DUMP_ATTRS = {"layers_to_capture": 0, "dspark_layers_to_capture": 1, "_dflash_layers_to_capture": 1}
 
 CONVENTIONS = ("eagle3", "dflash", "dspark")
 FLAG = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
@@ -98,9 +104,10 @@ class Rule(object):
         return self.check(ids, n) if self.check and ids is not None and n else None
 
     def dump_labels(self, ids, n=None):
-        """What the hidden-dump module records as layers_to_capture (it reads the model's own
-        `layers_to_capture`), or None where it finds none and writes nothing."""
-        return self.value(ids, n) if self.attr == "layers_to_capture" else None
+        """What the hidden-dump module records as layers_to_capture (it reads the model's own list from
+        the attributes of DUMP_ATTRS), or None where it finds none and writes nothing."""
+        v = self.value(ids, n) if self.attr in DUMP_ATTRS else None
+        return None if v is None else [i + DUMP_ATTRS[self.attr] for i in v]
 
 
 def _eagle_default(n):
@@ -356,22 +363,23 @@ def judge(convention, arch, ids, num_layers=None):
 
 
 def dump_refusal(convention, arch, ids=None, num_layers=None):
-    """Why the hidden-dump module (which reads the model's own `layers_to_capture`, hidden_dump.py
-    _layers_to_capture) would write nothing or mislabel the layers for this capture, or None. It does not
-    depend on the ids: the method keeps its taps elsewhere, or stores outputs where capture indices belong."""
+    """Why the hidden-dump module (which reads the model's own list from the attributes of DUMP_ATTRS, hidden_dump.py
+    model_capture) would write nothing or mislabel the layers for this capture, or None. It does not depend on the
+    ids: the method keeps its taps in an attribute the module does not read, or stores layer outputs where the module
+    expects capture indices (layers_to_capture)."""
     rule = rule_for(convention, arch) if convention in CONVENTIONS else None
     if rule is None or rule.outside or rule.broken:
         return None
-    if rule.attr != "layers_to_capture":
-        return ("%s keeps its %s taps in %s, not layers_to_capture (sglang/srt/%s): the hidden-dump module "
-                "(sglang/srt/hidden_dump.py _layers_to_capture) finds no layers_to_capture and dumps nothing "
-                "(\"no_layers_to_capture\")" % (arch, FLAG[convention], rule.attr, rule.where.split(":")[0]))
-    if not rule.fn and rule.shift != rule.attr_shift:
+    if rule.attr not in DUMP_ATTRS:
+        return ("%s keeps its %s taps in %s (sglang/srt/%s), which the hidden-dump module (sglang/srt/hidden_dump.py "
+                "model_capture: %s) does not read: it dumps nothing (\"no_layers_to_capture\")" % (
+                    arch, FLAG[convention], rule.attr, rule.where.split(":")[0], ", ".join(DUMP_ATTRS)))
+    if not rule.fn and rule.shift != rule.attr_shift + DUMP_ATTRS[rule.attr]:
         eg = ""
         if ids:
             eg = " (ids %s: layers_to_capture %s, truly %s)" % (list(ids), rule.dump_labels(ids, num_layers),
                                                                rule.captured(ids, num_layers))
-        return ("%s's %s method stores layer *outputs* in layers_to_capture (sglang/srt/%s; read at "
+        return ("%s's %s method stores layer *outputs* in %s (sglang/srt/%s; read at "
                 "sglang/srt/%s): the hidden-dump module would label the dump's layers one off%s" % (
-                    arch, FLAG[convention], rule.where, rule.tap, eg))
+                    arch, FLAG[convention], rule.attr, rule.where, rule.tap, eg))
     return None

@@ -25,7 +25,7 @@ from pathlib import Path
 from patchctl.host import limits
 from patchctl.simserver import knobs
 from patchctl.simserver.ducks import NS, ForwardMode
-from patchctl.simserver.model import TinyModel, resolve_capture
+from patchctl.simserver.model import TinyModel, model_tree, resolve_capture
 
 logger = logging.getLogger("patchctl.simserver")
 
@@ -106,10 +106,9 @@ class Engine:
             model_config=NS(hidden_size=self.hidden, num_hidden_layers=self.layers, vocab_size=self.vocab,
                             hf_config=hf_config, hf_text_config=hf_config, model_path=args.model_path),
             spec_aux_config=self._spec_aux_config(),
-            # SGLang's set_*_layers_to_capture sets this on the CausalLM's inner model (the attribute its method
-            # sets: layers_to_capture, or Kimi-K3's dspark_layers_to_capture, which hidden_dump does not read)
-            model=NS(model=NS(**({self.capture.attr: list(self.capture.value)} if self.capture else
-                                 {"layers_to_capture": None}))),
+            # the list SGLang's set_*_layers_to_capture leaves on the model, where that method leaves it (the
+            # attribute it sets: layers_to_capture, Kimi-K3's dspark_layers_to_capture, ...): model.model_tree
+            model=model_tree(self.capture, (model_cfg.get("architectures") or [None])[0]),
         )
 
     def _spec_aux_config(self):

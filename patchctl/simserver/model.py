@@ -9,10 +9,13 @@ Aux capture (`--enable-return-aux-hidden-states`), by the capture convention `--
 (DeepseekV2 semantics whatever the architecture; Llama would add 1); default `[2, N//2, N-3]`. DFLASH / DSPARK:
 the layers the served architecture's own set_dflash/set_dspark_layers_to_capture captures for the ids, by
 patchctl.host.capture_rules (Llama: ids + 1, i.e. the outputs of the layers named), set on the attribute that
-method sets (`layers_to_capture`, or Kimi-K3's `dspark_layers_to_capture`, which the tree's hidden_dump does not
-read, as in SGLang). What SGLang refuses at start is refused (validation_hook; a model without the convention's
-method; the method's own checks; a layer the forward cannot capture, as logits_processor's first-forward check).
-The list is the model's attribute (`model_runner.model.model.<attr>`, as in SGLang).
+method sets, where it sets it (`model_tree`: `layers_to_capture` on the CausalLM's inner model; Kimi-K3's
+`dspark_layers_to_capture`, the ids as given, on KimiK3LinearModel inside the wrapper's `language_model`;
+Inkling's `_dflash_layers_to_capture` on its `llm`). What SGLang refuses at start is refused (validation_hook; a
+model without the convention's method; the method's own checks; a layer the forward cannot capture, as
+logits_processor's first-forward check: most models capture layer inputs, so not the last layer's output; the
+methods that tap a layer's output in an attribute of their own, Kimi-K3's and Inkling's, can, and the tiny model
+then captures its final pre-norm state, index N).
 `logits_output.hidden_states` = concat of captured layers `[T, K*H]` bf16,
 `logits_output.last_hidden_states` = final post-norm `[T, H]` bf16.
 """
@@ -79,6 +82,8 @@ class TinyModel:
                 if capture_ids and i in capture_ids:
                     captured[i] = h.clone()
                 h = h + torch.tanh(h @ w)
+            if capture_ids and len(self.weights) in capture_ids:
+                captured[len(self.weights)] = h.clone()  # the last layer's output (the final norm's input)
             normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
             logits = normed[last_index] @ self.lm_head.T
             aux = None
@@ -140,13 +145,33 @@ def resolve_capture(args, layers, arch=None):
             arch_how = f"{arch}'s {method_where(conv, arch).split(' ')[0]}"
         got = rule.captured(ids, layers)
         cap = Capture(conv, ids, got, rule.attr, rule.value(ids, layers), how=f"{arch_how} ({rule.where})")
-    missing = [L for L in cap.layers if L >= layers]
+    last = cap.convention != "eagle3" and cap.attr != "layers_to_capture"  # Kimi-K3's, Inkling's: after the layer
+    missing = [L for L in cap.layers if L > layers or (L == layers and not last)]
     if missing:  # the tiny model, as most of SGLang's, captures a layer's input: there is none after the last
         raise CaptureRefused(f"ValueError: The model captured {len(cap.layers) - len(missing)} aux hidden states, but "
                              f"--return-aux-hidden-state-layer-ids names {len(cap.layers)} layers. A layer this model "
                              "cannot capture, usually its last layer, is the likely cause. (layers/logits_processor.py:"
                              f"944-950; captures {cap.layers} of {layers} layers)")
     return cap
+
+
+def model_tree(capture, arch=None):
+    """The model object as SGLang nests it, with the capture list where the served architecture's method sets it:
+    `<CausalLM>.model.<attr>`; KimiK3ForConditionalGeneration keeps KimiK3LinearForCausalLM as `language_model` (its
+    `model` property returns it), whose `model` (KimiK3LinearModel) holds dspark_layers_to_capture
+    (kimi_k3.py:3054-3066, 3561-3573); Inkling's wrapper keeps its language model, which holds the
+    _dflash_layers_to_capture set, as `llm` (inkling.py:745-761, 1098-1099)."""
+    from patchctl.simserver.ducks import NS  # noqa: PLC0415
+
+    if capture is None:
+        return NS(model=NS(layers_to_capture=None))
+    if capture.attr == "_dflash_layers_to_capture":
+        return NS(llm=NS(_dflash_layers_to_capture=set(capture.value)))
+    inner = NS(**{capture.attr: list(capture.value)})
+    if arch == "KimiK3ForConditionalGeneration":
+        lm = NS(model=inner, capture_aux_hidden_states=True)
+        return NS(language_model=lm, model=lm)
+    return NS(model=inner)
 
 
 def resolve_capture_ids(args, layers, arch=None):
