@@ -216,3 +216,22 @@ def test_drafter_check_judges_a_block_draft_against_the_collection_it_was_traine
                                 mask_token_id=400)
     p = f.patchctl("drafter", "check", str(bad), "--data", str(to))
     assert p.returncode == 2 and "target_layer_ids" in p.stdout + p.stderr, p.stdout + p.stderr
+
+
+def test_a_kimi_k3_dspark_collection_gets_the_ids_kimi_k3_keeps_as_given():
+    """Kimi-K3 keeps DSPARK/DFLASH ids as layer outputs (kimi_k3.py set_dspark_layers_to_capture: no + 1): files
+    labelled layers_to_capture [2, 24, 48] (outputs of 1, 23, 47, as hidden-dump 2.2.0 labels its
+    dspark_layers_to_capture) give target_layer_ids [1, 23, 47]; Llama's rule (+ 1) gives the same ids for the
+    same files, DeepseekV2's DFLASH rule (+ 1 too) as well; an architecture without the method gets none."""
+    from patchctl.commands.capture import draftconfig
+
+    meta = {"layers_to_capture": [2, 24, 48], "eagle_aux_hidden_state_layer_ids": [1, 23, 47]}
+    for arch in ("KimiK3ForConditionalGeneration", "LlamaForCausalLM"):
+        facts = {"architectures": [arch], "num_hidden_layers": 93, "hidden_size": 7168, "vocab_size": 163840,
+                 "special_tokens": {"mask_token_id": 163592}}
+        cfg, problems = draftconfig.draft_config("k3", {"h": facts}, {"h": [meta]}, "dspark")
+        assert problems == [] and cfg["dflash_config"] == {"target_layer_ids": [1, 23, 47], "mask_token_id": 163592}
+        assert arch in cfg["_patchctl"]["provenance"]["dflash_config.target_layer_ids"]
+    facts = {"architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 12, "hidden_size": 64, "vocab_size": 512}
+    cfg, problems = draftconfig.draft_config("x", {"h": facts}, {"h": [{"layers_to_capture": [2, 4]}]}, "dflash")
+    assert cfg["dflash_config"]["target_layer_ids"] is None and any("no ids make" in p for p in problems)

@@ -494,3 +494,14 @@ def test_capture_convention_defaults_to_eagle3_and_reaches_the_agent_only_when_a
     p = write(tmp_path, "[defaults.server]\ncapture_convention = \"dflash\"\ncapture_layers = [1]\n\n[hosts.a]\n",
               "d.toml")
     assert load_inventory(p).hosts["a"].server.capture_convention == "dflash"
+
+
+def test_capture_layers_out_of_order_are_refused_naming_the_line(tmp_path):
+    """SGLang's models append each captured layer's state in layer order whatever the ids' order, while a dump's
+    metadata keeps the list: ids out of order (or repeated) would label the slices wrongly, so they are refused."""
+    for bad in ("[5, 1, 3]", "[1, 3, 3]"):
+        text = BASE + f"\n[hosts.b.server]\ncapture_layers = {bad}\n"
+        with pytest.raises(BadInput) as e:
+            load_inventory(write(tmp_path, text))
+        line = text.splitlines().index(f"capture_layers = {bad}") + 1
+        assert e.value.line == line and "increasing order" in str(e.value) and "hosts.b.server.capture_layers" in str(e.value)

@@ -153,6 +153,9 @@ def _public_env(L, v, p) -> list:
 def _layer_ids(L, v, p) -> list:
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         L.fail(p, "expected a non-empty list of layer ids (integers >= 0)")
+    elif any(a >= b for a, b in zip(v, v[1:])):
+        L.fail(p, f"expected layer ids in increasing order, each once, got {v}: SGLang's models concatenate the "
+                  "captured states in layer order, so the files' layer labels would not say which slice is which")
     return list(v)
 
 
