@@ -230,3 +230,15 @@ def test_convention_and_ids_of_a_command_line():
     assert cr.convention_of(argv) == "dflash" and cr.layer_ids_of(argv) == [1, 3]  # SGLang upper-cases it
     assert cr.convention_of(argv[:3]) is None and cr.layer_ids_of(argv[:3]) is None
     assert cr.convention_of(argv[:4]) == "" and cr.convention_of(argv[:4] + ["--speculative-algorithm", "NGRAM"]) == "NGRAM"
+
+
+def test_ids_out_of_order_are_refused_before_a_restart():
+    """The models concatenate captured states in layer order; a dump's labels keep the flag's order: ids out of
+    order would mislabel every slice, so the command line is refused (plan/apply show it as a blocker)."""
+    from patchctl.host.capture_config import convention_refusals
+
+    argv = ["python", "-m", "sglang.launch_server", "--enable-return-aux-hidden-states", "--speculative-algorithm",
+            "DFLASH", "--return-aux-hidden-state-layer-ids"]
+    out = convention_refusals(argv + ["5", "1", "3"], "LlamaForCausalLM", 8)
+    assert any("not in increasing order" in p for p in out), out
+    assert not any("increasing order" in p for p in convention_refusals(argv + ["1", "3", "5"], "LlamaForCausalLM", 8))

@@ -68,6 +68,9 @@ def convention_refusals(argv, arch=None, num_layers=None):
     if ids == "bad":
         return ["--return-aux-hidden-state-layer-ids: not a list of integers"]
     out = []
+    if ids and any(a >= b for a, b in zip(ids, ids[1:])):
+        out.append("--return-aux-hidden-state-layer-ids %s: not in increasing order (SGLang's models concatenate "
+                   "the captured states in layer order; the dump's labels would keep this order)" % (ids,))
     if flag_values(argv, DRAFT_FLAG):
         out.append("%s: --enable-return-aux-hidden-states captures without a draft (%s)" % (
             DRAFT_FLAG, WHERE_SGLANG["no_draft"]))
