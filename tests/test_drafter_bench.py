@@ -3,7 +3,7 @@
 The aggregation (host/accept.aggregate) is tested on recorded `meta_info` dicts as SGLang 0.5.23 writes them
 (managers/tokenizer_manager.py:3148-3200); the stand-in's own speculation is being built on branch a-specsim,
 so against a real server only the no-speculation path runs here: tokens/s measured, acceptance "off". The
-prompt set (core/prompts.py) is validated naming FILE:LINE before anything is sent; conversations are rendered
+prompt set (commands/drafter/prompts.py) is validated naming FILE:LINE before anything is sent; conversations are rendered
 with the served tokenizer's chat template. The fleet: real sshd hosts (tests/fleet.py) serving the stand-in.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fleet import Fleet
-from patchctl.core import prompts
+from patchctl.commands.drafter import prompts
 from patchctl.core.errors import BadInput
 from patchctl.host.accept import aggregate
 

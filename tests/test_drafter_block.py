@@ -1,4 +1,4 @@
-"""`drafter check` of DFlash and DSpark drafts (core/drafter_block.py): the draft's config.json and weights as
+"""`drafter check` of DFlash and DSpark drafts (commands/drafter/checks_block.py): the draft's config.json and weights as
 SGLang 0.5.23 builds them, against the served model and against the capture it was trained on. Each refusal
 names its field; a clean draft passes; the CLI exits 2 on a problem (docs/design.md "Exit codes")."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from draft_util import block_config, write_block_draft_dir
-from patchctl.core import drafter
+from patchctl.commands.drafter import checks as drafter
 
 REPO = Path(__file__).resolve().parent.parent
 H, V, LAYERS = 64, 512, 8

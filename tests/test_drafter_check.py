@@ -1,4 +1,4 @@
-"""`drafter check`: a trained EAGLE-3 draft directory judged before any server loads it (core/drafter.py).
+"""`drafter check`: a trained EAGLE-3 draft directory judged before any server loads it (commands/drafter/checks.py).
 
 Draft directories are built here as SpecForge 0.2.0's `specforge export --to sglang` writes them (contract §1:
 config.json, one model.safetensors of `midlayer.*`, `fc`, `norm`, `lm_head` in bf16, `d2t` int64, `t2d` bool),
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from patchctl.commands.capture import draftconfig
-from patchctl.core import drafter
+from patchctl.commands.drafter import checks as drafter
 from patchctl.core.errors import BadInput
 
 REPO = Path(__file__).resolve().parent.parent

@@ -40,9 +40,9 @@ def test_tokens_per_second_loss_only_when_asked():
     assert Gate(max_tps_loss=0.1).verdict(arm(2.0, 100), arm(2.5, 95)) == []
 
 
-# --- per category, loops, lengths (core/canary.py, host/accept.py loop_of) -----------------------------------
+# --- per category, loops, lengths (commands/drafter/canary.py, host/accept.py loop_of) -----------------------------------
 
-from patchctl.core import canary  # noqa: E402
+from patchctl.commands.drafter import canary  # noqa: E402
 from patchctl.host.accept import loop_of, per_request  # noqa: E402
 
 
@@ -120,7 +120,7 @@ def test_a_prompt_set_carries_categories_and_refuses_a_bad_one(tmp_path):
     import pytest
 
     from patchctl.core.errors import BadInput
-    from patchctl.core.prompts import load_prompts
+    from patchctl.commands.drafter.prompts import load_prompts
 
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"input_ids": [1, 2], "category": "chat"}) + "\n\n"

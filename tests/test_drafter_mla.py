@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from patchctl.core import drafter, drafter_mla
+from patchctl.commands.drafter import checks as drafter
+from patchctl.core import drafter_mla
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_util import write_mla_draft_dir  # noqa: E402

@@ -13,7 +13,7 @@ largest is num_hidden_layers; for DFLASH/DSPARK almost every architecture captur
 ids name (Llama adds 1 to get its capture indices, Kimi-K3 keeps the ids as layer outputs), Muse Glimmer captures
 one layer earlier. Every list is in SGLang's `layers_to_capture` convention (the state entering layer i).
 `capture collect` writes a draft config's ids by these rules (commands/capture/draftconfig.py) and `drafter
-check` judges a trained draft's ids by them (core/drafter.py).
+check` judges a trained draft's ids by them (commands/drafter/checks.py).
 """
 
 from __future__ import annotations

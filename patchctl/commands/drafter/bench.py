@@ -2,7 +2,7 @@
 host serves now, on one fixed prompt set; read-only (the measuring is host/accept.py, defined as SpecForge's
 `specforge benchmark` defines it).
 
-Before anything is sent: the prompt set is read and validated (core/prompts.py: FILE:LINE, exit 2), each host
+Before anything is sent: the prompt set is read and validated (commands/drafter/prompts.py: FILE:LINE, exit 2), each host
 is asked once what it serves (`drafter_probe`): a server whose env sets SGLANG_SIMULATE_ACC_LEN is refused
 (SGLang fakes acceptance with it), prompts whose ids the served vocabulary lacks are refused, and where
 conversations were rendered with --tokenizer, a host serving another tokenizer is refused. Then each host
@@ -16,10 +16,10 @@ sent there; 3: a host could not be reached.
 
 from __future__ import annotations
 
-from patchctl.core import canary
-from patchctl.core import prompts as promptsets
+from patchctl.commands.drafter import canary
+from patchctl.commands.drafter import prompts as promptsets
 from patchctl.core.console import App, table
-from patchctl.core.drafter import served_from_probe
+from patchctl.commands.drafter.checks import served_from_probe
 from patchctl.core.errors import BadInput
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import HostSession, Run, host_error, worst
@@ -29,10 +29,10 @@ from patchctl.host.accept import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
             concurrency: int = DEFAULT_CONCURRENCY, request_timeout: int = 600, context_length: int | None = None,
             train_length: int | None = None) -> dict:
-    """One host's figures on `prompts` (a core.prompts.PromptSet, or a list of {"input_ids"} / {"text"} bodies):
+    """One host's figures on `prompts` (a commands/drafter/prompts.py PromptSet, or a list of {"input_ids"} / {"text"} bodies):
     the AcceptAnswer's fields (accept_length = sum(completion_tokens) / sum(spec_verify_ct), None without
     speculation; accept_length_mean; tokens_per_s; requests; ...) plus "prompt_digest" where known and, from
-    the per-request rows (summarized, then dropped: core/canary.py), "categories", "loops" and "lengths"
+    the per-request rows (summarized, then dropped: commands/drafter/canary.py), "categories", "loops" and "lengths"
     (against `context_length` and the draft's `train_length` when given). Raises the
     agent's failure (AgentFailure: bad_input for SGLANG_SIMULATE_ACC_LEN, failed for a failed request)."""
     bodies = prompts.prompts if isinstance(prompts, promptsets.PromptSet) else list(prompts)

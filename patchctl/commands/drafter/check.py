@@ -1,5 +1,5 @@
 """`patchctl drafter check DIR [--data COLLECTED_DIR] [--limit P]`: every way a trained EAGLE-3 draft directory
-does not fit, before any server loads it (core/drafter.py has the checks and why each matters).
+does not fit, before any server loads it (commands/drafter/checks.py has the checks and why each matters).
 
 Local checks always: config.json, the safetensors headers (a truncated file named), names, dtypes and shapes
 against the config, the vocab map. With --data (a `capture collect` directory): its draft-config.json's layer
@@ -13,7 +13,9 @@ could not be read (its row says why).
 
 from __future__ import annotations
 
-from patchctl.core import drafter, drafter_block, drafter_mla
+from patchctl.commands.drafter import checks as drafter
+from patchctl.commands.drafter import checks_block as drafter_block
+from patchctl.core import drafter_mla
 from patchctl.core.console import App, table
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import Run, host_error, worst

@@ -35,8 +35,9 @@ from pathlib import Path
 from patchctl.commands.drafter import bench, check, multinode
 from patchctl.commands.drafter.bench import served_limit
 from patchctl.commands.drafter.gate import Gate, accept_of, describe, describe_categories
-from patchctl.core import artifact, drafter
-from patchctl.core import prompts as promptsets
+from patchctl.commands.drafter import checks as drafter
+from patchctl.core import artifact
+from patchctl.commands.drafter import prompts as promptsets
 from patchctl.core.console import App
 from patchctl.core.errors import BadInput, PatchctlError
 from patchctl.core.options import DrafterOptions
@@ -256,7 +257,7 @@ def _prepare(opts: DrafterOptions, app: App | None = None) -> dict:
 def _block_facts(config: dict) -> dict:
     """A block draft's algorithm and block size, recorded with it on the host: the block-size flag a DFLASH /
     DSPARK server gets where [server.speculative] names none (host/drafter.py speculative_args)."""
-    from patchctl.core import drafter_block
+    from patchctl.commands.drafter import checks_block as drafter_block
 
     algo = drafter_block.algorithm_of(config)
     return {"algorithm": algo, "block_size": drafter_block.block_size(config)} if algo else {}

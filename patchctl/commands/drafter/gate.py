@@ -11,11 +11,11 @@ The rules, each explicit and each named in the verdict when it fails:
   forwards; the first Kimi-K2.5 drafter shipped at ~15 % acceptance and 0.66x the throughput);
 - its acceptance length >= the baseline's + `min_gain` (default 0: never accept less than what serves);
 - with `max_tps_loss`, output tokens/s >= the baseline's x (1 - max_tps_loss);
-- each category of the prompt set (core/prompts.py `category`): its acceptance length >= that category's
+- each category of the prompt set (commands/drafter/prompts.py `category`): its acceptance length >= that category's
   baseline + `min_category_gain` (default 0: no category below what serves; a drafter can gain on chat and
   lose on code while the average rises);
 - at most `max_loop_share` (default 50 %) of the new arm's speculative gain (completion_tokens -
-  spec_verify_ct) from completions that degenerate into a loop (core/canary.py, host/accept.py loop_of): a
+  spec_verify_ct) from completions that degenerate into a loop (commands/drafter/canary.py, host/accept.py loop_of): a
   loop is trivially predicted, so such a canary measures the loop, not the traffic.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from patchctl.core.canary import MAX_LOOP_SHARE
+from patchctl.commands.drafter.canary import MAX_LOOP_SHARE
 from patchctl.host.drafter import accept_of  # noqa: F401 - the gate's measure, shared with history
 
 

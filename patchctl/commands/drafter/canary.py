@@ -1,7 +1,7 @@
 """What a canary's measurement says beyond one number: per category, the loops, the lengths it covers.
 
 From the per-request rows `accept_measure` answers (host/accept.py per_request: prompt and completion
-tokens, spec_verify_ct, the loop its completion fell into) and the prompt set's categories (core/prompts.py):
+tokens, spec_verify_ct, the loop its completion fell into) and the prompt set's categories (commands/drafter/prompts.py):
 
 - `by_category`: each category's acceptance, as the whole set's is counted (sum(completion_tokens) /
   sum(spec_verify_ct) over its requests; None without speculation);

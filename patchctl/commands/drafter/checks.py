@@ -27,7 +27,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from patchctl.core import datasetmeta, drafter_block, drafter_mla, layerids
+from patchctl.commands.drafter import checks_block as drafter_block
+from patchctl.core import datasetmeta, drafter_mla, layerids
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
 
@@ -344,7 +345,7 @@ class _Checks:
 
     def run(self) -> list[Problem]:
         arch = (self.c.get("architectures") or [None])[0] if isinstance(self.c.get("architectures"), list) else None
-        if arch in drafter_block.ARCHS:  # DFlash / DSpark: core/drafter_block.py
+        if arch in drafter_block.ARCHS:  # DFlash / DSpark: commands/drafter/checks_block.py
             drafter_block.BlockChecks(self, arch).run()
             return self.out
         if arch not in EAGLE3_ARCHS:
