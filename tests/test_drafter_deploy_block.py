@@ -117,3 +117,25 @@ def test_a_dflash_draft_passes_the_canary_and_is_kept_an_untrained_one_rolled_ba
     assert f.server_argv(h0) == good_argv and f.healthy(h0)
     st = {d["host"]: d for d in json.loads(f.patchctl("--json", "status").stdout)}
     assert st[h0.name]["drafter"]["digest"] == dr["digest"] and st[h0.name]["drafter"]["status"] == "verified"
+
+
+def test_a_dspark_draft_passes_the_canary_and_is_kept(fleet):
+    """A fitted DSpark draft (DSparkDraftModel: the DFlash backbone, projector_type dspark) deployed with
+    algorithm = "DSPARK": the server runs --speculative-algorithm DSPARK --speculative-dspark-block-size (SGLang's
+    gamma), the canary measures it against the server without one, and it is kept."""
+    f = fleet
+    model = f.hosts[0].dir / "model"
+    good = fit_good_block_draft(f.base / "dspark-good", target_model_dir=model, layer_ids=IDS, algorithm="DSPARK")
+    f.write_inventory(server={"speculative": {"algorithm": "DSPARK"}, "env": ENV})
+    try:
+        p, res = deploy(f, good, "--limit", f.hosts[0].name)
+    finally:
+        f.write_inventory(server=DFLASH)
+    assert p.returncode == 0, p.stdout + p.stderr
+    h0 = f.hosts[0]
+    assert res[h0.name]["outcome"] == "deployed", res
+    argv = f.server_argv(h0)
+    assert argv[argv.index("--speculative-algorithm") + 1] == "DSPARK" and "--speculative-dspark-block-size" in argv
+    dr = {d["host"]: d for d in json.loads(f.patchctl("--json", "status").stdout)}[h0.name]["drafter"]
+    assert dr["status"] == "verified" and dr["algorithm"] == "DSPARK", dr
+    assert dr["acceptance"]["new"]["accept_length"] > 2.0, dr
