@@ -46,6 +46,7 @@ from patchctl.core.session import Run, host_error
 PULL_BATCH = 1 << 30  # file bytes per agent command (pull_raw; starting one costs ~0.1 s)
 PULL_FILES = 2048
 PULL_STREAMS = 4  # pulls in flight per host by default (--streams)
+STREAM_BYTES, STREAM_FILES = 64 << 20, 4096  # the work that pays for one more stream (see streams_for)
 
 
 def sync_file_system(directory: Path, files: list[Path]) -> None:
@@ -71,10 +72,21 @@ def sync_file_system(directory: Path, files: list[Path]) -> None:
             os.close(fd)
 
 
+def streams_for(items: list[Item], most: int) -> int:
+    """How many of `most` streams a host's pull uses when --streams is not given: one per STREAM_BYTES of its
+    files or per STREAM_FILES of them, whichever gives more. A stream is an SSH connection and an agent
+    started on the host (measured on a 2-core box: ~0.3 s of the hosts' CPU each before a byte moves), and
+    the controller's threads share one interpreter: 2 000 small files (18 MB) a host went faster on one
+    (docs/benchmarks.md, "Collect of many small files")."""
+    nbytes = sum(int(it.rec.get("bytes") or 0) for it in items)
+    return max(1, min(most, len(items), max(-(-nbytes // STREAM_BYTES), -(-len(items) // STREAM_FILES))))
+
+
 class Collector:
-    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter, streams: int = 1):
+    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter,
+                 streams: int | None = 1):
         self.app, self.run, self.name, self.info, self.out, self.fmt = app, run, name, info, out, fmt
-        self.streams = streams
+        self.streams = streams  # None: as many as the work pays for (streams_for), PULL_STREAMS at most
         self.reporter = reporter
         self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
         self.algorithm = algorithm_of(info) if fmt == "specforge" else None
@@ -107,7 +119,7 @@ class Collector:
         from patchctl.core.session import HostSession
 
         queue = deque(items)
-        n = max(1, min(self.streams, len(items)))
+        n = max(1, min(self.streams, len(items))) if self.streams else streams_for(items, PULL_STREAMS)
         sessions = [self.run.session(host)] + [HostSession(self.run, host) for _ in range(n - 1)]
         tally = {"bytes": 0, "files": 0, "sent": 0, "kept": 0, "t0": time.time(), "last": 0.0, "error": None,
                  "streams": n}
@@ -311,7 +323,7 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     by_host = pending_by_host(items)
     hosts = [h for h in run.hosts if h.name in by_host]
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
-    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams or PULL_STREAMS)
+    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams)
     col.dataset = dataset
     codes: list[int] = []
     with reporter:
