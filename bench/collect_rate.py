@@ -5,16 +5,21 @@ conversion rate per host at 1..W worker processes.
     python bench/collect_rate.py pull    [--hosts 2] [--files 6] [--mb 50] [--streams 1,4] [--rounds 2]
     python bench/collect_rate.py convert [--dumps 30] [--tokens 2000] [--hidden 7168] [--workers 1,D,C] [--rounds 1]
 
-pull     stands up N real sshd hosts on 127.0.1.2.. (tests/fleet.py, no server needed: `pull` only reads the
+pull     [--before REV] [--also REV,REV] [--profile FILE]; --streams 0: the collect's own choice
+         stands up N real sshd hosts on 127.0.1.2.. (tests/fleet.py, no server needed: `pull` only reads the
          run's captures directory), lays --files dump-sized files of --mb MB into each host's
          <state_dir>/dumps/captures/<RUN>/ with their journal records (what `capture run` leaves; the bytes are
          random: pulling does not read them), then runs `patchctl capture collect RUN --to DIR --streams S`
          for each S, with main's code before issue 30 (BEFORE, taken from git: base64 in JSON) and with this
          checkout's (raw bytes), side by side, alternating which goes first, for R rounds, each into a fresh
-         DIR. Reports MB/s per host (its own `host_result`), the controller's CPU per MB (the collect
+         DIR (--also: more commits beside it). Reports MB/s and files/s per host (its own `host_result`), the
+         controller's CPU per MB and per file (the collect
          process's own CPU; `net`: less its fixed cost, the CPU of the same run indexed with --in-place, which
-         starts, reads the journal and writes an index but contacts no host), the machine's load during each collect, and per round the ceiling of one bare SSH
-         channel (`cat` of one file into a sha256: paramiko with patchctl's cipher, OpenSSH's `ssh`).
+         starts, reads the journal and writes an index but contacts no host), the hosts' CPU (their sshd
+         daemons' reaped children: sessions, shells, agents), the machine's load during each collect, and per
+         round the ceiling of one bare SSH channel (`cat` of one file into a sha256: paramiko with patchctl's
+         cipher, OpenSSH's `ssh`) and, for small files, what creating one costs on DIR's file system.
+         --profile: one more collect of this checkout under cProfile, every thread's CPU time merged.
 convert  the --on-host conversion before (main at f53753e, from git) and after, side by side in one run, at 1,
          the default and all workers, with the disk's own write rate beside it: bench/convert_rate.py says how.
 """
@@ -83,6 +88,63 @@ def before_tree(dest: Path, rev: str = BEFORE) -> Path:
 def children_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def hosts_cpu_s(fleet) -> float:
+    """The CPU the hosts' side has used so far: each test host's sshd daemon's reaped children (the
+    connections' sshd processes, their shells and the agents they ran: /proc/PID/stat cutime + cstime)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for h in fleet.ssh:
+        try:
+            pid = int((h.dir / "etc" / "sshd.pid").read_text())
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        total += (int(f[13]) + int(f[14])) / tick  # fields 16, 17: cutime, cstime
+    return total
+
+
+PROFILE_RUN = """
+import atexit, cProfile, pstats, runpy, sys, threading, time
+profs, orig = [], threading.Thread.run
+def run(self):
+    p = cProfile.Profile(time.thread_time); profs.append(p); p.enable()
+    try:
+        orig(self)
+    finally:
+        p.disable()
+def dump():  # patchctl ends with os._exit once its atexit handlers ran (cli.run)
+    main.disable()
+    st = pstats.Stats(profs[0])
+    for p in profs[1:]:
+        try:
+            st.add(p)
+        except TypeError:  # a thread that profiled nothing
+            pass
+    st.dump_stats(out)
+threading.Thread.run = run
+out, sys.argv = sys.argv[1], ["patchctl"] + sys.argv[2:]
+main = cProfile.Profile(time.thread_time); profs.insert(0, main)  # CPU time, not waits on the GIL
+atexit.register(dump)
+main.enable()
+runpy.run_module("patchctl", run_name="__main__")
+"""
+
+
+def create_floor(base: Path, n: int, size: int) -> dict:
+    """What creating the files costs here, whoever does it: `n` files of `size` bytes created, written and
+    closed in 256 new directories (a collection's files/xx/ layout) on the collect's file system, by this process
+    (one thread): CPU and wall per file. Nothing deleted (see _collect_row)."""
+    data, dirs = os.urandom(size), [base / f"{i:02x}" for i in range(256)]
+    for d in dirs:
+        d.mkdir(parents=True)
+    c0, t0 = time.process_time(), time.perf_counter()
+    for i in range(n):
+        fd = os.open(dirs[i % 256] / f"s{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, data)
+        os.close(fd)
+    return {"cpu_ms_per_file": round((time.process_time() - c0) / n * 1e3, 3),
+            "wall_ms_per_file": round((time.perf_counter() - t0) / n * 1e3, 3)}
 
 
 def channel_ceiling(fleet, path: Path, times: int = 4) -> dict:
@@ -171,57 +233,38 @@ def bench_pull(args) -> dict:
                           "sha256": hashlib.sha256(data).hexdigest(), "bytes": size, "tokens": 1})
         j.close()
         total = size * args.files * args.hosts
-        sides = {"before": old, "after": REPO}
+        sides = {"before": old, **{rev: before_tree(base / f"tree-{rev}", rev) for rev in args.also}, "after": REPO}
+        order = list(sides)
         rows, ceilings = [], []
         for r in range(args.rounds):
             ceilings.append(channel_ceiling(fleet, fleet.hosts[0].dumps / "captures" / run / "s0.safetensors"))
+            if size < 1 << 20:  # many small files: what one create costs on this file system now
+                ceilings[-1]["file create"] = create_floor(base / f"floor-{r}", args.files, size)
             print(json.dumps({"round": r, "channel": ceilings[-1]}), flush=True)
             for s in args.streams:
-                for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                    out = base / f"out-{r}-{s}-{side}"
-                    cmd = [sys.executable, "-m", "patchctl", "--inventory", str(fleet.inventory), "--patches",
-                           str(fleet.patches), "--json", "capture", "collect", run, "--to", str(out), "--streams", str(s)]
-                    env = dict(fleet.env(), PYTHONPATH=str(sides[side]))
-                    load0 = os.getloadavg()[0]
-                    busy0, k0, t0 = machine_busy_s(), children_cpu_s(), time.perf_counter()
-                    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(sides[side]), timeout=3600)
-                    wall, cpu = time.perf_counter() - t0, children_cpu_s() - k0
-                    busy = machine_busy_s() - busy0
-                    assert p.returncode == 0, p.stderr[-2000:]
-                    k1 = children_cpu_s()  # its fixed cost: the same run indexed in place (no host contacted)
-                    q = subprocess.run(cmd[:cmd.index("--to") + 1] + [str(out) + "-in-place", "--in-place"],
-                                       capture_output=True, text=True, env=env, cwd=str(sides[side]), timeout=600)
-                    fixed = children_cpu_s() - k1
-                    assert q.returncode == 0, q.stderr[-2000:]
-                    per_host = {}
-                    for line in p.stdout.splitlines():
-                        ev = json.loads(line)
-                        if ev.get("event") == "host_result":
-                            per_host[ev["host"]] = float(ev["message"].split("(")[1].split(" MB/s")[0])
-                    row = {"round": r, "streams": s, "side": side, "wall_s": round(wall, 2),
-                           "fleet_mb_per_s": round(total / wall / 1e6, 1), "host_mb_per_s": per_host,
-                           "controller_cpu_s": round(cpu, 2), "cpu_ms_per_mb": round(cpu / total * 1e9, 2),
-                           "cpu_ms_per_mb_net": round((cpu - fixed) / total * 1e9, 2), "fixed_cpu_s": round(fixed, 2),
-                           "machine_load": round(busy / wall, 2), "loadavg_1m": round(load0, 2)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    shutil.rmtree(out)
-                    shutil.rmtree(str(out) + "-in-place")
+                for side in (order if r % 2 == 0 else order[::-1]):
+                    rows.append(_collect_row(args, fleet, run, base, sides[side], side, r, s, size, total))
+                    print(json.dumps(rows[-1]), flush=True)
+        if args.profile:
+            _profile(args, fleet, run, base, args.streams[-1])
         summary = {}
         for s in args.streams:
-            for side in ("before", "after"):
+            for side in order:
                 rs = [x for x in rows if x["streams"] == s and x["side"] == side]
                 summary[f"{side} {s}"] = {
                     "host_mb_per_s": round(sum(v for x in rs for v in x["host_mb_per_s"].values())
                                            / sum(len(x["host_mb_per_s"]) for x in rs), 1),
                     "cpu_ms_per_mb": round(sum(x["cpu_ms_per_mb"] for x in rs) / len(rs), 2),
-                    "cpu_ms_per_mb_net": round(sum(x["cpu_ms_per_mb_net"] for x in rs) / len(rs), 2)}
-            b, a = summary[f"before {s}"], summary[f"after {s}"]
-            summary[f"ratio {s} (after/before)"] = {"host_mb_per_s": round(a["host_mb_per_s"] / b["host_mb_per_s"], 1),
-                                                    "cpu_ms_per_mb": round(a["cpu_ms_per_mb"] / b["cpu_ms_per_mb"], 3)}
+                    "cpu_ms_per_mb_net": round(sum(x["cpu_ms_per_mb_net"] for x in rs) / len(rs), 2),
+                    "cpu_ms_per_file": round(sum(x["cpu_ms_per_file"] for x in rs) / len(rs), 3),
+                    "hosts_cpu_ms_per_file": round(sum(x["hosts_cpu_ms_per_file"] for x in rs) / len(rs), 3)}
+            for side in order[:-1]:
+                b, a = summary[f"{side} {s}"], summary[f"after {s}"]
+                summary[f"ratio {s} (after/{side})"] = {"host_mb_per_s": round(a["host_mb_per_s"] / b["host_mb_per_s"], 2),
+                                                        "cpu_ms_per_mb": round(a["cpu_ms_per_mb"] / b["cpu_ms_per_mb"], 3)}
         summary["files_per_s_per_host"] = {k: round(v["host_mb_per_s"] / (size / 1e6), 0)
                                            for k, v in summary.items() if "host_mb_per_s" in v and "ratio" not in k}
-        return {"mode": "pull", "before": args.before, "after": _head(), "hosts": args.hosts, "files_per_host": args.files,
+        return {"mode": "pull", "before": args.before, "also": args.also, "after": _head(), "hosts": args.hosts, "files_per_host": args.files,
                 "file_mb": round(size / 1e6, 1), "mb_per_collect": round(total / 1e6, 1), "rounds": args.rounds,
                 "cores": os.cpu_count(), "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "channel": ceilings, "rows": rows,
@@ -230,6 +273,61 @@ def bench_pull(args) -> dict:
         fleet.close()
         shutil.rmtree(base, ignore_errors=True)
 
+
+def _collect_cmd(fleet, run: str, out: Path, streams: int) -> list[str]:
+    """The collect's command line; streams 0: no --streams (the collect's own choice)."""
+    return ["-m", "patchctl", "--inventory", str(fleet.inventory), "--patches", str(fleet.patches), "--json", "capture",
+            "collect", run, "--to", str(out)] + (["--streams", str(streams)] if streams else [])
+
+
+def _collect_row(args, fleet, run: str, base: Path, tree: Path, side: str, r: int, s: int, size: int, total: int) -> dict:
+    """One collect of `side`'s tree into a fresh DIR: its figures (see the module's docstring)."""
+    out = base / f"out-{r}-{s}-{side}"
+    cmd = [sys.executable] + _collect_cmd(fleet, run, out, s)
+    env = dict(fleet.env(), PYTHONPATH=str(tree))
+    load0 = os.getloadavg()[0]
+    busy0, k0, h0, t0 = machine_busy_s(), children_cpu_s(), hosts_cpu_s(fleet), time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tree), timeout=3600)
+    wall, cpu = time.perf_counter() - t0, children_cpu_s() - k0
+    busy = machine_busy_s() - busy0
+    assert p.returncode == 0, p.stderr[-2000:]
+    k1 = children_cpu_s()  # its fixed cost: the same run indexed in place (no host contacted)
+    q = subprocess.run(cmd[:cmd.index("--to") + 1] + [str(out) + "-in-place", "--in-place"],
+                       capture_output=True, text=True, env=env, cwd=str(tree), timeout=600)
+    fixed = children_cpu_s() - k1
+    assert q.returncode == 0, q.stderr[-2000:]
+    hosts_cpu = hosts_cpu_s(fleet) - h0  # read after the in-place run (no host contacted): sshd has reaped by then
+    per_host = {}
+    for line in p.stdout.splitlines():
+        ev = json.loads(line)
+        if ev.get("event") == "host_result":
+            per_host[ev["host"]] = float(ev["message"].split("(")[1].split(" MB/s")[0])
+    files = total // size
+    # DIR stays until the end: thousands of files deleted just before the next collect made its creates scan
+    # past the deleted inodes (ext4's recently_deleted, seen with perf), a cost of the bench, not of collect
+    return {"round": r, "streams": s, "side": side, "wall_s": round(wall, 2),
+            "fleet_mb_per_s": round(total / wall / 1e6, 1), "host_mb_per_s": per_host,
+            "host_files_per_s": {h: round(v * 1e6 / size) for h, v in per_host.items()},
+            "controller_cpu_s": round(cpu, 2), "cpu_ms_per_mb": round(cpu / total * 1e9, 2),
+            "cpu_ms_per_mb_net": round((cpu - fixed) / total * 1e9, 2), "fixed_cpu_s": round(fixed, 2),
+            "cpu_ms_per_file": round(cpu / files * 1e3, 3), "cpu_ms_per_file_net": round((cpu - fixed) / files * 1e3, 3),
+            "hosts_cpu_s": round(hosts_cpu, 2), "hosts_cpu_ms_per_file": round(hosts_cpu / files * 1e3, 3),
+            "machine_load": round(busy / wall, 2), "loadavg_1m": round(load0, 2)}
+
+
+def _profile(args, fleet, run: str, base: Path, s: int) -> None:
+    """One more collect of this checkout under cProfile, every thread's profile merged into args.profile; the
+    top of it (by own time) printed to stderr."""
+    import pstats
+
+    out = base / "out-profile"
+    cmd = [sys.executable, "-c", PROFILE_RUN, str(args.profile)] + _collect_cmd(fleet, run, out, s)[2:]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(fleet.env(), PYTHONPATH=str(REPO)), cwd=str(REPO),
+                       timeout=3600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    st = pstats.Stats(str(args.profile), stream=sys.stderr)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(40)
 
 def _head() -> str:
     p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -255,9 +353,13 @@ def main() -> int:
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--files", type=int, default=6)
     p.add_argument("--mb", type=float, default=50)
-    p.add_argument("--streams", type=ints, default=[1, 4])
+    p.add_argument("--streams", type=ints, default=[1, 4], help="S,S: --streams of each collect; 0: none given")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--before", default=BEFORE, help="the commit whose collect is 'before' (issue 41: 31b2591)")
+    p.add_argument("--also", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="more commits run side by side (REV,REV: e.g. main's), each reported under its name")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="after the rounds, one more collect of this checkout under cProfile (every thread): stats here")
     for x in (c, p):
         x.add_argument("--dir", default=None, help="where the files go (default: the system's temp directory)")
         x.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")

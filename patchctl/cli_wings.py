@@ -124,7 +124,8 @@ def _capture_collect(cmd: Commands) -> None:
                     help="with --format specforge: every host converts its own dumps into DIR on that host (its disk, "
                          "or a mount all hosts share); only the index, draft-config.json and a summary come back")
     cp.add_argument("--streams", type=positive_int, default=None, metavar="N",
-                    help="pulls in flight per host, each over its own SSH connection (default 4)")
+                    help="pulls in flight per host, each over its own SSH connection (default: up to 4, one per "
+                         "64 MiB or 4096 files of the host's: a connection costs more than a few small files)")
     cp.add_argument("--workers", type=positive_int, default=None, metavar="N",
                     help="--on-host: conversion processes per host (default: the host's cores - 1)")
 

@@ -290,3 +290,81 @@ def test_chunk_pipe_hands_over_what_came_in_order_and_ends_at_close():
     p.close()  # wakes a waiting reader: end of stream
     reader.join(30)
     assert got == [b""] and p.read(10) == b""
+
+
+def test_pull_raw_gathers_small_files_into_few_writes_and_follows_only_links_inside(tmp_path, monkeypatch):
+    """The agent's side: many small files go out in a few writes (not four per file), framed as before; a link
+    inside the run's directory to one of its files is served (resolved whole), one leading outside is refused."""
+    from patchctl.core.rawout import FrameSink
+    from patchctl.host import pull
+
+    root = tmp_path / "state" / "dumps" / "captures" / "r"
+    root.mkdir(parents=True)
+    files = {str(root / f"s{i}.safetensors"): os.urandom(100 + i) for i in range(50)}
+    for p, data in files.items():
+        Path(p).write_bytes(data)
+    (root / "link.safetensors").symlink_to(root / "s0.safetensors")
+    (tmp_path / "secret").write_bytes(b"no")
+    (root / "out.safetensors").symlink_to(tmp_path / "secret")
+    asked = [{"path": p, "size": len(d)} for p, d in files.items()]
+    asked += [{"path": str(root / "link.safetensors")}, {"path": str(root / "out.safetensors")}]
+    writes, write = [], os.write
+    monkeypatch.setattr(pull.os, "write", lambda fd, b: writes.append(len(b)) or write(fd, b))
+    with open(tmp_path / "wire", "wb") as out:
+        ans = pull.pull_raw(str(tmp_path / "state"), "r", asked, out_fd=out.fileno())
+    assert len(writes) <= 2, writes  # 50 files' frames in one write (of < 1 MiB), not 200
+    got, refused = {}, {}
+
+    class Keep:
+        def __init__(self, path):
+            self.path, got[path] = path, b""
+
+        def data(self, piece):
+            got[self.path] += bytes(piece)
+
+        def end(self):
+            pass
+
+    sink = FrameSink(lambda hdr: refused.__setitem__(hdr["path"], hdr) if hdr.get("error") else Keep(hdr["path"]))
+    sink.append((tmp_path / "wire").read_bytes())
+    assert {p: got[p] for p in files} == files and got[str(root / "link.safetensors")] == files[str(root / "s0.safetensors")]
+    assert set(refused) == {str(root / "out.safetensors")} and refused[str(root / "out.safetensors")]["error"] == "refused"
+    assert ans["sent"] == sum(len(d) for d in files.values()) + 100
+
+
+def test_small_files_are_received_in_memory_and_written_once_they_check(tmp_path):
+    """The controller's side: a small file's bytes are hashed and its header read in memory; its partial is
+    written whole only when its sha256 is the journal's; a pull cut inside one leaves no partial."""
+    from patchctl.commands.capture.collection import Item
+    from patchctl.commands.capture.pulling import pull_batch
+
+    good, bad, cut = (b"\x08\0\0\0\0\0\0\0{}      " + os.urandom(3000 + i) for i in range(3))
+    items = [Item(f"s{i}", {"path": f"/h/s{i}", "bytes": len(d), "sha256": hashlib.sha256(d).hexdigest()}, f"s{i}")
+             for i, d in enumerate((good, bad, cut))]
+    items[1].rec["sha256"] = "0" * 64  # changed on the host since it was verified
+    finished, committed = [], []
+
+    def finish(it, tmp, digest, data=None):
+        finished.append((it.id, os.path.exists(tmp), bytes(data) if data is not None else None, digest))
+        return (it, tmp, None) if digest == it.rec["sha256"] else None
+
+    class Session:
+        def __init__(self, wire):
+            self.wire = wire
+
+        def call_raw(self, op, stdout, run, files):
+            stdout.append(self.wire)
+            if stdout.cut:
+                raise ConnectionError("cut")
+            return {"files": [], "sent": sum(f["size"] for f in files)}
+
+    gone = (json.dumps({"path": "/gone", "error": "missing", "reason": "No such file"}) + "\n").encode()
+    wire = _frames({"/h/s0": good, "/h/s1": bad}, chunk=1000).replace(gone, b"")
+    pull_batch(Session(wire), "r", items[:2], lambda it: str(tmp_path / (it.rel + ".partial")), finish, None,
+               commit=committed.extend)
+    assert finished == [("s0", True, good, items[0].rec["sha256"]), ("s1", False, bad, hashlib.sha256(bad).hexdigest())]
+    assert (tmp_path / "s0.partial").read_bytes() == good and [c[0].id for c in committed] == ["s0"]
+    wire = _frames({"/h/s2": cut}, chunk=1000)
+    with pytest.raises(ConnectionError):
+        pull_batch(Session(wire[:2000]), "r", items[2:], lambda it: str(tmp_path / (it.rel + ".partial")), finish, None)
+    assert not (tmp_path / "s2.partial").exists() and len(finished) == 2

@@ -59,36 +59,41 @@ class FrameSink:
         yield from self.tail
 
     def append(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while view:
+        if not isinstance(chunk, bytes):
+            chunk = bytes(chunk)
+        view, pos, end = memoryview(chunk), 0, len(chunk)
+        while pos < end:  # offsets into the chunk, not slices of it: a line is found in place (no copy)
             if self.state == _DATA:
-                n = min(self.left, len(view))
-                self._give(view[:n])
+                n = min(self.left, end - pos)
+                self._give(view[pos:pos + n])
                 self.left -= n
                 self.received += n
-                view = view[n:]
+                pos += n
                 if not self.left:
                     self.state = _LENGTH
             elif self.state == _TAIL:
-                self.tail.append(bytes(view))
+                self.tail.append(chunk[pos:])
                 return
             else:
-                i = bytes(view[:MAX_LINE]).find(b"\n")  # lines are short: a header or a decimal length
+                i = chunk.find(b"\n", pos, pos + MAX_LINE)  # lines are short: a header or a decimal length
                 if i < 0:
-                    self.line += view
+                    self.line += view[pos:]
                     if len(self.line) > MAX_LINE:
                         line, self.line = bytes(self.line), bytearray()
                         self._to_tail(line)
                     return
-                self.line += view[:i]
-                view = view[i + 1:]
-                line, self.line = bytes(self.line), bytearray()
+                if self.line:
+                    self.line += view[pos:i]
+                    line, self.line = bytes(self.line), bytearray()
+                else:
+                    line = chunk[pos:i]
+                pos = i + 1
                 if self.state == _HEADER:
                     self._header(line)
                 else:
                     self._length(line)
-                if self.state == _TAIL and view:
-                    self.tail.append(bytes(view))
+                if self.state == _TAIL and pos < end:
+                    self.tail.append(chunk[pos:])
                     return
 
     def _header(self, line: bytes) -> None:

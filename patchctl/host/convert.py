@@ -67,6 +67,18 @@ def read_header(path):
         return json.loads(f.read(n).decode()).get("__metadata__") or {}
 
 
+def header_of(data):
+    """read_header's answer from a whole file's bytes in memory (a small pulled file, not read back)."""
+    import struct
+
+    if len(data) < 8:
+        raise ValueError("truncated file")
+    (n,) = struct.unpack_from("<Q", data)
+    if n > 100 << 20:
+        raise ValueError("header of %d bytes" % n)
+    return json.loads(bytes(data[8:8 + n]).decode()).get("__metadata__") or {}
+
+
 def layer_meta(meta):
     """The three layer keys of a dump's metadata, decoded (None where absent or not JSON)."""
     out = {}

@@ -16,6 +16,7 @@ these checks are what keeps it to the dumps. Nothing is written or taken (no loc
 run while the capture op of the same run is still writing other files.
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -35,14 +36,20 @@ def captures_root(state_dir, run):
     return os.path.join(os.path.realpath(os.path.join(expand(state_dir), "dumps")), "captures", run)
 
 
-def _open_inside(root, path):
-    """An fd of `path` opened read-only, or raise OSError/ValueError saying why it is refused."""
+def _open_inside(root, path, realpath=None):
+    """An fd of `path` opened read-only, or raise OSError/ValueError saying why it is refused. `realpath`:
+    how the real path is found (pull_raw's: a _RealDirs, each directory resolved once)."""
     if not isinstance(path, str) or not os.path.isabs(path):
         raise ValueError("not an absolute path")
-    real = os.path.realpath(path)
+    real = (realpath or (lambda p, whole=True: os.path.realpath(p)))(path)
     if not real.startswith(root + os.sep):
         raise ValueError("outside %s/ (real path %s)" % (root, real))
-    fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ELOOP or realpath is None:
+            raise
+        return _open_inside(root, realpath(path, whole=True))  # the file itself is a link: resolved whole
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -63,6 +70,9 @@ CHUNK = 4 << 20  # bytes read from a file and framed at a time by pull_raw
 F_SETPIPE_SZ = 1031  # Linux; fcntl names it only from Python 3.10
 
 
+FLUSH = 1 << 20  # small frames gathered up to this before one write (many small files: one write for many)
+
+
 def _write_all(fd, data):
     view = memoryview(data)
     while view:
@@ -70,10 +80,60 @@ def _write_all(fd, data):
         view = view[n:]
 
 
-def _open_answer(root, path, item):
+def _read_at(fd, view, pos):
+    """Bytes read into `view` from `pos` of the file: one pread (no seek, no file object per file)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], pos)
+    os.lseek(fd, pos, os.SEEK_SET)
+    return os.readv(fd, [view])
+
+
+class _Frames:
+    """pull_raw's stdout: frames gathered and written FLUSH bytes at a time. Small files' frames (header, chunk,
+    end) go out many to a write, so sshd reads full pipes and sends full packets, not 4 writes per file; a
+    chunk of FLUSH bytes or more is written as it is (no copy)."""
+
+    def __init__(self, fd):
+        self.fd, self.buf = fd, bytearray()
+
+    def add(self, data):
+        if len(data) >= FLUSH:
+            self.flush()
+            _write_all(self.fd, data)
+            return
+        self.buf += data
+        if len(self.buf) >= FLUSH:
+            self.flush()
+
+    def flush(self):
+        if self.buf:
+            _write_all(self.fd, self.buf)
+            self.buf = bytearray()
+
+
+class _RealDirs:
+    """Where each asked file's directory really is, resolved once per directory (a run's files share a few):
+    realpath of every path cost a lstat per path component per file. The file itself is opened O_NOFOLLOW
+    (a link there: the whole path resolved again, as before) and the opened fd's own path (/proc/self/fd)
+    is checked per file, so a directory swapped for a link after it was resolved is refused there."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def __call__(self, path, whole=False):
+        d, base = os.path.split(path)
+        if whole or base in ("", ".", ".."):
+            return os.path.realpath(path)
+        rd = self.seen.get(d)
+        if rd is None:
+            rd = self.seen[d] = os.path.realpath(d)
+        return os.path.join(rd, base)
+
+
+def _open_answer(root, path, item, realpath=None):
     """(fd, size, None) of a file to send, or (None, None, header) saying why not."""
     try:
-        fd, size = _open_inside(root, path)
+        fd, size = _open_inside(root, path, realpath)
     except ValueError as e:
         return None, None, {"path": path, "error": "refused", "reason": str(e)}
     except OSError as e:
@@ -99,36 +159,39 @@ def pull_raw(state_dir, run, files, out_fd=1):
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     report, total = [], 0
+    out, realpath = _Frames(out_fd), _RealDirs()
     for item in list(files or [])[:MAX_FILES]:
         item = item if isinstance(item, dict) else {}
         path = item.get("path")
         offset = max(0, int(item.get("offset") or 0))
-        fd, size, refusal = _open_answer(root, path, item)
+        fd, size, refusal = _open_answer(root, path, item, realpath)
         if refusal is not None:
-            _write_all(out_fd, (json.dumps(refusal) + "\n").encode())
+            out.add((json.dumps(refusal) + "\n").encode())
             report.append(refusal)
             continue
-        _write_all(out_fd, (json.dumps({"path": path, "offset": offset, "size": size}) + "\n").encode())
+        out.add((json.dumps({"path": path, "offset": offset, "size": size}) + "\n").encode())
         sent, why = 0, None
         try:
-            with os.fdopen(fd, "rb", buffering=0) as f:
-                f.seek(min(offset, size))
-                left = max(0, size - offset)
-                while left > 0:
-                    n = f.readinto(view[:min(CHUNK, left)])
-                    if not n:
-                        why = "the file ended at %d bytes (it shrank while read)" % (offset + sent)
-                        break
-                    _write_all(out_fd, b"%d\n" % n)
-                    _write_all(out_fd, view[:n])
-                    sent += n
-                    left -= n
+            pos, left = min(offset, size), max(0, size - offset)
+            while left > 0:
+                n = _read_at(fd, view[:min(CHUNK, left)], pos)
+                if not n:
+                    why = "the file ended at %d bytes (it shrank while read)" % (offset + sent)
+                    break
+                out.add(b"%d\n" % n)
+                out.add(view[:n])
+                sent += n
+                left -= n
+                pos += n
         except OSError as e:
             why = "read error: %s" % (e.strerror or e)
-        _write_all(out_fd, b"0\n")
+        finally:
+            os.close(fd)
+        out.add(b"0\n")
         total += sent
         entry = {"path": path, "offset": offset, "size": size, "sent": sent}
         if why:
             entry.update(error="unreadable", reason=why)
         report.append(entry)
+    out.flush()  # every frame out before the answer line
     return {"files": report, "sent": total, "root": root}

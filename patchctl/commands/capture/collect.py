@@ -38,7 +38,7 @@ from patchctl.core.errors import BadInput
 from patchctl.core.options import CaptureOptions
 from patchctl.host import convert as hconvert
 from patchctl.host.ckpt import Untrainable
-from patchctl.host.convert import SPECFORGE_K, UNTRAINABLE
+from patchctl.host.convert import LAYER_KEYS, SPECFORGE_K, UNTRAINABLE
 from patchctl.host.protocol import Outcome
 from patchctl.host.smoke import check_layers
 from patchctl.core.session import Run, host_error
@@ -46,6 +46,7 @@ from patchctl.core.session import Run, host_error
 PULL_BATCH = 1 << 30  # file bytes per agent command (pull_raw; starting one costs ~0.1 s)
 PULL_FILES = 2048
 PULL_STREAMS = 4  # pulls in flight per host by default (--streams)
+STREAM_BYTES, STREAM_FILES = 64 << 20, 4096  # the work that pays for one more stream (see streams_for)
 
 
 def sync_file_system(directory: Path, files: list[Path]) -> None:
@@ -71,10 +72,21 @@ def sync_file_system(directory: Path, files: list[Path]) -> None:
             os.close(fd)
 
 
+def streams_for(items: list[Item], most: int) -> int:
+    """How many of `most` streams a host's pull uses when --streams is not given: one per STREAM_BYTES of its
+    files or per STREAM_FILES of them, whichever gives more. A stream is an SSH connection and an agent
+    started on the host (measured on a 2-core box: ~0.3 s of the hosts' CPU each before a byte moves), and
+    the controller's threads share one interpreter: 2 000 small files (18 MB) a host went faster on one
+    (docs/benchmarks.md, "Collect of many small files")."""
+    nbytes = sum(int(it.rec.get("bytes") or 0) for it in items)
+    return max(1, min(most, len(items), max(-(-nbytes // STREAM_BYTES), -(-len(items) // STREAM_FILES))))
+
+
 class Collector:
-    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter, streams: int = 1):
+    def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter,
+                 streams: int | None = 1):
         self.app, self.run, self.name, self.info, self.out, self.fmt = app, run, name, info, out, fmt
-        self.streams = streams
+        self.streams = streams  # None: as many as the work pays for (streams_for), PULL_STREAMS at most
         self.reporter = reporter
         self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
         self.algorithm = algorithm_of(info) if fmt == "specforge" else None
@@ -82,6 +94,9 @@ class Collector:
         self._index = open(out / INDEX, "ab")
         self._lock = threading.Lock()  # hosts are pulled in parallel threads
         self._fresh: set[str] = set()  # ids pulled again from byte 0 (a resumed file whose sha256 failed)
+        self._outs = str(out)
+        self._expect: dict[str, dict] = {}  # host -> its expectation (run.json)
+        self._layers: dict[tuple, tuple] = {}  # see _layers_of
 
     def close(self):
         self._index.close()
@@ -104,9 +119,10 @@ class Collector:
         from patchctl.core.session import HostSession
 
         queue = deque(items)
-        n = max(1, min(self.streams, len(items)))
+        n = max(1, min(self.streams, len(items))) if self.streams else streams_for(items, PULL_STREAMS)
         sessions = [self.run.session(host)] + [HostSession(self.run, host) for _ in range(n - 1)]
-        tally = {"bytes": 0, "files": 0, "sent": 0, "kept": 0, "t0": time.time(), "last": 0.0, "error": None}
+        tally = {"bytes": 0, "files": 0, "sent": 0, "kept": 0, "t0": time.time(), "last": 0.0, "error": None,
+                 "streams": n}
         threads = [threading.Thread(target=self._stream, args=(host, s, queue, tally, len(items)), daemon=True,
                                     name=f"pull {host.name} {i}") for i, s in enumerate(sessions)]
         for t in threads:
@@ -155,7 +171,7 @@ class Collector:
 
         try:
             while tally["error"] is None:
-                batch = self._claim(queue, min(PULL_FILES, -(-total // self.streams)))
+                batch = self._claim(queue, min(PULL_FILES, -(-total // tally["streams"])))
                 if not batch:
                     return
                 b = pull_batch(s, self.name, batch, self._partial_of, self._finish, retry, progress, self._fresh,
@@ -181,13 +197,25 @@ class Collector:
                             "of": total, "bytes": nbytes, "sent": sent, "kept": kept, "seconds": round(secs, 3)})
         self.app.info(f"{host.name}: {files}/{total} files, {mb(nbytes)} ({nbytes / secs / 1e6:.1f} MB/s)")
 
-    def _partial_of(self, it: Item) -> Path:
-        return partial_name(self.out / it.rel, self.fmt)
+    def _partial_of(self, it: Item) -> str:
+        return partial_name(os.path.join(self._outs, it.rel), self.fmt)
 
-    def _finish(self, it: Item, tmp: Path, digest: str) -> tuple | None:
+    def _layers_of(self, host: str, meta: dict) -> tuple[list[str], dict]:
+        """check_layers' problems and the layer metadata of a file's header against its host's expectation,
+        worked out once per distinct (host, format_version, layer keys) of a collect: what they depend on."""
+        exp = self._expect.get(host)
+        if exp is None:
+            exp = self._expect[host] = expectation((self.info.get("hosts") or {}).get(host) or {})
+        key = (host, meta.get("format_version"), tuple((k, meta.get(k)) for k in sorted(set(LAYER_KEYS) | set(exp))))
+        got = self._layers.get(key)
+        if got is None:
+            got = self._layers[key] = (check_layers(meta, exp), hconvert.layer_meta(meta))
+        return got[0], dict(got[1])
+
+    def _finish(self, it: Item, tmp: str, digest: str, data: bytearray | None = None) -> tuple | None:
         """A pulled file checked: (it, the file to put in place, where) for _commit, or None (its status says
-        why not; its partial removed)."""
-        dest = self.out / it.rel
+        why not; its partial removed). `data`: a small file's bytes, in memory (its header read from them)."""
+        dest = os.path.join(self._outs, it.rel)
         staged = None
         try:
             if digest != it.rec.get("sha256"):
@@ -196,34 +224,21 @@ class Collector:
                              "(changed on the host since it was verified); not collected")
                 return
             try:
-                meta = hconvert.read_header(tmp)
+                meta = hconvert.read_header(tmp) if data is None else hconvert.header_of(data)
             except (OSError, ValueError) as e:
                 it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: unreadable header: {e}"
                 return
-            problems = check_layers(meta, expectation((self.info.get("hosts") or {}).get(it.host) or {}))
+            problems, layers = self._layers_of(it.host, meta)
             if problems:
                 it.status, it.reason = "layers mismatch", f"{it.host}:{it.rec['path']}: " + "; ".join(problems)
                 return
-            it.layers, it.layers_source = hconvert.layer_meta(meta), "file"
+            it.layers, it.layers_source = layers, "file"
             if self.fmt == "specforge":
-                from patchctl.commands.capture.specforge import convert
-
-                ckpt = dest.with_name(dest.name + PARTIAL)
-                mask, it.mask_source = self.loss_mask(it.id)
-                facts = (self.info.get("hosts") or {}).get(it.host) or {}
-                try:  # the ckpt's sha256, hashed as it was written
-                    _T, _meta, digest, _n = convert(tmp, ckpt, mask, self.algorithm, facts.get("layers") or SPECFORGE_K)
-                except Untrainable as e:  # left out, as SpecForge's own normalizer would
-                    it.status, it.reason = UNTRAINABLE, f"{it.host}:{it.rec['path']}: {e}"
+                ckpt, digest = self._to_ckpt(it, tmp, dest)
+                if ckpt is None:
                     return
-                except Exception as e:  # noqa: BLE001 - a file that does not convert is this sample's failure only
-                    it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: cannot convert: {e}"
-                    if ckpt.exists():
-                        os.unlink(ckpt)
-                    return
-                os.unlink(tmp)
                 tmp = ckpt
-            it.sha256, it.bytes = digest, tmp.stat().st_size
+            it.sha256, it.bytes = digest, (os.stat(tmp).st_size if data is None or self.fmt == "specforge" else len(data))
             staged = (it, tmp, dest)
             return staged
         finally:
@@ -232,6 +247,27 @@ class Collector:
                     os.unlink(tmp)
                 except OSError:
                     pass
+
+    def _to_ckpt(self, it: Item, tmp: str, dest: str) -> tuple[str | None, str | None]:
+        """--format specforge: a checked dump converted into its ckpt's partial; (that partial, its sha256), or
+        (None, None) with the item's status saying why not (the dump's partial is removed by _finish)."""
+        from patchctl.commands.capture.specforge import convert
+
+        ckpt = dest + PARTIAL
+        mask, it.mask_source = self.loss_mask(it.id)
+        facts = (self.info.get("hosts") or {}).get(it.host) or {}
+        try:  # the ckpt's sha256, hashed as it was written
+            _T, _meta, digest, _n = convert(Path(tmp), Path(ckpt), mask, self.algorithm, facts.get("layers") or SPECFORGE_K)
+        except Untrainable as e:  # left out, as SpecForge's own normalizer would
+            it.status, it.reason = UNTRAINABLE, f"{it.host}:{it.rec['path']}: {e}"
+            return None, None
+        except Exception as e:  # noqa: BLE001 - a file that does not convert is this sample's failure only
+            it.status, it.reason = "bad dump", f"{it.host}:{it.rec['path']}: cannot convert: {e}"
+            if os.path.exists(ckpt):
+                os.unlink(ckpt)
+            return None, None
+        os.unlink(tmp)
+        return ckpt, digest
 
     def _commit(self, staged: list[tuple]) -> None:
         """A batch's checked files put in place: their bytes made durable together (one sync of DIR's file
@@ -244,7 +280,8 @@ class Collector:
             sync_file_system(self.out, [tmp for _it, tmp, _dest in staged])
             with self._lock:
                 for it, _tmp, _dest in staged:
-                    self._index.write((json.dumps(self.entry(it), sort_keys=True) + "\n").encode())
+                    it.line = json.dumps(self.entry(it), sort_keys=True) + "\n"
+                    self._index.write(it.line.encode())
                 self._index.flush()
                 os.fsync(self._index.fileno())
             for it, tmp, dest in staged:
@@ -286,7 +323,7 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     by_host = pending_by_host(items)
     hosts = [h for h in run.hosts if h.name in by_host]
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
-    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams or PULL_STREAMS)
+    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams)
     col.dataset = dataset
     codes: list[int] = []
     with reporter:

@@ -16,6 +16,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from patchctl import __version__
@@ -51,9 +52,10 @@ class Item:
     mask_source: str | None = None  # specforge: where the ckpt's loss_mask came from
     layers: dict | None = None  # the file's layer metadata (LAYER_KEYS), or the run's expectation (--in-place)
     layers_source: str | None = None
+    line: str | None = None  # its index line as written when it was put in place (the same line ends the index)
 
-    @property
-    def host(self) -> str:
+    @cached_property
+    def host(self) -> str:  # (read about ten times per file of a pull)
         return self.rec.get("host")
 
 
@@ -136,15 +138,35 @@ def open_collection(out: Path, name: str, fmt: str) -> dict[str, dict]:
     return prev
 
 
+class _Listed:
+    """Whether a name is in DIR, from one listing of each of its directories (files/xx/): a stat or two per
+    sample cost more than the listing, and in a new DIR nothing is there to find."""
+
+    def __init__(self, out: Path):
+        self.out, self.dirs = out, {}
+
+    def __call__(self, rel: str) -> bool:
+        d, name = os.path.split(rel)
+        if d not in self.dirs:
+            try:
+                self.dirs[d] = set(os.listdir(self.out / d))
+            except FileNotFoundError:
+                self.dirs[d] = set()
+            except OSError:  # not a directory, not readable: each name looked at on its own
+                self.dirs[d] = None
+        names = self.dirs[d]
+        return names is None or name in names
+
+
 def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selected: set[str], known: set[str],
                host_facts: dict | None = None) -> list[Item]:
     """One Item per done sample, in journal order: already in DIR (present), in the way (conflict), on a host
     not selected or not in the inventory, indexed where it lies (--in-place), or still to pull (pending)."""
-    items, host_facts = [], host_facts or {}
+    items, host_facts, there = [], host_facts or {}, _Listed(out)
     for sid, rec in st.done.items():
         it = Item(sid, rec, target_rel(sid, fmt) if fmt != "in-place" else None)
         items.append(it)
-        path = out / it.rel if it.rel else None
+        path = out / it.rel if it.rel and there(it.rel) else None
         if path is not None and (path.exists() or path.is_symlink()):
             have = sha256_file(path) if path.is_file() and not path.is_symlink() else None
             want = rec.get("sha256") if fmt == "safetensors" else None
@@ -272,8 +294,8 @@ def not_collected(failures: list[dict], codes: list[int], emit) -> int:
 def finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[Item], created: str, entry,
                        **extra) -> tuple[dict, list[dict]]:
     """The index rewritten in journal order, draft-config.json, index.json: (summary, failures)."""
-    entries = [entry(it) for it in items if it.status in OK_STATES]
-    _write_atomic(out / INDEX, "".join(json.dumps(e, sort_keys=True) + "\n" for e in entries).encode())
+    lines = [it.line or json.dumps(entry(it), sort_keys=True) + "\n" for it in items if it.status in OK_STATES]
+    _write_atomic(out / INDEX, "".join(lines).encode())
     problems, fields = write_draft_config(out, name, info, items)
     if fmt.startswith("specforge"):  # the complete draft config and SpecForge's run config, beside the data
         from patchctl.commands.capture import trainfiles
@@ -281,7 +303,7 @@ def finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[It
         extra["training"] = trainfiles.write(out, fields, info.get("hosts") or {}, sorted({it.host for it in items}),
                                              extra.get("on_host") or str(out),
                                              max((int(it.rec.get("tokens") or 0) for it in items if it.status in OK_STATES), default=0),
-                                             _write_atomic, samples=len(entries))
+                                             _write_atomic, samples=len(lines))
     summary = write_summary(out, name, info, fmt, items, "done", created, draft_config=DRAFT,
                             draft_config_problems=problems, **extra)
     failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}

@@ -25,25 +25,30 @@ import hashlib
 import os
 import stat
 import time
-from pathlib import Path
 from typing import Callable
 
 from patchctl.commands.capture.collection import PARTIAL, Item
 from patchctl.core.rawout import FrameSink
 
 REHASH_BLOCK = 4 << 20
+SMALL = 1 << 20  # a file of at most this many bytes is received in memory and written once, whole, when it checks
 
 
 class Incoming:
-    """One file on its way into its partial: the fd, the running sha256, the bytes kept from a cut pull."""
+    """One file on its way into its partial: the fd, the running sha256, the bytes kept from a cut pull.
+    A small file (SMALL bytes at most) with no partial to resume is held in memory instead (`mem`): hashed
+    once at its end, its header read from those bytes, and its partial written whole (`spill`) only once
+    its sha256 is the journal's; a pull cut inside it keeps nothing (the next collect pulls it whole)."""
 
-    def __init__(self, it: Item, tmp: Path):
+    def __init__(self, it: Item, tmp: str):
         self.it, self.tmp = it, tmp
         self.expected = int(it.rec.get("bytes") or 0)
         self.fd: int | None = None
         self.hasher = hashlib.sha256()
         self.kept = 0  # bytes of the partial reused from an earlier pull
-        self.have = 0  # bytes in the partial now
+        self.have = 0  # bytes in the partial (or in memory) now
+        self.mem: bytearray | None = None
+        self.small = False
         self.done = False
         self.on_end: Callable[["Incoming"], None] = lambda inc: None
 
@@ -64,24 +69,53 @@ class Incoming:
                     self.hasher.update(memoryview(buf)[:n])
                     self.have += n
         self.kept = self.have
+        self.small = st is None and self.expected <= SMALL
 
     def open(self) -> None:
-        """The partial opened for writing at the end of what was kept (files are opened one at a time)."""
-        try:
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except FileNotFoundError:  # its directory's first file (a mkdir for every file cost more than the open)
-            self.tmp.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        """The partial opened for writing at the end of what was kept (files are opened one at a time); a
+        small file's bytes gathered in memory instead."""
+        if self.small:
+            self.mem = bytearray()
+            return
+        self.fd = self._create(os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW)
         if os.fstat(self.fd).st_size != self.have:
             os.close(self.fd)
             self.fd = None
             raise RuntimeError(f"{self.tmp} changed while this collect was pulling it (another collect into the same DIR?)")
         os.lseek(self.fd, self.have, os.SEEK_SET)
 
+    def _create(self, flags: int) -> int:
+        try:
+            return os.open(self.tmp, flags, 0o644)
+        except FileNotFoundError:  # its directory's first file (a mkdir for every file cost more than the open)
+            os.makedirs(os.path.dirname(self.tmp), exist_ok=True)
+            return os.open(self.tmp, flags, 0o644)
+
     def end(self) -> None:
         self.on_end(self)
 
+    def digest(self) -> str:
+        return (hashlib.sha256(self.mem) if self.mem is not None else self.hasher).hexdigest()
+
+    def spill(self, data: bytearray) -> None:
+        """A small file's bytes written to its partial (a new file: one there now is another collect's)."""
+        try:
+            fd = self._create(os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
+        except FileExistsError:
+            raise RuntimeError(f"{self.tmp} appeared while this collect was pulling it (another collect into the same "
+                               "DIR?)") from None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
     def data(self, chunk: memoryview) -> None:
+        if self.mem is not None:
+            self.mem += chunk
+            self.have += len(chunk)
+            return
         while chunk:
             n = os.write(self.fd, chunk)
             self.hasher.update(chunk[:n])
@@ -92,6 +126,10 @@ class Incoming:
         """Close the partial: fsynced where it is kept (a cut pull's prefix, or a file to finish; `sync`
         False: its batch syncs its files together, Batch.commit), else removed."""
         fd, self.fd = self.fd, None
+        if self.mem is not None:  # nothing on disk (written, if at all, by spill)
+            if not keep:
+                self.mem = None
+            return
         if fd is not None:
             try:
                 if keep and sync:
@@ -114,7 +152,7 @@ class Batch:
     put in place together (Collector._commit: one file-system sync and one index fsync per batch, not
     two fsyncs per file), their partials closed unsynced meanwhile."""
 
-    def __init__(self, items: list[Item], partial_of: Callable[[Item], Path], finish, retry,
+    def __init__(self, items: list[Item], partial_of: Callable[[Item], str], finish, retry,
                  progress: Callable[[int], None] | None = None, fresh: set[str] | None = None, commit=None):
         self.items = items
         self.commit = commit
@@ -197,17 +235,30 @@ class Batch:
             inc.it.reason = (f"{inc.it.host}:{inc.it.rec['path']}: {inc.have} of {inc.expected} bytes arrived "
                              "(changed on the host since it was verified); not collected")
             return
-        digest = inc.hasher.hexdigest()
+        digest = inc.digest()
         if digest != inc.it.rec.get("sha256") and inc.kept and inc.it.id not in self.fresh:
             inc.close(keep=False)  # the kept prefix may be what is wrong: once more, whole
             self.retry(inc.it)
             return
         inc.close(keep=True, sync=self.commit is None)
-        staged = self.finish(inc.it, inc.tmp, digest)
+        data, inc.mem = inc.mem, None
+        if data is not None and digest == inc.it.rec.get("sha256"):
+            inc.spill(data)
+            if self.commit is None:  # no batch commit to sync it: synced now, as a streamed file is
+                sync_file(inc.tmp)
+        staged = self.finish(inc.it, inc.tmp, digest, data)
         if staged is not None and self.commit is not None:
             self.staged.append(staged)
         if self.progress:
             self.progress(inc.have - inc.kept)
+
+
+def sync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pull_batch(session, run_name: str, items: list[Item], partial_of, finish, retry, progress=None,
@@ -220,6 +271,6 @@ def pull_batch(session, run_name: str, items: list[Item], partial_of, finish, re
     return batch
 
 
-def partial_name(dest: Path, fmt: str) -> Path:
+def partial_name(dest: str, fmt: str) -> str:
     """Where a pulled dump is written before it is verified (and, for specforge, converted)."""
-    return dest.with_name(dest.name + (".safetensors" if fmt == "specforge" else "") + PARTIAL)
+    return dest + (".safetensors" if fmt == "specforge" else "") + PARTIAL
