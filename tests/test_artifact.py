@@ -192,7 +192,7 @@ def test_the_probe_writes_nothing_on_the_host(fleet):
         s = run.session(run.hosts[0])
         snap = host_snapshot(h.dir)
         ans = s.call_raw("artifact_probe", digest=art.digest, files=art.wire_files())
-        assert ans["objects"] == [] and ans["parts"] == {} and not ans["materialised"] and ans["free_bytes"] > 0
+        assert ans.objects == [] and ans.parts == {} and not ans.materialised and ans.free_bytes > 0
         assert host_snapshot(h.dir) == snap and not (h.dir / "state").exists()  # not even state_dir
         with pytest.raises(AgentFailure, match="hashes to [0-9a-f]{64}, not to the digest sent") as e:  # a manifest that lies
             s.call_raw("artifact_probe", digest="0" * 64, files=art.wire_files())
@@ -294,7 +294,7 @@ def test_a_stopped_stream_resumes_and_a_tampered_part_is_refused_then_sent_whole
         assert 0 < arrived < model.size and not (objects / model.sha256).exists()
         snap = host_snapshot(h.dir)  # a probe of a host holding objects and a .part changes nothing either
         ans = s.call_raw("artifact_probe", digest=art.digest, files=art.wire_files())
-        assert ans["parts"] == {model.sha256: arrived} and len(ans["objects"]) == 1 and not ans["materialised"]
+        assert ans.parts == {model.sha256: arrived} and len(ans.objects) == 1 and not ans.materialised
         assert host_snapshot(h.dir) == snap
         # resumed: only the rest is sent
         kept = part.read_bytes()

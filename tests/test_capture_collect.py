@@ -528,7 +528,7 @@ def _pull(f, host, run, paths):
         res = remote.call(s.transport, s.request("pull_raw", run=run, files=[{"path": str(p)} for p in paths]),
                           stdout=sink)
         assert sink.error is None and not sink.cut
-        return res["files"], got
+        return res.files, got
     finally:
         r.close()
 

@@ -342,6 +342,8 @@ def test_an_answer_field_its_type_does_not_name_is_an_error_on_both_sides(tmp_pa
 
     req = next(c["request"] for c in calls() if c["request"]["op"] == "rollback")
     good = next(c["answer"]["result"] for c in calls() if c["request"]["op"] == "rollback" and c["answer"]["ok"])
-    assert remote.call(Answering(good), req) == good  # read through the type, returned as it came
+    ans = remote.call(Answering(good), req)  # read through its op's type, returned typed
+    assert isinstance(ans, P.RollbackAnswer) and ans.changed == good["changed"]
+    assert json.dumps(ans.to_wire()) == json.dumps(good)  # written back: the wire it came as, key for key, in order
     with pytest.raises(AgentLost, match="answered out of protocol .*RollbackAnswer: unknown field 'sever'"):
         remote.call(Answering(dict(good, sever="restarted")), req)

@@ -27,7 +27,7 @@ from patchctl.core.preflight import Gate, preflight
 from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, Run, UnitResult, host_error
-from patchctl.host.protocol import Outcome
+from patchctl.host.protocol import ApplyAnswer, Outcome, RollbackAnswer
 
 
 def repo_commit(patches_dir: Path) -> str | None:
@@ -149,11 +149,12 @@ class UnitDeploy:
                 self.failure = (s, e)
             if r is not None:
                 self.results[s.host.name] = r
-                if r.get("changed") or (r.get("config_change") and chain):
+                if r.changed or (r.config_change and chain):
                     self.applied.append(s)  # a one-node unit's config change is restarted and smoked in its command
         if self.failure:
             return self._apply_failed()
-        changed = [s.host.name for s in self.sessions if (self.results.get(s.host.name) or {}).get("config_change")]
+        changed = [s.host.name for s in self.sessions
+                   if s.host.name in self.results and self.results[s.host.name].config_change]
         if changed and not chain:
             self.release_all()
             return UnitResult(self.names, Outcome.NEEDS_ATTENTION,
@@ -162,7 +163,7 @@ class UnitDeploy:
                               "(no automatic return to the old config)")
         if not self.applied:
             self.release_all()
-            notes = "; ".join(sorted({r.get("note", "") for r in self.results.values()}))
+            notes = "; ".join(sorted({r.note or "" for r in self.results.values()}))
             return UnitResult(self.names, Outcome.UNCHANGED, notes)
         if not self.restart_server:
             return UnitResult(self.names, Outcome.APPLIED, "files applied; server not restarted (--no-restart)", touched=True)
@@ -194,7 +195,7 @@ class UnitDeploy:
         except Exception as e:  # noqa: BLE001 - reported per host
             if chain and getattr(e, "step", "apply") != "apply":  # the files were applied; restart or smoke failed
                 self.error = e
-                return s, {"changed": True}, None
+                return s, ApplyAnswer(changed=True), None
             return s, None, e
 
     def _apply_failed(self):
@@ -231,19 +232,20 @@ class UnitDeploy:
         res = None if self.opts.no_smoke else self.head.call("smoke", "smoke", **self.smoke_fields())
         for s in (self.sessions if self.opts.no_smoke else self.sessions[1:]):
             s.call("finalize", "finalize")
-        return self._deployed(res)
+        return self._deployed(res and res.smoke, None)
 
     def _chained(self):
         if self.error is not None:  # the command's restart or smoke failed
             return State.FAILED
-        return self._deployed(self.results[self.head.host.name])
+        res = self.results[self.head.host.name]
+        return self._deployed(res.smoke, res.config_change)
 
-    def _deployed(self, res: dict | None) -> UnitResult:
+    def _deployed(self, sm: dict | None, cc: dict | None) -> UnitResult:
+        """The unit's result once restarted: `sm` the smoke's report (None: --no-smoke), `cc` the config change
+        the restart rolled out (an apply's `config_change`; None: none)."""
         if self.opts.no_smoke:
-            return UnitResult(self.names, Outcome.DEPLOYED, ("server config changed; " if (res or {}).get("config_change") else "")
+            return UnitResult(self.names, Outcome.DEPLOYED, ("server config changed; " if cc else "")
                               + "restarted; smoke skipped (--no-smoke)", touched=True)
-        sm = res["smoke"]
-        cc = res.get("config_change")
         return UnitResult(self.names, Outcome.DEPLOYED, ("server config changed (" + ", ".join(sorted(cc)) + "); " if cc else "") +
                           f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s",
                           touched=True)
@@ -254,7 +256,7 @@ class UnitDeploy:
         msg = getattr(e, "failure", None) or msg  # the agent's rollback after a failed step failed in turn
         if getattr(e, "rolled_back", None) is not None:  # rolled back and verified in the same command
             return UnitResult(self.names, Outcome.FAILED_ROLLED_BACK, msg, touched=True)
-        if any(r.get("config_change") for r in self.results.values()):  # files untouched: no file rollback
+        if any(r.config_change for r in self.results.values()):  # files untouched: no file rollback
             return UnitResult(self.names, Outcome.ROLLBACK_FAILED,
                               f"{msg}; the server config it replaced could not be restarted "
                               f"({getattr(e, 'details', {}).get('rollback_error') or 'halted'}); files unchanged; next: fix "
@@ -295,10 +297,10 @@ class UnitDeploy:
         res = self._rollback(self.sessions, "rollback requested", restart_server, to=to, force=force)
         msgs = []
         for r in res:
-            msgs.append(r.get("note") or f"{len(r.get('files', []))} files restored" + (f"; {r['server']}" if r.get("server") else ""))
-        return any(r.get("changed") for r in res), "; ".join(msgs)
+            msgs.append(r.note or f"{len(r.files or [])} files restored" + (f"; {r.server}" if r.server else ""))
+        return any(r.changed for r in res), "; ".join(msgs)
 
-    def _rollback(self, sessions, reason, restart_server, to=None, force=False) -> list[dict]:
+    def _rollback(self, sessions, reason, restart_server, to=None, force=False) -> list[RollbackAnswer]:
         extra = {"to": to, "force": force}
         if len(self.sessions) == 1 or not restart_server:
             return [self._rollback_call(s, reason, restart=restart_server, **extra) for s in sessions]
@@ -306,7 +308,7 @@ class UnitDeploy:
         for s in self.sessions:
             r = self._rollback_call(s, reason, restart="stop", keep_lock=True, **extra)
             out.append(r)
-            befores[s.host.name] = r.get("server_before")
+            befores[s.host.name] = r.server_before
         for s in self.sessions:
             cfg = befores.get(s.host.name)
             if cfg and cfg.get("running"):
@@ -442,8 +444,7 @@ def run_smoke(app: App, opts: DeployOptions) -> int:
                 fields["capture_layers"] = h.server.capture_layers
             if h.server.hidden_size:
                 fields["hidden_size"] = h.server.hidden_size
-            r = s.call("smoke", "smoke", **fields)
-            sm = r["smoke"]
+            sm = s.call("smoke", "smoke", **fields).smoke
             return UnitResult([h.name], "ok", f"{sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s")
         except PatchctlError as e:
             outcome, msg = host_error(e)

@@ -24,6 +24,7 @@ from patchctl.core.series import Series, load_series
 from patchctl.core.session import HostSession, ask_hosts, describe_holder, holder_is_stale
 from patchctl.host.capture_rules import FLAG, METHOD, judge, method_where, with_convention
 from patchctl.host.drafter import accept_of
+from patchctl.host.protocol import HistoryAnswer, ImageAnswer, Manifest, ProbeAnswer, StatusAnswer, wire_form
 
 
 def attention_of(app: App, d: dict) -> list[dict]:
@@ -74,14 +75,12 @@ def attention_of(app: App, d: dict) -> list[dict]:
 
 def run_status(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
-        r = s.call("status", capture_layers=s.host.server.capture_layers)
-        m = r.get("manifest") or {}
-        return {"root": r["root"], "sglang_version": r["version"], "series": m.get("series"), "version": m.get("version"),
-                "state": m.get("status") if m else "clean", "when": m.get("when"), "who": m.get("who"),
-                "repo_commit": m.get("repo_commit"), "run_id": m.get("run_id"),
-                "patches": m.get("patches"), "drift": r["drift"], "lock": r["lock"], "server": r["server"],
-                "interrupted": r.get("interrupted"), "drafter": r.get("drafter"), "config_change": r.get("config_change"),
-                "notes": r.get("notes") or []}
+        r: StatusAnswer = s.call("status", capture_layers=s.host.server.capture_layers)
+        row = {"root": r.root, "sglang_version": r.version}
+        row.update(_manifest_row(r.manifest))
+        row.update(drift=r.drift, lock=wire_form(r.lock), server=r.server, interrupted=r.interrupted,
+                   drafter=r.drafter, config_change=r.config_change, notes=r.notes or [])
+        return row
 
     def render(data):
         t = table("status", "host", "series", "state", "applied", "drift", "lock", "server", "drafter")
@@ -113,8 +112,8 @@ def run_status(app: App, opts: QueryOptions) -> int:
                 app.info(f"{d['host']}: its server is not running (nothing deployed needs it); start it: "
                          f"{app.cmd('start', '--limit', d['host'])}")
 
-    def exit_of(r):
-        return 3 if r["attention"] else 0
+    def exit_of(row):
+        return 3 if row["attention"] else 0
 
     def with_attention(s: HostSession):
         d = per_host(s)
@@ -122,6 +121,15 @@ def run_status(app: App, opts: QueryOptions) -> int:
         return d
 
     return ask_hosts(app, opts, "status", with_attention, render, exit_of=exit_of, after=hints)
+
+
+def _manifest_row(m: Manifest | None) -> dict:
+    """What `status` shows of a tree's manifest, in its row's order (None: clean)."""
+    if m is None:
+        return {"series": None, "version": None, "state": "clean", "when": None, "who": None, "repo_commit": None,
+                "run_id": None, "patches": None}
+    return {"series": m.series, "version": m.version, "state": m.status, "when": m.when, "who": m.who,
+            "repo_commit": m.repo_commit, "run_id": m.run_id, "patches": wire_form(m.patches)}
 
 
 def uptime_text(seconds) -> str:
@@ -247,10 +255,10 @@ def run_history(app: App, opts: QueryOptions) -> int:
     last = opts.last
 
     def per_host(s: HostSession):
-        r = s.call("history")
+        r: HistoryAnswer = s.call("history")
         if last:
-            r["history"] = r["history"][-last:]
-        return r
+            r.history = r.history[-last:]
+        return r.to_wire()
 
     def render(data):
         if not app.out.is_terminal:
@@ -271,8 +279,7 @@ def run_history(app: App, opts: QueryOptions) -> int:
 
 def run_unlock(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
-        r = s.call("status")
-        h = r.get("lock")
+        h = wire_form(s.call("status").lock)  # the holder as a plain dict: it is printed as it is
         if not h:
             return {"unlocked": None, "message": "not locked"}
         if not opts.force and not holder_is_stale(h):
@@ -291,8 +298,8 @@ def run_unlock(app: App, opts: QueryOptions) -> int:
 
 def run_image(app: App, opts: QueryOptions) -> int:
     def per_host(s: HostSession):
-        r = s.call("container_image", repo=opts.repo)
-        return dict(r, message=f"{r['tag']} ({r['image'][:19]}): {r['series']} {r['version']} over {r['base'][:19]}")
+        r: ImageAnswer = s.call("container_image", repo=opts.repo)
+        return dict(r.to_wire(), message=f"{r.tag} ({r.image[:19]}): {r.series} {r.version} over {r.base[:19]}")
 
     def render(data):
         t = table("image", "host", "image")
@@ -309,9 +316,9 @@ def run_plan(app: App, opts: QueryOptions) -> int:
     reach = Reachability(series)
 
     def per_host(s: HostSession):
-        r = s.call("probe", series=sreq, capture_layers=s.host.server.capture_layers)
+        r: ProbeAnswer = s.call("probe", series=sreq, capture_layers=s.host.server.capture_layers)
         d = plan_host(series, s.host, r)
-        d["restart_config"] = r.get("launch") if d["restart"] != "no" else None  # as the host renders it
+        d["restart_config"] = wire_form(r.launch) if d["restart"] != "no" else None  # as the host renders it
         arch = d.get("model_arch")
         if arch:
             v = reach.verdict(arch)
@@ -327,7 +334,7 @@ def run_plan(app: App, opts: QueryOptions) -> int:
         return render_plan(app, series, data, show_diff=opts.diff)
 
     return ask_hosts(app, opts, "plan", per_host, render,
-                   exit_of=lambda r: 0 if not r["blockers"] else (4 if r.get("locked") else 3 if r.get("drifted") else 2),
+                   exit_of=lambda row: 0 if not row["blockers"] else (4 if row.get("locked") else 3 if row.get("drifted") else 2),
                    page=opts.diff, public_env=series.public_env)
 
 
@@ -457,38 +464,38 @@ def _diff_style(line: str) -> str | None:
     return None
 
 
-def plan_host(series: Series, host: Host, probe: dict) -> dict:
+def plan_host(series: Series, host: Host, probe: ProbeAnswer) -> dict:
     from packaging.specifiers import SpecifierSet
 
-    m = probe.get("manifest")
+    m, lock = probe.manifest, wire_form(probe.lock)
     blockers = []
-    if probe.get("lock") and not holder_is_stale(probe["lock"]):
-        blockers.append(f"locked by {describe_holder(probe['lock'])}")
-    if probe.get("drift"):
-        blockers.append("drift: " + ", ".join(d["path"] for d in probe["drift"]))
-    ver = probe.get("version")
+    if lock and not holder_is_stale(lock):
+        blockers.append(f"locked by {describe_holder(lock)}")
+    if probe.drift:
+        blockers.append("drift: " + ", ".join(d["path"] for d in probe.drift))
+    ver = probe.version
     if ver is None or ver not in SpecifierSet(series.sglang):
         blockers.append(f"SGLang {ver} is not targeted by {series.name} ({series.sglang})")
-    stage = probe.get("stage") or {}
+    stage = probe.stage or {}
     if stage and not stage.get("ok"):
         failed = [p for p in stage.get("patches", []) if p.get("status") == "failed"]
         blockers.append("does not apply: " + (f"{failed[0]['name']}: {failed[0].get('detail')}" if failed else str(stage.get("error"))))
-    blockers += [f"cannot capture: {r}" for r in probe.get("capture_refusals") or []]
-    same = m and m["series"] == series.name and m["version"] == series.version and \
-        [p["sha256"] for p in m["patches"]] == [p.sha256 for p in series.patches]
-    cc = probe.get("config_change") if same and m.get("status") in ("verified", "restarted") else None
+    blockers += [f"cannot capture: {r}" for r in probe.capture_refusals or []]
+    same = m and m.series == series.name and m.version == series.version and \
+        [p.sha256 for p in m.patches] == [p.sha256 for p in series.patches]
+    cc = probe.config_change if same and m.status in ("verified", "restarted") else None
     if cc:
         action = f"restart: {series.name} {series.version} is applied, the server config changed"
     elif same:
         action = "nothing (already applied)"
     elif m:
-        action = f"replace {m['series']} {m['version']} with {series.name} {series.version}"
+        action = f"replace {m.series} {m.version} with {series.name} {series.version}"
     else:
         action = f"apply {series.name} {series.version} ({len(series.patches)} patches)"
-    if probe.get("journal"):
+    if probe.journal:
         action += " — first undo an interrupted change"
     files = [{"path": f.path, "action": f.action} for p in series.patches for f in p.files]
-    srv = probe.get("server") or {}
+    srv = probe.server or {}
     restart = "no" if same and not cc else (
         f"yes: {host.server.manager} on port {host.server.port} with "
         f"{' '.join(with_convention(series.smoke.server_args, host.server.capture_convention))}"
@@ -499,8 +506,8 @@ def plan_host(series: Series, host: Host, probe: dict) -> dict:
     if srv.get("container") and restart != "no":
         restart += (f"; {container_words(srv['container'])} now: patchctl runs a container made from the operator's "
                     "(same image, settings and mounts, the patched tree mounted read-only), the operator's is parked")
-    return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.get("model_arch"),
-            "capture": capture_summary(series, host, probe.get("model_arch")),
-            "locked": bool(probe.get("lock")), "drifted": bool(probe.get("drift")), "config_change": cc,
-            "sglang_version": ver, "root": probe.get("root"), "free_bytes": probe.get("free_bytes"),
+    return {"action": action, "files": files, "restart": restart, "blockers": blockers, "model_arch": probe.model_arch,
+            "capture": capture_summary(series, host, probe.model_arch),
+            "locked": bool(lock), "drifted": bool(probe.drift), "config_change": cc,
+            "sglang_version": ver, "root": probe.root, "free_bytes": probe.free_bytes,
             "diff": {p.file: p.text for p in series.patches}}

@@ -17,6 +17,7 @@ from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
 from patchctl.core.options import DeployOptions
 from patchctl.core.session import Run, UnitResult, host_error
+from patchctl.host.protocol import ServiceAnswer
 
 PAST = {"start": "started", "stop": "stopped", "restart": "restarted"}
 
@@ -51,37 +52,40 @@ class ServiceUnit:
                 res = self._multi_node()
         except PatchctlError as e:
             return self._failed(e)
-        if not res.get("changed"):
-            return UnitResult(self.names, "unchanged", res.get("note") or "nothing to do")
+        if not res.changed:
+            return UnitResult(self.names, "unchanged", res.note or "nothing to do")
         parts = []  # the outcome says "restarted"; the detail what came of it
-        before = res.get("pid_before") if self.action != "start" else None
-        now = res.get("pid") if self.action != "stop" else None
+        before = res.pid_before if self.action != "start" else None
+        now = res.pid if self.action != "stop" else None
         if before or now:
             parts.append(", ".join(([f"pid {before} stopped"] if before else []) + ([f"now pid {now}"] if now else [])))
-        if res.get("ready_seconds") is not None:
-            parts.append(f"ready after {res['ready_seconds']}s")
-        sm = res.get("smoke")
+        if res.ready_seconds is not None:
+            parts.append(f"ready after {res.ready_seconds}s")
+        sm = res.smoke
         if sm:
             parts.append(f"smoke passed: {sm['prompts']} prompts, {sm['tokens']} tokens, {sm['bytes']} bytes, {sm['seconds']}s")
         elif self.action != "stop":
             parts.append("no smoke (" + ("--no-smoke" if self.opts.smoke is False else "no capture series deployed") + ")")
         return UnitResult(self.names, PAST[self.action], "; ".join(parts) or PAST[self.action], touched=True)
 
-    def _multi_node(self) -> dict:
-        out = {"changed": False}
+    def _multi_node(self) -> ServiceAnswer:
+        """Every node stopped, then every node started, then the head waited on: the unit's answer."""
+        out = ServiceAnswer(changed=False)
         try:
             for s in self.sessions if self.action != "start" else []:  # every node stopped before any starts
                 r = s.call("service", "stop", phase="stop", keep_lock=True, **self.fields(s.host))
-                out["changed"] |= bool(r.get("changed"))
+                out.changed |= bool(r.changed)
             if self.action == "stop":
                 return out
             for s in self.sessions:
                 r = s.call("service", "start", phase="start", keep_lock=True, **self.fields(s.host))
-                out["changed"] |= bool(r.get("changed"))
-            if not out["changed"]:
-                return dict(out, note="already running")
+                out.changed |= bool(r.changed)
+            if not out.changed:
+                out.note = "already running"
+                return out
             r = self.head.call("service", "ready", phase="ready", keep_lock=True, **self.fields(self.head.host))
-            return dict(r, changed=True)
+            r.changed = True
+            return r
         finally:
             for s in self.sessions:
                 try:

@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 
 from patchctl.core.errors import BadInput, Failed, NeedsAttention, PatchctlError
 from patchctl.host.artifact import canonical, valid_relpath
+from patchctl.host.protocol import ArtifactProbeAnswer, ArtifactReceiveAnswer
 
 CHUNK = 1 << 20
 DEFAULT_KEEP_FREE = 1 << 30  # bytes a host keeps free after the artifact has arrived
@@ -195,23 +196,23 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
     t0 = time.monotonic()
     name = session.host.name
     files = artifact.wire_files()
-    probe = session.call_raw("artifact_probe", digest=artifact.digest, files=files)
-    if probe.get("conflicts"):
-        c = probe["conflicts"][0]
+    probe: ArtifactProbeAnswer = session.call_raw("artifact_probe", digest=artifact.digest, files=files)
+    if probe.conflicts:
+        c = probe.conflicts[0]
         raise NeedsAttention(f"{name}: {c['path']}: {c['reason']}; patchctl did not write it and leaves it: remove it")
     objects = artifact.objects()
     distinct = sum(f.size for f in objects.values())
-    have = set(probe.get("objects") or [])
-    parts = probe.get("parts") or {}
+    have = set(probe.objects or [])
+    parts = probe.parts or {}
     plan = [{"sha256": sha, "offset": min(parts.get(sha, 0), f.size), "size": f.size}
             for sha, f in objects.items() if sha not in have]
     need = sum(p["size"] - p["offset"] for p in plan)
-    out = {"host": name, "digest": artifact.digest, "path": probe["path"], "bytes_sent": 0,
+    out = {"host": name, "digest": artifact.digest, "path": probe.path, "bytes_sent": 0,
            "bytes_present": distinct - need, "bytes_total": distinct, "objects_sent": 0, "files_verified": 0,
-           "materialised": bool(probe.get("materialised")), "linked": 0, "copied": 0, "commands": 1}
-    if need and probe["free_bytes"] - need < keep_free:
+           "materialised": bool(probe.materialised), "linked": 0, "copied": 0, "commands": 1}
+    if need and probe.free_bytes - need < keep_free:
         raise NotEnoughDisk(f"{name}: not enough free disk for drafter {artifact.digest[:12]} under "
-                            f"{os.path.dirname(probe['path'])}: {need} bytes needed, {probe['free_bytes']} free, "
+                            f"{os.path.dirname(probe.path)}: {need} bytes needed, {probe.free_bytes} free, "
                             f"keep_free {keep_free}; nothing was sent")
     if not plan and out["materialised"]:
         out["seconds"] = round(time.monotonic() - t0, 3)
@@ -223,19 +224,19 @@ def send(session, artifact: Artifact, *, keep_free: int = DEFAULT_KEEP_FREE,
             raise BadInput(f"{f.source}: changed since the drafter directory was hashed ({f.size} bytes then, "
                            f"{st.st_size} now): hash it again (Artifact.from_dir)")
     stream = _Stream(plan, objects, (lambda n: on_progress(n, need)) if on_progress else None, stop)
-    res = session.call_raw("artifact_receive", stream=stream, digest=artifact.digest, files=files, plan=plan,
-                keep_free=keep_free)
-    out.update(bytes_sent=res["received"], bytes_present=distinct - res["received"], objects_sent=len(res["verified"]),
-               files_verified=len(res["verified"]), materialised=res["materialised"], commands=2, path=res["path"],
-               linked=res["linked"], copied=res["copied"], seconds=round(time.monotonic() - t0, 3))
-    if res["refused"] or res["incomplete"]:
-        why = "; ".join([f"{r['sha256'][:12]} refused ({r['reason']}; its .part removed)" for r in res["refused"]]
-                        + [f"{r['sha256'][:12]} has {r['have']} of {r['size']} bytes" for r in res["incomplete"]])
+    res: ArtifactReceiveAnswer = session.call_raw("artifact_receive", stream=stream, digest=artifact.digest,
+                                                  files=files, plan=plan, keep_free=keep_free)
+    out.update(bytes_sent=res.received, bytes_present=distinct - res.received, objects_sent=len(res.verified),
+               files_verified=len(res.verified), materialised=res.materialised, commands=2, path=res.path,
+               linked=res.linked, copied=res.copied, seconds=round(time.monotonic() - t0, 3))
+    if res.refused or res.incomplete:
+        why = "; ".join([f"{r['sha256'][:12]} refused ({r['reason']}; its .part removed)" for r in res.refused]
+                        + [f"{r['sha256'][:12]} has {r['have']} of {r['size']} bytes" for r in res.incomplete])
         if stream.why:
             why += f" (the stream ended: {stream.why})"
         e = TransferIncomplete(f"{name}: drafter {artifact.digest[:12]} not complete: {why}; "
-                               f"{res['received']} bytes arrived; send again to resume")
-        e.details = dict(res, bytes_sent=res["received"])
+                               f"{res.received} bytes arrived; send again to resume")
+        e.details = dict(res.to_wire(), bytes_sent=res.received)
         raise e
     return out
 

@@ -17,6 +17,7 @@ from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
 from patchctl.core.series import Series
 from patchctl.core.session import Run, host_error
+from patchctl.host.protocol import ApplyAnswer, ProbeAnswer
 
 
 class Reachability:
@@ -69,9 +70,9 @@ class Gate:
     def __init__(self, session, fields: dict):
         self.session = session
         self.fields = fields  # the apply request's own fields, exactly those of an ungated apply
-        self.facts: dict | None = None  # the probe's answer
+        self.facts: ProbeAnswer | None = None  # the probe's answer
         self.probe_error: Exception | None = None  # the probe failed (the apply may still go ahead)
-        self.result: dict | None = None  # the command's answer (the apply's, or "not applied")
+        self.result: ApplyAnswer | None = None  # the command's answer (the apply's, or "not applied")
         self.error: Exception | None = None  # the command failed (before the go: nothing was applied)
         self.on_go = None  # set by HostSession.call: the apply step is reported from the go
         self.answered = threading.Event()  # the probe's answer arrived, or the command ended without one
@@ -104,7 +105,7 @@ class Gate:
 
             self.probe_error = AgentFailure(err.get("kind") or "attention", err.get("message") or "probe failed")
         else:
-            self.facts = ev.get("facts") or {}
+            self.facts = ProbeAnswer.from_wire(ev.get("facts") or {})
         self.answered.set()
 
     def decision(self):
@@ -132,7 +133,7 @@ class Gate:
                 self._decided = True
                 self._word.put(None)
 
-    def wait(self) -> dict:
+    def wait(self) -> ApplyAnswer:
         """The gone-ahead apply's answer, or its error raised."""
         self.ended.wait()
         if self.error is not None:
@@ -170,16 +171,16 @@ def preflight(run: Run, series: Series, hosts: list[Host]) -> dict[str, str]:
             if isinstance(e, (HostUnreachable, HostKeyRefused, BecomeRefused)):
                 run.preflight_errors[h.name] = e
             ev["detail"] = f"not checked: {host_error(e)[1]}"
-        elif not r.get("model_arch"):
+        elif not r.model_arch:
             ev["detail"] = "not checked: no config.json under the server command's --model-path"
         else:
-            ev["arch"] = r["model_arch"]
-            v = reach.verdict(r["model_arch"])
+            ev["arch"] = r.model_arch
+            v = reach.verdict(r.model_arch)
             if v is None:
                 ev["detail"] = f"not checked: {series.name} pins no single SGLang release ({series.sglang})"
             else:
                 ev.update(ok=v["ok"], detail=v["detail"])
                 if not v["ok"]:
-                    blocked[h.name] = f"{r['model_arch']}: {v['detail']}"
+                    blocked[h.name] = f"{r.model_arch}: {v['detail']}"
         rep.emit(ev)
     return blocked

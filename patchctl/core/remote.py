@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 from patchctl.core import become
 from patchctl.core.errors import NeedsAttention, PatchctlError
-from patchctl.host.protocol import OPS, Answer, ErrorKind, ProtocolError, parse_event, read_answer
+from patchctl.host.protocol import OPS, Answer, ErrorKind, ProtocolError, Result, parse_event, read_answer
 
 HOST_PACKAGE = "patchctl.host"
 
@@ -106,8 +106,8 @@ def _last_json(stdout: str):
 
 def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = None,
          timeout: float | None = None, silence: float | None = None, stream: Iterable[bytes] | None = None,
-         stdout=None) -> dict:
-    """Run one agent op on a host; return its result or raise AgentFailure / AgentLost. The agent beats
+         stdout=None) -> Result:
+    """Run one agent op on a host; return its answer (its op's type, protocol.OPS) or raise AgentFailure / AgentLost. The agent beats
     every `beat_s` seconds (a quarter of the silence limit), so `silence` seconds without a byte means a hung link or
     host (ConnectionLost).
     `stream`: more input for a long-running op, after the script (Transport.run_python), or an apply's
@@ -152,10 +152,10 @@ def call(transport, request: dict, *, on_event: Callable[[dict], None] | None = 
         if off_protocol:
             raise ProtocolError(off_protocol[0])
         ans = Answer.from_wire(answer)
-        if ans.ok:
-            read_answer(request["op"], ans.result)  # its op's answer type: an unknown field is out of protocol
+        # its op's answer type (protocol.OPS): an unknown field is out of protocol
+        typed = read_answer(request["op"], ans.result) if ans.ok else None
     except ProtocolError as e:
         raise AgentLost(f"the agent on {transport.host.name} answered out of protocol ({e}); state unknown") from None
     if not ans.ok:
         raise AgentFailure(ans.error.kind, ans.error.message, ans.error.details)
-    return ans.result
+    return typed

@@ -27,7 +27,7 @@ from patchctl.core.remote import AgentFailure, AgentLost
 from patchctl.core.runid import new_run_id
 from patchctl.core.report import Reporter
 from patchctl.core.transport import open_transport
-from patchctl.host.protocol import Envelope, ErrorKind, Holder, Outcome, SeriesRequest, make_request
+from patchctl.host.protocol import Envelope, ErrorKind, Holder, Outcome, Result, SeriesRequest, make_request
 
 DEFAULT_FORKS = 256  # units wait on remote restarts (minutes): a wave costs a restart, a unit in flight ~5 threads,
 # one socket and under 1 MB (docs/bench-scale.md); 256 keeps a run under the usual 1024 open files
@@ -99,8 +99,8 @@ class HostSession:
                        state_dir=h.state_dir, sglang_root=h.sglang_root, python=python, server=h.server.to_spec())
         return make_request(env, **fields)
 
-    def call(self, op: str, step: str | None = None, *, gate=None, **fields) -> dict:
-        """One agent round trip; with `step`, reported as a host step. Breaks provably stale locks once.
+    def call(self, op: str, step: str | None = None, *, gate=None, **fields) -> Result:
+        """One agent round trip, its op's typed answer returned (protocol.OPS); with `step`, reported as a host step. Breaks provably stale locks once.
         An agent that goes on to a next step in the same command says so (a `step` event): the step in
         hand ends and that one starts, so the report and a failure's step are the host's true ones.
         `gate` (core.preflight.Gate): an apply whose agent first answers the preflight's probe and then
@@ -139,7 +139,7 @@ class HostSession:
                     res = self._call(req, next_step)
                 else:
                     raise
-            for n in res.get("notes") or []:
+            for n in res.notes or []:
                 self.note(n)
         except PatchctlError as e:
             if at.get("failed"):  # a failed step the agent rolled back (or tried to) in the same command
@@ -147,7 +147,7 @@ class HostSession:
                 e.rolled_back = details.get("rolled_back")
                 e.step, e.failure = at["failed"]
                 if at["rec"] and e.rolled_back is not None:
-                    self.run.reporter.step_end(at["rec"], True, _step_summary("rollback", e.rolled_back), e.rolled_back)
+                    self.run.reporter.step_end(at["rec"], True, _rolled_back_words(e.rolled_back), e.rolled_back)
                 elif at["rec"]:
                     self.run.reporter.step_end(at["rec"], False, details.get("rollback_error") or str(e), dict(details))
                 raise
@@ -157,16 +157,16 @@ class HostSession:
                 e.step = at["step"] or op  # the step that failed: the reason a rollback records in the history
             raise
         if at["rec"]:
-            self.run.reporter.step_end(at["rec"], True, _step_summary(at["op"], res), res)
+            self.run.reporter.step_end(at["rec"], True, _step_summary(at["op"], res), res.to_wire())
         return res
 
-    def call_raw(self, op: str, *, stream=None, stdout=None, **fields) -> dict:
+    def call_raw(self, op: str, *, stream=None, stdout=None, **fields) -> Result:
         """One agent round trip whose input or output carries raw bytes besides its request: `stream` (bytes
         after the script: artifact_receive), `stdout` (core.rawout.FrameSink: pull_raw). Events go to the run's
         reporter; no step, no lock handling."""
         return self._call(self.request(op, **fields), stream=stream, stdout=stdout)
 
-    def _call(self, req: dict, next_step=None, gate=None, stream=None, stdout=None) -> dict:
+    def _call(self, req: dict, next_step=None, gate=None, stream=None, stdout=None) -> Result:
         def on_event(ev):
             if ev.get("event") == "probed" and gate is not None:
                 gate.probed(ev)  # the preflight's answer, reported by the preflight
@@ -192,19 +192,29 @@ class HostSession:
             self._transport.close()
 
 
-def _step_summary(op: str, res: dict) -> str:
+def _step_summary(op: str, res: Result) -> str:
+    """The words a host step ends with, from the answer of the op that ended it (its type: protocol.OPS)."""
     if op == "apply":
-        if not res.get("changed"):
-            return res.get("note", "unchanged")
-        return f"{len(res.get('files', []))} files changed (SGLang {res.get('version')})"
-    if op in ("restart", "wait_ready") and "ready_seconds" in res:
-        return f"ready after {res['ready_seconds']}s"
+        if not res.changed:
+            return res.note if "note" in res.given() else "unchanged"
+        return f"{len(res.files or [])} files changed (SGLang {res.version})"
+    if op in ("restart", "wait_ready") and "ready_seconds" in res.given():
+        return f"ready after {res.ready_seconds}s"
     if op == "smoke":
-        s = res["smoke"]
+        s = res.smoke
         return f"{s['prompts']} prompts, {s['tokens']} tokens, {s['bytes']} bytes in {s['seconds']}s"
     if op == "rollback":
-        return (res.get("note") or f"{len(res.get('files', []))} files restored") + (f"; {res['server']}" if res.get("server") else "")
+        return _rollback_words(res.note, getattr(res, "files", None), res.server)  # a drafter rollback has no files
     return ""
+
+
+def _rolled_back_words(details: dict) -> str:
+    """A failure's `rolled_back` detail (the host's rollback report, a plain dict: no answer) in words."""
+    return _rollback_words(details.get("note"), details.get("files"), details.get("server"))
+
+
+def _rollback_words(note, files, server) -> str:
+    return (note or f"{len(files or [])} files restored") + (f"; {server}" if server else "")
 
 
 @dataclass

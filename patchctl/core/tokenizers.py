@@ -49,7 +49,7 @@ def local(path) -> TokenizerFiles:
                        "tokenizer.model or *.tiktoken)")
     # loaded from the cache's copy of exactly these files: nothing else in a model directory (config.json,
     # custom code) changes what the digest names
-    return _store(got, str(p))
+    return _store(got["data"], got["files"], str(p))
 
 
 def fetch(app, opts: RunOptions, host_name: str) -> TokenizerFiles:
@@ -66,11 +66,11 @@ def fetch(app, opts: RunOptions, host_name: str) -> TokenizerFiles:
         s = run.session(host)
         try:
             head = s.call("tokenizer")
-            if not head.get("digest"):
-                raise BadInput(f"--from {host_name}: {head.get('why') or 'no tokenizer files'}")
-            cached = cache_root() / head["digest"]
-            if cached.is_dir() and listing(str(cached))["digest"] == head["digest"]:
-                return TokenizerFiles(cached, head["files"], head["digest"], f"{host_name}:{head['path']}")
+            if not head.digest:
+                raise BadInput(f"--from {host_name}: {head.why or 'no tokenizer files'}")
+            cached = cache_root() / head.digest
+            if cached.is_dir() and listing(str(cached))["digest"] == head.digest:
+                return TokenizerFiles(cached, head.files, head.digest, f"{host_name}:{head.path}")
             full = s.call("tokenizer", with_data=True)
         except PatchctlError as e:
             if isinstance(e, BadInput):
@@ -78,14 +78,15 @@ def fetch(app, opts: RunOptions, host_name: str) -> TokenizerFiles:
             raise BadInput(f"--from {host_name}: cannot read the served model's tokenizer: {host_error(e)[1]}") from None
     finally:
         run.close()
-    return _store(full, f"{host_name}:{full['path']}")
+    return _store(full.data, full.files, f"{host_name}:{full.path}")
 
 
-def _store(full: dict, source: str) -> TokenizerFiles:
+def _store(data: dict, sha256s: dict, source: str) -> TokenizerFiles:
+    """`data` {name: base64 bytes} checked against `sha256s` {name: sha256} (tokenizer.listing's), then cached."""
     files = {}
-    for name, b64 in full["data"].items():
+    for name, b64 in data.items():
         raw = base64.b64decode(b64)
-        if hashlib.sha256(raw).hexdigest() != full["files"][name] or "/" in name or name.startswith("."):
+        if hashlib.sha256(raw).hexdigest() != sha256s[name] or "/" in name or name.startswith("."):
             raise BadInput(f"{source}: {name} arrived damaged (its sha256 differs from the host's); nothing cached")
         files[name] = raw
     d = digest({n: hashlib.sha256(r).hexdigest() for n, r in files.items()})

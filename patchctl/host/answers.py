@@ -10,17 +10,49 @@ with the rest of this package.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .records import HistoryEntry, Holder, Journal, LaunchConfig, Manifest, SeriesRef, Snapshot
-from .wire import Record
+from .wire import Record, _encode, _shape
 
 
 @dataclass
 class Result(Record):
-    """What every op's answer carries: the agent's notes (the dispatcher adds them)."""
+    """What every op's answer carries: the agent's notes (the dispatcher adds them).
+
+    An answer keeps the fields it was given, in the order given (built with, read from the wire, or set
+    since): `to_wire` writes those and no others, so a field a handler left out stays off the wire and an
+    answer read and written back is the wire it came from, byte for byte (what `--json` prints)."""
 
     notes: list = field(default_factory=list)
+
+    def __new__(cls, *args, **kw):
+        self = object.__new__(cls)
+        given = [f.name for f in fields(cls)[:len(args)]] if args else []
+        self.__dict__["_given"] = given + [k for k in kw if k not in given]
+        self.__dict__["_building"] = True
+        return self
+
+    def __post_init__(self):
+        self.__dict__["_building"] = False
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        d = self.__dict__
+        if not d.get("_building", True) and name not in d["_given"]:
+            d["_given"].append(name)
+
+    def given(self):
+        """The names of the fields this answer carries (absent ones stay off its wire), in order."""
+        return tuple(self.__dict__.get("_given", ()))
+
+    def to_wire(self):
+        wire_of = dict((name, wire) for wire, name in _shape(type(self))[0].items())
+        out = dict((wire_of[n], _encode(getattr(self, n))) for n in self.__dict__.get("_given", ()) if n in wire_of)
+        for name in self.SPARSE:
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
 
 
 @dataclass

@@ -34,7 +34,7 @@ from .answers import (AcceptAnswer, ApplyAnswer, ArtifactProbeAnswer, ArtifactRe
                       SmokeAnswer, StatusAnswer, StreamedAnswer, TokenizerAnswer, UnlockAnswer)
 from .records import (FORMAT, Change, FileRecord, HistoryEntry, Holder, Journal, Manifest, Meta,  # noqa: F401
                       PatchRef, PatchSpec, Profile, SeriesRef, SeriesRequest, ServerSpec, Snapshot)
-from .wire import ProtocolError, Record, _decode, _encode, _parse_enum, _shape  # noqa: F401
+from .wire import ProtocolError, Record, _decode, _encode, _parse_enum, _shape, wire_form  # noqa: F401
 
 EVENT_PREFIX = "PATCHCTL-EVENT "
 

@@ -99,3 +99,8 @@ def _encode(value):
     if isinstance(value, dict):
         return dict((k, _encode(x)) for k, x in value.items())
     return value
+
+
+def wire_form(value):
+    """A record (or a list or dict of them) as its wire form; None and plain values as they are."""
+    return _encode(value)

@@ -35,7 +35,7 @@ from patchctl.core.errors import PatchctlError
 from patchctl.core.inventory import Host
 from patchctl.core.options import CaptureOptions
 from patchctl.core.session import Run, host_error
-from patchctl.host.protocol import OPS, ProtocolError
+from patchctl.host.protocol import OPS, ProtocolError, StreamedAnswer
 
 ATTEMPTS = 2  # a sample whose dump fails validation is retried once, on another host where there is one
 PREFETCH = 2  # samples outstanding per host, as a multiple of --in-flight: its queue never runs dry
@@ -65,7 +65,7 @@ class Lane:
     tokens: int = 0
     bytes: int = 0
     started: float = field(default_factory=time.monotonic)
-    result: dict | None = None
+    result: StreamedAnswer | None = None
 
     def rate(self) -> float:
         return self.done / max(1e-9, time.monotonic() - self.started)
@@ -158,7 +158,7 @@ class HostOp:
         self.stream = Stream()
         self.facts: dict | None = None  # the probe's answer
         self.error: PatchctlError | None = None  # the probe's answer was out of protocol
-        self.result: dict | None = None
+        self.result: StreamedAnswer | None = None  # the op's answer (its type: protocol.OPS)
         self.failure: BaseException | None = None
         self.on_event = None  # the job's, once it feeds this host
         self.answered = threading.Event()
@@ -225,7 +225,7 @@ class HostOp:
             return f"{e.__class__.__name__}: {e}"
         return "its agent answered no probe"
 
-    def wait(self) -> dict:
+    def wait(self) -> StreamedAnswer:
         """The op's answer, or its failure raised."""
         self.ended.wait()
         if self.failure is not None:

@@ -106,7 +106,7 @@ class OnHost:
                         pause_s=float(os.environ.get("PATCHCTL_CONVERT_PAUSE_S") or 0) or None)
         try:
             res = remote.call(s.transport, req, on_event=lambda ev: self.on_event(by_id, host.name, ev),
-                              silence=self.run.silence, stream=self._lines(items))
+                              silence=self.run.silence, stream=self._lines(items)).to_wire()  # typed: left for the rewrite
         except Exception as e:  # noqa: BLE001 - this host's remaining samples are reported, the others go on
             outcome, msg = host_error(e)
             for it in items:

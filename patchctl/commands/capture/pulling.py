@@ -180,7 +180,7 @@ class Batch:
         try:
             req = self.request()
             sink = FrameSink(self._open_file)
-            res = session.call_raw("pull_raw", stdout=sink, run=run_name, files=req)
+            res = session.call_raw("pull_raw", stdout=sink, run=run_name, files=req).to_wire()  # typed: left for its rewrite
             if sink.error is not None:
                 raise sink.error
             self.sent += int(res.get("sent") or 0)

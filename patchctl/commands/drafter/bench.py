@@ -24,6 +24,7 @@ from patchctl.core.errors import BadInput
 from patchctl.core.options import DrafterOptions
 from patchctl.core.session import HostSession, Run, host_error, worst
 from patchctl.host.accept import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
+from patchctl.host.protocol import DrafterProbeAnswer
 
 
 def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
@@ -36,19 +37,19 @@ def measure(session: HostSession, prompts, max_new_tokens: int = DEFAULT_MAX_NEW
     (against `context_length` and the draft's `train_length` when given). Raises the
     agent's failure (AgentFailure: bad_input for SGLANG_SIMULATE_ACC_LEN, failed for a failed request)."""
     bodies = prompts.prompts if isinstance(prompts, promptsets.PromptSet) else list(prompts)
-    r = session.call("accept_measure", prompts=bodies, max_new_tokens=int(max_new_tokens),
-                     concurrency=int(concurrency), request_timeout=int(request_timeout))
-    r = {k: v for k, v in r.items() if k != "notes"}
+    ans = session.call("accept_measure", prompts=bodies, max_new_tokens=int(max_new_tokens),
+                       concurrency=int(concurrency), request_timeout=int(request_timeout))
+    r = {k: v for k, v in ans.to_wire().items() if k != "notes"}  # the figures, as canary.summarize reads them
     if isinstance(prompts, promptsets.PromptSet):
         r["prompt_digest"] = prompts.digest
         return canary.summarize(r, prompts.categories, prompts.lines, context_length, train_length)
     return canary.summarize(r, [None] * len(bodies), list(range(1, len(bodies) + 1)), context_length, train_length)
 
 
-def served_limit(host: str, probe: dict) -> int | None:
+def served_limit(host: str, probe: DrafterProbeAnswer) -> int | None:
     """The longest context the host's server serves: its context length (/server_info, else the model's
     config), else the longest prompt it accepts (/server_info max_req_input_len)."""
-    return served_from_probe(host, probe)["context_length"] or probe.get("max_req_input_len")
+    return served_from_probe(host, probe)["context_length"] or probe.max_req_input_len
 
 
 def canary_words(m: dict) -> list[str]:
@@ -95,7 +96,7 @@ def run_bench(app: App, opts: DrafterOptions) -> int:
             p = probes[h.name]
             if isinstance(p, Exception):
                 return _failed(h.name, p)
-            if p.get("running") is False:
+            if p.running is False:
                 return {"host": h.name, "ok": False, "outcome": "server down", "error": server_down(app, h.name),
                         "code": 3}
             try:
@@ -134,20 +135,20 @@ def refuse_before_sending(ps, probes: dict) -> None:
 
     bad = []
     for host, p in sorted(probes.items()):
-        if isinstance(p, Exception) or p.get("running") is False:
+        if isinstance(p, Exception) or p.running is False:
             continue  # its row (or unit) says why: not read, or its server is down (server_down)
-        fake = simulated_acceptance(p.get("env") or {})
+        fake = simulated_acceptance(p.env or {})
         if fake is not None:
             bad.append(f"{host}: its server runs with SGLANG_SIMULATE_ACC_LEN={fake}: SGLang fakes the acceptance with "
                        "it (sglang/srt/environ.py:527); not measured")
-        vocab = p.get("vocab_size")
+        vocab = p.vocab_size
         top = max((max(x["input_ids"]) for x in ps.prompts if "input_ids" in x), default=-1)
         if vocab and top >= vocab:
             line = next(n for x, n in zip(ps.prompts, ps.lines) if "input_ids" in x and max(x["input_ids"]) >= vocab)
             bad.append(f"{ps.path}:{line}: token id {top} >= vocab_size {vocab} of the model {host} serves")
-        tok = (p.get("tokenizer") or {}).get("digest")
+        tok = (p.tokenizer or {}).get("digest")
         if ps.tokenizer and tok != ps.tokenizer:
-            bad.append(f"{host} serves tokenizer {(tok or 'unknown')[:12]} ({(p.get('tokenizer') or {}).get('path')}); the "
+            bad.append(f"{host} serves tokenizer {(tok or 'unknown')[:12]} ({(p.tokenizer or {}).get('path')}); the "
                        f"conversations were rendered with {ps.tokenizer[:12]} (--tokenizer)")
     if bad:
         raise BadInput("\n".join(bad) + "\nnothing sent")

@@ -87,19 +87,19 @@ def _judge_host(run: Run, h, facts, data, seen) -> dict:
         outcome, msg = host_error(e)
         return {"host": h.name, "ok": False, "outcome": str(outcome), "error": msg,
                 "code": getattr(e, "exit_code", 3), "problems": [], "error_obj": e}
-    if not r.get("running"):
+    if not r.running:
         from patchctl.commands.drafter.bench import server_down
 
         return {"host": h.name, "ok": False, "outcome": "server down", "error": server_down(run.app, h.name),
-                "code": 3, "problems": [], "served": r, "probe": r}
-    if r.get("why"):
-        return {"host": h.name, "ok": False, "outcome": "unknown", "error": r["why"],
-                "code": 3, "problems": [], "served": r, "probe": r}
+                "code": 3, "problems": [], "served": r.to_wire(), "probe": r}
+    if r.why:
+        return {"host": h.name, "ok": False, "outcome": "unknown", "error": r.why,
+                "code": 3, "problems": [], "served": r.to_wire(), "probe": r}
     probs = drafter.check_draft(facts, target=drafter.target_from_probe(h.name, r), data=data,
                                 served=drafter.served_from_probe(h.name, r))
     mine = [p.to_dict() for p in probs if p.message() not in seen]
     return {"host": h.name, "ok": True, "problems": mine, "code": EXIT_BAD_INPUT if mine else 0, "probe": r,
-            "served": {k: r.get(k) for k in ("config_path", "architectures", "hidden_size", "num_hidden_layers",
+            "served": {k: getattr(r, k) for k in ("config_path", "architectures", "hidden_size", "num_hidden_layers",
                                              "vocab_size", *drafter_mla.SHARED, "context_length", "tokenizer",
                                              "speculative", "env")}}
 

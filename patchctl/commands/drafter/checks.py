@@ -31,6 +31,7 @@ from patchctl.commands.drafter import checks_block as drafter_block
 from patchctl.core import datasetmeta, drafter_mla, layerids
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
+from patchctl.host.protocol import DrafterProbeAnswer
 
 # SGLang 0.5.23's EAGLE-3 draft architectures (EntryClass of sglang/srt/models/*eagle3*.py): the first is what
 # SpecForge exports (models/llama_eagle3.py, checked below); the MLA one (models/kimi_k25_eagle3.py) is checked
@@ -303,23 +304,23 @@ def read_data(dir) -> dict:
     return out
 
 
-def target_from_probe(host: str, r: dict) -> dict:
+def target_from_probe(host: str, r: DrafterProbeAnswer) -> dict:
     """The target model's facts as check_draft takes them (`target`), from a host's `drafter_probe` answer."""
-    return {"source": f"the served model's ({host}: {r.get('config_path') or r.get('model_path')})",
-            "architectures": r.get("architectures"), "hidden_size": r.get("hidden_size"),
-            "vocab_size": r.get("vocab_size"), "num_hidden_layers": r.get("num_hidden_layers"),
-            **{k: r.get(k) for k in drafter_mla.SHARED}}
+    return {"source": f"the served model's ({host}: {r.config_path or r.model_path})",
+            "architectures": r.architectures, "hidden_size": r.hidden_size,
+            "vocab_size": r.vocab_size, "num_hidden_layers": r.num_hidden_layers,
+            **{k: getattr(r, k) for k in drafter_mla.SHARED}}
 
 
-def served_from_probe(host: str, r: dict) -> dict:
+def served_from_probe(host: str, r: DrafterProbeAnswer) -> dict:
     """What the server on a host serves with (`served`): its context length, the env that lets a shorter
     draft context start, its tokenizer's digest."""
-    ctx, ctx_from = r.get("context_length"), f"the server's context length ({host}: /server_info)"
+    ctx, ctx_from = r.context_length, f"the server's context length ({host}: /server_info)"
     if not ctx:
-        ctx, ctx_from = r.get("config_context_len"), (f"the served model's context ({host}: "
-                                                      f"{r.get('config_path')}: {r.get('config_context_from')})")
-    env = r.get("env") or {}
-    tok = r.get("tokenizer") or {}
+        ctx, ctx_from = r.config_context_len, (f"the served model's context ({host}: "
+                                               f"{r.config_path}: {r.config_context_from})")
+    env = r.env or {}
+    tok = r.tokenizer or {}
     return {"host": host, "context_length": ctx, "context_from": ctx_from,
             "allow_longer_context": str(env.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "")).lower() in ("1", "true"),
             "tokenizer": tok.get("digest"), "tokenizer_path": tok.get("path"), "tokenizer_why": tok.get("why")}

@@ -45,7 +45,7 @@ from patchctl.core.remote import AgentFailure
 from patchctl.core.artifact import TransferIncomplete
 from patchctl.core.rollout import Interrupts, announce_stopped, finish, parse_max_fail, plan_batches, rollout
 from patchctl.core.session import Run, UnitResult, host_error
-from patchctl.host.protocol import Outcome
+from patchctl.host.protocol import DrafterDeployAnswer, DrafterProbeAnswer, Outcome
 
 STOP_WORDS = ("stopping: no new units; sends stop now (what arrived stays on the host: the next drafter deploy "
               "resumes it); units not yet restarted with the drafter stop before it, restarted ones finish their canary "
@@ -90,7 +90,7 @@ class DrafterUnit:
             res = self._check_unchanged()
         except PatchctlError as e:
             return self._failed(e)
-        if res.get("changed") is False:
+        if res.changed is False:
             return self._unchanged(res)
         try:
             base = self._measure("baseline")
@@ -102,14 +102,14 @@ class DrafterUnit:
                               f"before the restart with the drafter; {NOT_DEPLOYED}")
         return self._deploy_on(base)
 
-    def _check_unchanged(self) -> dict:
+    def _check_unchanged(self) -> DrafterDeployAnswer:
         """Every node asked (changing nothing): unchanged only where every node serves this drafter, verified."""
         ask = lambda s: s.call("drafter_deploy", drafter=self.ctx["drafter"], host_name=self.limit,  # noqa: E731
                                check_unchanged=True)
         answers = [ask(self.session)] if len(self.sessions) == 1 else self.run.parallel(ask, self.sessions)
-        if all(r.get("changed") is False for r in answers):
+        if all(r.changed is False for r in answers):
             return answers[0]
-        return next(r for r in answers if r.get("changed") is not False)
+        return next(r for r in answers if r.changed is not False)
 
     def _deploy_on(self, base: dict) -> UnitResult:
         """Restart with the drafter, canary through the head, gate: verified on every node or rolled back."""
@@ -130,7 +130,7 @@ class DrafterUnit:
             if len(self.sessions) > 1:
                 return self._roll_back(str(e), None, "restart with the drafter failed")
             return self._failed(e)
-        if not res.get("changed"):
+        if not res.changed:
             return self._unchanged(res)
         try:
             new = self._measure("canary")
@@ -158,9 +158,9 @@ class DrafterUnit:
         gain = accept_of(new) - accept_of(base)
         return UnitResult(self.names, "deployed", f"{figures} (gain {gain:+.2f}); {self._sent()}", touched=True)
 
-    def _unchanged(self, res: dict) -> UnitResult:
-        last = ((res.get("drafter") or {}).get("acceptance") or {}).get("new")
-        return UnitResult(self.names, "unchanged", f"{self._sent()}; " + (res.get("note") or "unchanged")
+    def _unchanged(self, res: DrafterDeployAnswer) -> UnitResult:
+        last = ((res.drafter or {}).get("acceptance") or {}).get("new")
+        return UnitResult(self.names, "unchanged", f"{self._sent()}; " + (res.note or "unchanged")
                           + (f"; last measured {describe(last)}" if last else ""))
 
     def _sent(self) -> str:
@@ -222,7 +222,7 @@ class DrafterUnit:
                               f"next: {self.run.app.cmd('drafter', 'rollback', '--pending', '--limit', self.limit)}", touched=True)
         return UnitResult(self.names, "failed, rolled back (verified)",
                           f"{what}: {why}" + (f" ({figures})" if figures else "")
-                          + f"; {rb.get('server')}", touched=True)
+                          + f"; {rb.server}", touched=True)
 
     def _failed(self, e: Exception) -> UnitResult:
         outcome, msg = host_error(e)
@@ -285,7 +285,7 @@ def _fleet_checks(run: Run, ctx: dict) -> None:
     heads = [r for r in rows if r["host"] not in ctx.get("workers", ())]
     bad = [f"{r['host']}: {p['message']}" for r in rows for p in r["problems"]]
     for r in rows:
-        why = _host_state(run, r["host"], r.get("probe") or {})
+        why = _host_state(run, r["host"], r.get("probe"))
         if why and why[0] == Outcome.REFUSED:
             bad.append(f"{r['host']}: {why[1]}")
         elif why:
@@ -313,11 +313,13 @@ def _worker_row(run: Run, ctx: dict, h, row: dict) -> dict:
     return dict(row, ok=True, problems=flags, outcome=None)
 
 
-def _host_state(run: Run, host: str, p: dict) -> tuple[Outcome, str] | None:
+def _host_state(run: Run, host: str, p: DrafterProbeAnswer | None) -> tuple[Outcome, str] | None:
     """Why this host takes no part, from its probe (drafter_probe's series, drafter and lock), or None."""
     from patchctl.core.session import describe_holder, holder_is_stale
 
-    app, series, dr, lock = run.app, p.get("series") or {}, p.get("drafter") or {}, p.get("lock")
+    if p is None:  # not read: its row says why
+        return None
+    app, series, dr, lock = run.app, p.series or {}, p.drafter or {}, p.lock
     if series.get("capture"):
         return Outcome.REFUSED, (f"{series['series']} {series['version']} is deployed here, a capture configuration: "
                                  "SGLang 0.5.23 never runs the capture and a draft in one server; switch explicitly: "
@@ -429,11 +431,11 @@ class RollbackUnit:
         except PatchctlError as e:
             outcome, msg = host_error(e)
             return UnitResult(self.names, "rollback failed" if outcome == "failed" else outcome, msg, touched=True)
-        if not res.get("changed"):
-            return UnitResult(self.names, "unchanged", res.get("note") or "nothing to roll back")
-        to = res.get("to")
+        if not res.changed:
+            return UnitResult(self.names, "unchanged", res.note or "nothing to roll back")
+        to = res.to
         words = f"to drafter {to['digest'][:12]} ({to.get('source')})" if to else "to no drafter"
-        return UnitResult(self.names, "rolled back", f"{words}; {res.get('server')}", touched=True)
+        return UnitResult(self.names, "rolled back", f"{words}; {res.server}", touched=True)
 
 
 def run_drafter_rollback(app: App, opts: DrafterOptions) -> int:

@@ -30,8 +30,8 @@ def words(d: dict) -> str:
 
 def run_drafter_gc(app: App, opts: DrafterOptions) -> int:
     def per_host(s):
-        res = s.call("drafter_gc_plan" if opts.dry_run else "drafter_gc")
-        res.pop("notes", None)
+        res = s.call("drafter_gc_plan" if opts.dry_run else "drafter_gc").to_wire()
+        res.pop("notes", None)  # the row is the answer's own fields (the notes were said as the call ended)
         return res
 
     def render(data):

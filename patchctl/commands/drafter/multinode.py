@@ -13,6 +13,7 @@ on, then each worker's record restored (`drafter_rollback` phases stop, start, r
 from __future__ import annotations
 
 from patchctl.core.artifact import TransferIncomplete
+from patchctl.host.protocol import DrafterDeployAnswer, DrafterRollbackAnswer
 
 
 def send_all(unit) -> None:
@@ -33,35 +34,36 @@ def _catching(fn):
     return one
 
 
-def restart(unit) -> dict:
+def restart(unit) -> DrafterDeployAnswer:
     """Every node recorded (pending), stopped, started with the drafter (head first), the head ready: the
-    head's `drafter_deploy` answer, with `node_argv` {node: its command line}. A failure raises (the caller
-    rolls the unit back)."""
+    head's `drafter_deploy` answer (its prepare's, with the ready phase's `ready_seconds`). A failure raises
+    (the caller rolls the unit back)."""
     fields = dict(drafter=unit.ctx["drafter"], host_name=",".join(unit.names))
     prepared = unit.run.parallel(lambda s: s.call("drafter_deploy", "restart", phase="prepare", **fields),
                                  unit.sessions)
     for s in unit.sessions:
         s.call("drafter_deploy", "restart", phase="stop", **fields)
-    starts = [s.call("drafter_deploy", "restart", phase="start", **fields) for s in unit.sessions]
+    for s in unit.sessions:
+        s.call("drafter_deploy", "restart", phase="start", **fields)
     ready = unit.session.call("drafter_deploy", "restart", phase="ready", **fields)
-    head = dict(prepared[0], ready_seconds=ready.get("ready_seconds"))
-    head["node_argv"] = {s.host.name: r.get("argv") for s, r in zip(unit.sessions, starts)}
+    head = prepared[0]
+    head.ready_seconds = ready.ready_seconds
     return head
 
 
-def roll_back(run, sessions, to: str, reason: str, pending: bool = False) -> dict:
+def roll_back(run, sessions, to: str, reason: str, pending: bool = False) -> DrafterRollbackAnswer:
     """Every node of the unit one step back along its own chain (or `to` a drafter of it, or none), each
-    restarted on exactly the config it served with, the head proven ready, then the workers' records:
-    {changed, to (the head's), server, nodes: {node: its answer}}. A node with nothing to roll back (a rollback
+    restarted on exactly the config it served with, the head proven ready, then the workers' records: the
+    unit's answer (changed, to: the head's, server: every node's words; or changed False and why in note). A node with nothing to roll back (a rollback
     cut off after its head was restored) keeps its record and is restarted as it is configured now (`service`:
     a stopped node takes the others down). Raises the first failure (the rest left for `drafter rollback`)."""
     limit = ",".join(s.host.name for s in sessions)
     fields = dict(to=to, reason=reason, host_name=limit, pending=pending)
     nodes = {s.host.name: s.call("drafter_rollback", "rollback", phase="stop", **fields) for s in sessions}
-    moving = {s.host.name for s in sessions if nodes[s.host.name].get("changed")}
+    moving = {s.host.name for s in sessions if nodes[s.host.name].changed}
     if not moving:
-        return {"changed": False, "note": "; ".join(sorted({r.get("note") or "nothing to roll back"
-                                                            for r in nodes.values()})), "nodes": nodes}
+        return DrafterRollbackAnswer(changed=False, note="; ".join(sorted({r.note or "nothing to roll back"
+                                                                           for r in nodes.values()})))
     still = [s for s in sessions if s.host.name not in moving]
     for s in still:
         s.call("service", "rollback", action="restart", phase="stop", keep_lock=True, smoke=False)
@@ -80,5 +82,5 @@ def roll_back(run, sessions, to: str, reason: str, pending: bool = False) -> dic
     for s in still:
         s.call("release", "rollback")
     first = nodes[next(s.host.name for s in sessions if s.host.name in moving)]
-    words = "; ".join(f"{n}: {r.get('server') or r.get('note')}" for n, r in nodes.items())
-    return {"changed": True, "to": first.get("to"), "server": words, "nodes": nodes}
+    words = "; ".join(f"{n}: {r.server or r.note}" for n, r in nodes.items())
+    return DrafterRollbackAnswer(changed=True, to=first.to, server=words)
