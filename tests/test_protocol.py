@@ -205,7 +205,7 @@ def test_the_dispatcher_takes_the_locks_the_table_names(tmp_path):
 
     root, state = _tree(tmp_path)
     # a read-only op creates nothing, not even state_dir
-    assert agent.handle(_req("history", root, state))["history"] == []
+    assert agent.handle(_req("history", root, state)).history == []
     assert not Path(state).exists()
     TreeState(state, root).acquire({"run_id": "other", "who": "you@there"})
     for op in (n for n, o in P.OPS.items() if P.REFUSE_HELD in o.locks):
@@ -261,7 +261,7 @@ def test_a_streamed_op_answers_its_probe_first_and_a_host_that_takes_no_part_is_
                             ("regenerate", {}, "no server is running on port 1")):
         capsys.readouterr()
         req = dict(_req(op, root, state, **fields), server={"port": 1, "host": "127.0.0.1", "command": "true"})
-        assert agent.handle(req) == {"ready": False, "notes": []}
+        assert agent.handle(req).to_wire() == {"ready": False, "notes": []}
         evs = [json.loads(l[len(P.EVENT_PREFIX):]) for l in capsys.readouterr().err.splitlines()
                if l.startswith(P.EVENT_PREFIX)]
         assert [e["event"] for e in evs] == ["probed"], evs
@@ -277,6 +277,51 @@ def test_every_op_declares_the_type_of_its_answer():
         assert issubclass(spec.answer, P.Result), op
         assert spec.answer.from_wire({"notes": ["n"]}).notes == ["n"], op  # every answer carries the notes
     assert P.OPS["apply"].answer is P.ApplyAnswer and P.OPS["release"].answer is P.Result
+
+
+def _returns(fn):
+    """The return statements of a handler's own body (not of functions defined inside it)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    out, todo = [], list(tree.body[0].body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Return):
+            out.append(node)
+        elif not isinstance(node, (ast.FunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def test_every_ops_handler_returns_its_declared_answer_type(tmp_path):
+    """Walks OPS: each op's handler (dispatch.HANDLERS) builds its op's answer type at every return
+    (`Type(...)` or `Type.from_wire(...)`, read from its source); the dispatcher refuses anything else at run
+    time; and the ops that run on a bare tree (no server) answer exactly that type through the dispatcher."""
+    import ast
+
+    from patchctl.host import agent
+
+    for op, spec in P.OPS.items():
+        fn, _check = agent.HANDLERS[op]
+        rets = _returns(fn)
+        assert rets, op
+        for r in rets:
+            call = r.value
+            assert isinstance(call, ast.Call), (op, ast.unparse(r))
+            f = call.func.value if isinstance(call.func, ast.Attribute) and call.func.attr == "from_wire" else call.func
+            assert isinstance(f, ast.Name) and f.id == spec.answer.__name__, (op, ast.unparse(r), spec.answer.__name__)
+    root, state = _tree(tmp_path)
+    server = P.ServerSpec(port=1, command="true").to_wire()  # a server patchctl never started: none runs
+    ran = {}
+    for op, fields in (("history", {}), ("status", {}), ("probe", {}), ("unlock", {}), ("release", {}), ("finalize", {}),
+                       ("drafter_gc_plan", {}), ("capture", {"capture_run": "r"}), ("regenerate", {})):
+        res = agent.handle(dict(_req(op, root, state, **fields), server=server))
+        assert type(res) is P.OPS[op].answer, op
+        ran[op] = res
+    assert ran["status"].version == "0.5.23" and ran["capture"].ready is False
 
 
 def test_every_answer_of_the_previous_version_reads_through_its_ops_type():
@@ -307,9 +352,10 @@ def test_the_agents_own_answers_read_through_their_types(tmp_path):
     server = P.ServerSpec(port=1, command="true").to_wire()  # a server patchctl never started: none runs
     for op in ("history", "status", "unlock", "release", "finalize"):
         res = agent.handle(dict(_req(op, root, state), server=server))
-        rec = P.read_answer(op, res)
-        assert rec.notes == res["notes"] == [], op
-    status = P.read_answer("status", agent.handle(dict(_req("status", root, state), server=server)))
+        wire = json.loads(json.dumps(res.to_wire()))  # as it travels
+        rec = P.read_answer(op, wire)
+        assert rec == res and rec.notes == [] and json.dumps(rec.to_wire()) == json.dumps(wire), op
+    status = agent.handle(dict(_req("status", root, state), server=server))
     assert isinstance(status, P.StatusAnswer) and status.version == "0.5.23" and status.server["running"] is False
 
 
@@ -326,8 +372,11 @@ def test_an_answer_field_its_type_does_not_name_is_an_error_on_both_sides(tmp_pa
         P.read_answer("aply", {})
     # the agent: a handler that answers a field its op's type lacks is an agent bug, caught before it answers
     root, state = _tree(tmp_path)
-    monkeypatch.setitem(agent.HANDLERS, "history", (lambda a: {"root": root, "histroy": []}, None))
+    monkeypatch.setitem(agent.HANDLERS, "history", (lambda a: P.HistoryAnswer.from_wire({"root": root, "histroy": []}), None))
     with pytest.raises(P.ProtocolError, match="HistoryAnswer: unknown field 'histroy'"):
+        agent.handle(_req("history", root, state))
+    monkeypatch.setitem(agent.HANDLERS, "history", (lambda a: {"root": root, "history": []}, None))  # not its type
+    with pytest.raises(P.ProtocolError, match="history: its handler answered dict, not HistoryAnswer"):
         agent.handle(_req("history", root, state))
 
     # the controller: such an answer is out of protocol, the host's state unknown (never a default)

@@ -49,8 +49,11 @@ from .dispatch import HANDLERS, handles
 from .drafter import read_record, refusal_with_capture, summary as drafter_summary
 from .events import AgentError, ControllerGone, event, keep_beating, set_beat, stop_beating
 from .osutil import existing_ancestor, expand, proc_uptime
-from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, Answer, Failure, HistoryEntry, Holder, ProtocolError,
-                       check_request)
+from .protocol import (AGENT, AGENT_NOW, OPS, REFUSE_HELD, TREE, AcceptAnswer, Answer, ApplyAnswer, ArtifactProbeAnswer,
+                       ArtifactReceiveAnswer, CaptureAnswer, ConvertAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
+                       DrafterGcAnswer, DrafterProbeAnswer, DrafterRollbackAnswer, Failure, HistoryAnswer, HistoryEntry,
+                       Holder, ImageAnswer, ProbeAnswer, ProtocolError, PullRawAnswer, StatusAnswer, StreamedAnswer,
+                       TokenizerAnswer, UnlockAnswer, check_request)
 from .pull import pull_raw
 from .server import build_server_config, config_change, http_request, manager_for, server_values
 from .smoke import model_arch_of, model_config_of
@@ -209,7 +212,7 @@ class Agent(DeployOps):
         if self.req.get("series"):
             f["capture_refusals"] = self.capture_refusals(self.req["series"].get("smoke")) + \
                 self.plugin_refusals(self.req["series"])
-        return f
+        return ProbeAnswer.from_wire(f)
 
     def _server_status(self, mgr, cfg, probe_health=True):
         cur = mgr.current_config()
@@ -263,7 +266,7 @@ class Agent(DeployOps):
             # files applied without a restart are expected to run the old config)
             f["config_change"] = self._config_change(mgr, m.profile.to_wire() if m and m.profile else None)
         f["history_tail"] = [h.to_wire() for h in self.tree.history()[-3:]]
-        return f
+        return StatusAnswer.from_wire(f)
 
     @handles("container_image")
     def op_container_image(self):
@@ -275,37 +278,37 @@ class Agent(DeployOps):
         if not m or m.status != "verified":
             raise AgentError("bad_input", "no verified series on this host's container (%s): apply one first" % (
                 "%s %s is %s" % (m.series, m.version, m.status) if m else "clean"))
-        return derive_image(Containers(self.state_dir, srv), m, self.req.get("repo"))
+        return ImageAnswer.from_wire(derive_image(Containers(self.state_dir, srv), m, self.req.get("repo")))
 
     @handles("pull_raw")
     def op_pull_raw(self):
         """A capture run's verified dumps, raw and framed on stdout before the answer (`capture collect`);
         read-only, no lock (pull)."""
-        return pull_raw(self.state_dir, self.req.get("run"), self.req.get("files"))
+        return PullRawAnswer.from_wire(pull_raw(self.state_dir, self.req.get("run"), self.req.get("files")))
 
     @handles("convert")
     def op_convert(self):
         """A capture run's verified dumps -> SpecForge files in a directory on this host (`capture collect
         --on-host`); samples on stdin; reads only the run's dumps, writes only below that directory (convert)."""
         conv = convert.Converter(self.state_dir, self.req, self.stdin)
-        return conv.run_all(self.req.get("ids") or [])
+        return ConvertAnswer.from_wire(conv.run_all(self.req.get("ids") or []))
 
     @handles("history")
     def op_history(self):
-        return {"root": self.tree.root, "history": [h.to_wire() for h in self.tree.history()]}
+        return HistoryAnswer(root=self.tree.root, history=self.tree.history())
 
     @handles("unlock")
     def op_unlock(self):
         cur = self.tree.lock_holder()
         if not cur:
-            return {"unlocked": None}
+            return UnlockAnswer(unlocked=None)
         want = self.req.get("expect_run_id")
         if want and cur.get("run_id") != want:
             raise AgentError("locked", "lock changed hands (now run %s)" % cur.get("run_id"), holder=cur)
         os.unlink(self.tree.lock_path)
         self.tree.append_history(HistoryEntry(op="unlock", outcome="released", holder=Holder.from_wire(cur),
                                               run_id=self.run_id))
-        return {"unlocked": cur}
+        return UnlockAnswer(unlocked=Holder.from_wire(cur))
 
     def _take_lock(self):
         held = self.tree.lock_holder()
@@ -385,8 +388,8 @@ class Agent(DeployOps):
         cfg = self._capture_server()
         info = self._capture_probe(cfg)
         if not self._probed(info):
-            return {"ready": False}
-        return capture.Capture(cfg, info, self.req, self.stdin).run_all()
+            return CaptureAnswer(ready=False)
+        return CaptureAnswer.from_wire(capture.Capture(cfg, info, self.req, self.stdin).run_all())
 
     @handles("regenerate")
     def op_regenerate(self):
@@ -396,37 +399,37 @@ class Agent(DeployOps):
         restarts this server under it."""
         cfg = self._capture_server()
         if not self._probed(dict(regenerate.probe(cfg), hostname=socket.gethostname())):
-            return {"ready": False}
-        return regenerate.Regenerate(cfg, self.req, self.stdin).run_all()
+            return StreamedAnswer(ready=False)
+        return StreamedAnswer.from_wire(regenerate.Regenerate(cfg, self.req, self.stdin).run_all())
 
     @handles("tokenizer")
     def op_tokenizer(self):
         """The served model's tokenizer files (`tokenizer.served`), their bytes with `with_data`; reads only."""
-        return tokenizer.served(self._capture_server(), bool(self.req.get("with_data")))
+        return TokenizerAnswer.from_wire(tokenizer.served(self._capture_server(), bool(self.req.get("with_data"))))
 
     @handles("drafter_deploy")
     def op_drafter_deploy(self):
-        return drafter_ops.deploy(self)
+        return DrafterDeployAnswer.from_wire(drafter_ops.deploy(self))
 
     @handles("drafter_finalize")
     def op_drafter_finalize(self):
-        return drafter_ops.finalize(self)
+        return DrafterFinalizeAnswer.from_wire(drafter_ops.finalize(self))
 
     @handles("drafter_rollback")
     def op_drafter_rollback(self):
-        return drafter_ops.rollback(self)
+        return DrafterRollbackAnswer.from_wire(drafter_ops.rollback(self))
 
     @handles("drafter_gc")
     def op_drafter_gc(self):
         """The draft store kept to what serves and what a rollback reaches, the rest deleted (`draftstore`)."""
         out = draftstore.collect(self.state_dir)
         self.tree.release(self.run_id)
-        return out
+        return DrafterGcAnswer.from_wire(out)
 
     @handles("drafter_gc_plan")
     def op_drafter_gc_plan(self):
         """What `drafter_gc` would keep and free (`draftstore.plan`); reads only."""
-        return draftstore.dry_run(self.state_dir)
+        return DrafterGcAnswer.from_wire(draftstore.dry_run(self.state_dir))
 
     @handles("drafter_probe")
     def op_drafter_probe(self):
@@ -434,7 +437,8 @@ class Agent(DeployOps):
         mgr, _ = self.base_manager()
         cfg = mgr.current_config()
         pid = mgr.running_pid()[0] if cfg.get("running") else None
-        return dict(served.facts(cfg, pid), hostname=socket.gethostname(), **self._drafter_state())
+        return DrafterProbeAnswer.from_wire(dict(served.facts(cfg, pid), hostname=socket.gethostname(),
+                                                 **self._drafter_state()))
 
     def _drafter_state(self):
         """What a drafter deploy would be refused for here, read before anything is sent (`drafter deploy`'s
@@ -460,18 +464,19 @@ class Agent(DeployOps):
         r = self.req
         out = accept.Measure(cfg, env, r.get("prompts") or [], r.get("max_new_tokens"), r.get("concurrency"),
                              r.get("warmup"), r.get("request_timeout")).run()
-        return dict(out, speculative=served.speculative_of(cfg.get("argv")), env=env, hostname=socket.gethostname())
+        return AcceptAnswer.from_wire(dict(out, speculative=served.speculative_of(cfg.get("argv")), env=env,
+                                           hostname=socket.gethostname()))
 
 
     @handles("artifact_probe")
     def op_artifact_probe(self):
         """What this host holds of a drafter artifact; read only (artifact.probe)."""
-        return artifact.probe(self.state_dir, self.req.get("digest"), self.req.get("files"))
+        return ArtifactProbeAnswer.from_wire(artifact.probe(self.state_dir, self.req.get("digest"), self.req.get("files")))
 
     @handles("artifact_receive")
     def op_artifact_receive(self):
         """The missing bytes of a drafter artifact from stdin, verified, then its directory (artifact.receive)."""
-        return artifact.receive(self.state_dir, self.req, self.stdin)
+        return ArtifactReceiveAnswer.from_wire(artifact.receive(self.state_dir, self.req, self.stdin))
 
 
 def handle(req):
@@ -481,7 +486,7 @@ def handle(req):
     except ProtocolError as e:
         raise AgentError("bad_input", str(e))
     if req.get("gate") and not _gate(req):
-        return {"changed": False, "note": "not applied: the run did not go ahead", "notes": []}
+        return ApplyAnswer(changed=False, note="not applied: the run did not go ahead", notes=[])
     fn, check = HANDLERS[req["op"]]
     if check:
         check(req)
@@ -495,8 +500,10 @@ def handle(req):
         if (e.kind == "bad_input" or e.details.get("refused")) and agent.took_lock:
             agent.tree.release(agent.run_id)
         raise
-    result["notes"] = agent.notes
-    OPS[req["op"]].answer.from_wire(result)  # a field its answer's type lacks: an agent bug, said here
+    if type(result) is not OPS[req["op"]].answer:  # every handler builds its op's answer type: an agent bug, said here
+        raise ProtocolError("%s: its handler answered %s, not %s" % (req["op"], type(result).__name__,
+                                                                     OPS[req["op"]].answer.__name__))
+    result.notes = agent.notes
     return result
 
 
@@ -508,7 +515,7 @@ def _gate(req):
     probe = dict((k, v) for k, v in req.items() if k not in OPS["apply"].fields)
     probe["op"] = "probe"
     try:
-        event("probed", facts=handle(probe))
+        event("probed", facts=handle(probe).to_wire())
     except AgentError as e:
         event("probed", error={"kind": e.kind, "message": str(e)})
     return sys.stdin.buffer.readline().strip() == b"go"

@@ -20,6 +20,7 @@ from . import applier
 from .dispatch import handles
 from .events import AgentError, ControllerGone, event
 from .osutil import existing_ancestor, expand, now, sha256_bytes, sha256_file, write_json
+from .answers import ApplyAnswer, ReadyAnswer, Result, RollbackAnswer, ServerSteps, ServiceAnswer, SmokeAnswer
 from .records import FileRecord, HistoryEntry, Manifest, Meta, PatchRef, Profile, SeriesRef, launch_config
 from .server import config_change, manager_for, prepare_dump_dir, wait_ready
 from .smoke import smoke
@@ -37,6 +38,10 @@ class DeployOps(object):
 
     @handles("apply")
     def op_apply(self):
+        """`apply` (`_apply_op`), answered as its type."""
+        return ApplyAnswer.from_wire(self._apply_op())
+
+    def _apply_op(self):
         """Files part of a deploy; with `then` (a one-node deploy: ["restart", "smoke" | "finalize"]) the
         restart and its next step follow in the same command, each announced as a `step` event, so a host
         costs one agent start less. With `rollback_on_fail`, a restart or smoke that fails is rolled back
@@ -290,7 +295,7 @@ class DeployOps(object):
     @handles("restart")
     def op_restart(self):
         """Stop the server, start it with the series' profile (or none), wait until it really serves."""
-        return self._restart(self.req.get("then"))
+        return ServerSteps.from_wire(self._restart(self.req.get("then")))
 
     def _restart(self, then):
         """`then`: a one-node deploy's next step in the same command ("smoke" or "finalize")."""
@@ -328,6 +333,10 @@ class DeployOps(object):
 
     @handles("service", check=_check_service)
     def op_service(self):
+        """`service` (`_service_op`), answered as its type."""
+        return ServiceAnswer.from_wire(self._service_op())
+
+    def _service_op(self):
         """start | stop | restart the server as configured now (inventory + the deployed series' profile),
         wait until it serves, smoke it (default: where a capture series is deployed). Changes no file.
         A one-node unit does it all in one command; a multi-node unit's controller calls the phases
@@ -412,12 +421,12 @@ class DeployOps(object):
         else:
             cfg = self.server_cfg(self.req.get("profile"), self.req.get("capture_layers"))
         mgr = manager_for(self.state_dir, cfg)
-        return {"ready_seconds": wait_ready(mgr, cfg)}
+        return ReadyAnswer(ready_seconds=wait_ready(mgr, cfg))
 
     @handles("smoke")
     def op_smoke(self):
         """Smoke against the running server; with `finalize`, mark the deploy verified and release the lock."""
-        return self._smoke()
+        return SmokeAnswer.from_wire(self._smoke())
 
     def _smoke(self):
         mgr, base = self.base_manager()
@@ -442,12 +451,12 @@ class DeployOps(object):
                                                   who=m.who, outcome=rec.get("outcome"), reason=rec.get("reason"),
                                                   state=m.snapshot()))
         self.tree.release(self.run_id)
-        return {}
+        return Result()
 
     @handles("finalize")
     def op_finalize(self):
         self._finalize(None)
-        return {}
+        return Result()
 
     def _finalize(self, smoke_result):
         t = self.tree
@@ -468,6 +477,10 @@ class DeployOps(object):
 
     @handles("rollback")
     def op_rollback(self):
+        """`rollback` (`_rollback_op`), answered as its type."""
+        return RollbackAnswer.from_wire(self._rollback_op())
+
+    def _rollback_op(self):
         """Back to the previous (or given) state: files, then the server config in force before, proven healthy."""
         t = self.tree
         self.recover()
