@@ -356,7 +356,9 @@ def test_small_files_are_received_in_memory_and_written_once_they_check(tmp_path
             stdout.append(self.wire)
             if stdout.cut:
                 raise ConnectionError("cut")
-            return {"files": [], "sent": sum(f["size"] for f in files)}
+            from patchctl.host.answers import PullRawAnswer
+
+            return PullRawAnswer(files=[], sent=sum(f["size"] for f in files))  # the op's typed answer, as a session's
 
     gone = (json.dumps({"path": "/gone", "error": "missing", "reason": "No such file"}) + "\n").encode()
     wire = _frames({"/h/s0": good, "/h/s1": bad}, chunk=1000).replace(gone, b"")

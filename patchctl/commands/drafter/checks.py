@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patchctl.commands.drafter import checks_block as drafter_block
+from patchctl.commands.drafter.checks_block import _show  # one rendering of a field's value
 from patchctl.core import datasetmeta, drafter_mla, layerids
 from patchctl.core.errors import BadInput
 from patchctl.host import limits
@@ -67,14 +68,6 @@ class Problem:
     def to_dict(self) -> dict:
         return {"field": self.field, "found": self.found, "expected": self.expected, "where": self.where,
                 "expected_from": self.expected_from, "why": self.why, "message": self.message()}
-
-
-def _show(v) -> str:
-    if v is None:
-        return "absent"
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(str(x) for x in v) + "]"
-    return str(v)
 
 
 @dataclass
