@@ -17,6 +17,7 @@ import pytest
 
 from draft_util import block_config, fit_good_block_draft, write_block_draft_dir
 from fleet import Fleet
+from test_drafter_deploy import deploy  # the same deploy call and host results
 
 IDS = [1, 3, 5]  # the draft's convention (outputs of layers 1, 3, 5): the Llama stand-in captures [2, 4, 6]
 REPO = Path(__file__).resolve().parent.parent
@@ -46,13 +47,6 @@ def fleet(tmp_path_factory, sglang_tree):
                                  for i in range(6)))
     yield f
     f.close()
-
-
-def deploy(f, draft, *args):
-    p = f.patchctl("--json", "drafter", "deploy", str(draft), "--prompts", str(f.prompts), "--max-new-tokens", "24",
-                   *args)
-    events = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
-    return p, {e["host"]: e for e in events if e.get("event") == "host_result"}
 
 
 def stores(f):
