@@ -278,8 +278,10 @@ def send_all(run, artifact: Artifact, hosts=None, *, keep_free: int = DEFAULT_KE
         return res
 
     ex = ThreadPoolExecutor(max_workers=max(1, min(run.forks, len(hosts))))
-    futures = {h.name: ex.submit(one, h) for h in hosts}
-    try:
+    futures = {}
+    try:  # a Ctrl-C while the hosts are still being handed out stops the streams already going, too
+        for h in hosts:
+            futures[h.name] = ex.submit(one, h)
         wait(futures.values())
     except KeyboardInterrupt:
         stop.set()
