@@ -10,6 +10,7 @@ tree are marked `slow` here. A slow test in any other module says so itself with
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,13 @@ FAST_LANE = {
 
 # The README's test command runs modules side by side in pytest-xdist workers (`--dist loadfile`: a module
 # stays in one worker, so its module-scoped fleets are built once). Workers take modules in collection
-# order, so the longest go first (seconds at commit fd276e2, --durations) and the short ones fill
-# in behind them; the order is the same in every worker, as xdist requires.
-LONGEST_FIRST = ["test_fleet.py", "test_deploy.py", "test_operator.py", "test_capture_run.py", "test_service.py",
-                 "test_capture_collect.py", "test_apply_rollback_files.py", "test_capture_tokenizer.py"]
+# order, so the longest go first (seconds at commit 68d43af, --durations: SpecForge's training and the
+# fleets with many restarts) and the short ones fill in behind them, so no long module starts last; the order is
+# the same in every worker, as xdist requires.
+LONGEST_FIRST = ["test_specforge_train.py", "test_apply_rollback_files.py", "test_docker.py", "test_fleet.py",
+                 "test_deploy.py", "test_capture_collect.py", "test_capture_run.py", "test_operator.py",
+                 "test_drafter_deploy.py", "test_capture_shared.py", "test_capture_tokenizer.py", "test_service.py",
+                 "test_specforge_train_block.py", "test_drafter_state.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -98,6 +102,20 @@ def _no_login_user_left():
 
     left = left_behind()
     assert not left, f"the tests left behind: {left}"
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_as_python_sets_it():
+    """A test that leaves SIGINT's handler changed (or blocked) in its worker would make a later module's
+    Ctrl-C test pass or fail by which worker ran what before it: fail the test that changed it, and put the
+    handler back so the next test runs as a fresh process would."""
+    yield
+    handler = signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if handler is not signal.default_int_handler or blocked:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        pytest.fail(f"this test left SIGINT's handler {handler!r}{' and SIGINT blocked' if blocked else ''}")
 
 
 @pytest.fixture
