@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,26 +144,10 @@ def test_a_target_only_on_the_hosts_is_said_so(tmp_path):
     assert 'target_model_path: "/models/not-here"' in text
 
 
-def test_specforge_trains_and_exports_from_the_emitted_files_unedited(tmp_path):
-    out, facts = collection(tmp_path, 8)
-    emit(out, facts, 95)
-    before = {p: p.read_bytes() for p in (out / drafttrain.RUN_CONFIG, out / drafttrain.DRAFT_MODEL)}
-    lines = []
-    env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
-    res = drafttrain.train_and_export(out, ["training.max_steps=16", "training.learning_rate=0.01",
-                                            "training.log_interval=1"], cpu=True, env=env, log=lines.append,
-                                      timeout=540)
-    assert {p: p.read_bytes() for p in before} == before  # trained with the files as collect wrote them
-    print(f"losses {[round(x, 3) for _, x in res.losses]}; train {res.train_seconds}s, export {res.export_seconds}s")
-    steps = [s for s, _ in res.losses]
-    assert steps == list(range(1, 17)), lines[-20:]
-    assert any(line.startswith("training: step 16/16 (100%), loss ") and "ETA 0s" in line for line in lines), lines
-    # two epochs over the same 8 samples: the second's mean loss is below the first's
-    first, second = [x for _, x in res.losses[:8]], [x for _, x in res.losses[8:]]
-    assert sum(second) / 8 < sum(first) / 8 - 0.3, res.losses
-    # the SGLang draft directory (CONTRACT-drafter §1; SpecForge's export decides the details)
-    d = res.draft_dir
-    assert d == out.with_name("conv-eagle3-draft")
+def check_exported(d: Path, out: Path) -> None:
+    """The SGLang draft directory SpecForge's export wrote (CONTRACT-drafter §1; SpecForge's export decides the
+    details), and a draft whose exported ids differ from the capture's refused."""
+    assert d == out.with_name(out.name + "-draft")
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["hidden_size"] == HIDDEN
     assert cfg["vocab_size"] == cfg["draft_vocab_size"] == VOCAB and cfg["num_hidden_layers"] == 1
@@ -182,11 +167,12 @@ def test_specforge_trains_and_exports_from_the_emitted_files_unedited(tmp_path):
     assert shapes["midlayer.self_attn.q_proj.weight"][1] == 2 * H  # attention input 2H: [embedding, hidden]
     assert not any("embed" in k for k in shapes)  # the target's embedding is used
     assert all(k.split(".")[0] in ("fc", "norm", "lm_head", "d2t", "t2d", "midlayer") for k in shapes), sorted(shapes)
-    # a draft whose exported ids differ from the capture's is refused
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
-    (d / "config.json").write_text(json.dumps(cfg))
+    bad = d.with_name(d.name + "-other-ids")
+    shutil.copytree(d, bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(drafttrain.TrainFailed, match=r"eagle_aux_hidden_state_layer_ids \[2, 4, 5\], the capture's are \[1, 3, 4\]"):
-        drafttrain.check_export(d, json.loads((out / drafttrain.DRAFT_MODEL).read_text()))
+        drafttrain.check_export(bad, json.loads((out / drafttrain.DRAFT_MODEL).read_text()))
 
 
 QUESTIONS = ["hello world, how are you today?", "what is the capital of France?", "tell me about the quick brown fox",
@@ -239,8 +225,20 @@ def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than
     for i, (p, r) in enumerate(zip(prompts, res)):
         write_sample(out, i, tm, torch.tensor(p + r["output_ids"]), len(p))
     emit(out, facts, max(len(p) for p in prompts) + 32)
+    before = {p: p.read_bytes() for p in (out / drafttrain.RUN_CONFIG, out / drafttrain.DRAFT_MODEL)}
     env = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
-    trained = drafttrain.train_and_export(out, DEMO_TRAIN, cpu=True, env=env, timeout=540).draft_dir
+    lines = []
+    res = drafttrain.train_and_export(out, [*DEMO_TRAIN, "training.log_interval=1"], cpu=True, env=env,
+                                      log=lines.append, timeout=540)
+    # trained with the files as collect wrote them, every step logged, the loss falling: the last of the 8
+    # epochs over the same 8 samples has a mean loss clearly below the first's
+    assert {p: p.read_bytes() for p in before} == before
+    assert [s for s, _ in res.losses] == list(range(1, 65)), lines[-20:]
+    assert any(line.startswith("training: step 64/64 (100%), loss ") and "ETA 0s" in line for line in lines), lines
+    first, last = [x for _, x in res.losses[:8]], [x for _, x in res.losses[-8:]]
+    assert sum(last) / 8 < sum(first) / 8 - 0.3, res.losses
+    check_exported(res.draft_dir, out)
+    trained = res.draft_dir
     untrained = untrained_drafter(trained, tmp_path / "untrained")
     spec = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", "4"]
