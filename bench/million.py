@@ -39,6 +39,13 @@ Rows:
                   time is the write's (its RSS: the process holding that fold, as the run does)
   collect fold    the journal as `capture collect` folds it (load_run: before, every first "done" record kept;
                   after, lazy: each one's offset in the journal, read back when collect plans it)
+  collect --in-place  a real `patchctl --json capture collect done --in-place --to DIR` of the `done` run, in its
+                  own process (an inventory of the 3 hosts as `connection = "local"`; --in-place contacts no host
+                  and reads no sample file): the fold, the plan of every sample, index.jsonl (one line per sample,
+                  written and fsynced), draft-config.json and index.json; DIR removed before each tree's run. Its
+                  index is checked: N lines, the same bytes in both trees but for nothing (compared by sha256)
+
+--rows picks rows by name (comma-separated; the set-up steps a row needs come with it).
 
 The load average is printed before and after; one run of each row (a row at 1M takes seconds to tens).
 """
@@ -215,6 +222,27 @@ print("%.3f %d" % (time.monotonic() - t0, len(st.done)))
 """
 
 
+def inventory(base: Path) -> Path:
+    """The generated runs' hosts, for a collect (--in-place contacts none of them)."""
+    inv = base / "inventory.toml"
+    inv.write_text("".join(f'[hosts."{h}"]\nconnection = "local"\nstate_dir = "{base / h / "state"}"\n'
+                           f'sglang_root = "{base / h / "site-packages"}"\n\n' for h in HOSTS))
+    return inv
+
+
+def collected(to: Path) -> str:
+    """index.jsonl's lines and sha256 (then the directory removed for the next tree's collect)."""
+    import shutil
+
+    h, n = hashlib.sha256(), 0
+    with open(to / "index.jsonl", "rb") as f:
+        for line in f:
+            h.update(line)
+            n += 1
+    shutil.rmtree(to)
+    return f"index {n} lines, sha256 {h.hexdigest()[:16]}"
+
+
 def child(tree: Path, env_state: Path, argv: list[str]) -> tuple[float, int, str, int]:
     """(wall s, peak RSS KiB from wait4, stdout, exit status) of one process running argv with that tree."""
     env = dict(os.environ, PYTHONPATH=str(tree), XDG_STATE_HOME=str(env_state), NO_COLOR="1")
@@ -234,6 +262,7 @@ def main() -> int:
     ap.add_argument("--before", default=BEFORE)
     ap.add_argument("--before-tree", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="generate into (and keep) this directory")
+    ap.add_argument("--rows", default=None, help="only these rows (comma-separated names, e.g. 'collect --in-place')")
     args = ap.parse_args()
     trees = {"before": load_before(args.before, args.before_tree), "after": REPO}
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; cores: {os.cpu_count()}")
@@ -258,11 +287,19 @@ def main() -> int:
                 ("forget index", [py, "-c", FORGET_INDEX], ("after",)),
                 ("resume, no index", [py, "-c", RESUME, str(g["dataset"]), "half"], ("after",)),
                 ("resume", [py, "-c", RESUME, str(g["dataset"]), "half"], ("before", "after")),
-                ("collect fold", [py, "-c", COLLECT], ("before", "after"))):
+                ("collect fold", [py, "-c", COLLECT], ("before", "after")),
+                ("collect --in-place", [py, "-m", "patchctl", "--inventory", str(inventory(base)), "--json", "capture",
+                                        "collect", "done", "--in-place", "--to", str(base / "collected")],
+                 ("before", "after"))):
+            if args.rows and label not in args.rows.split(",") and not (
+                    label in ("summary at", "forget index") and {"status killed+", "resume"} & set(args.rows.split(","))):
+                continue
             cells = {}
             for which in trees_for:
                 wall, rss, out, code = child(trees[which], g["state"], argv)
                 extra = ""
+                if label == "collect --in-place":
+                    extra = f" ({collected(base / 'collected')})" if code == 0 else ""
                 if label == "run end" and out.strip():
                     wall = float(out.split()[0])
                 if label in ("resume", "resume, no index", "new run") and out.strip():

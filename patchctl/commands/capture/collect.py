@@ -26,9 +26,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-from patchctl.commands.capture.collection import (ALL_ONES, INDEX, LEFT_OUT, OK_STATES, PARTIAL, Item, expectation,
-                                                  finish_collection, loss_mask, not_collected, pending_by_host,
+from patchctl.commands.capture.collection import (INDEX, LEFT_OUT, OK_STATES, PARTIAL, Item, expectation,
+                                                  finish_collection, index_entry, loss_mask, not_collected,
                                                   plan_items, prepare_to, print_summary, run_dataset, write_summary)
+from patchctl.commands.capture.collectplan import Plan
 from patchctl.commands.capture.journal import load_run, mb
 from patchctl.commands.capture.onhost import run_on_host
 from patchctl.commands.capture.pulling import partial_name, pull_batch
@@ -72,26 +73,28 @@ def sync_file_system(directory: Path, files: list[Path]) -> None:
             os.close(fd)
 
 
-def streams_for(items: list[Item], most: int) -> int:
+def streams_for(plan: Plan, ns, most: int) -> int:
     """How many of `most` streams a host's pull uses when --streams is not given: one per STREAM_BYTES of its
     files or per STREAM_FILES of them, whichever gives more. A stream is an SSH connection and an agent
     started on the host (measured on a 2-core box: ~0.3 s of the hosts' CPU each before a byte moves), and
     the controller's threads share one interpreter: 2 000 small files (18 MB) a host went faster on one
     (docs/benchmarks.md, "Collect of many small files")."""
-    nbytes = sum(int(it.rec.get("bytes") or 0) for it in items)
-    return max(1, min(most, len(items), max(-(-nbytes // STREAM_BYTES), -(-len(items) // STREAM_FILES))))
+    nbytes = sum(plan.src_bytes[n] for n in ns)
+    return max(1, min(most, len(ns), max(-(-nbytes // STREAM_BYTES), -(-len(ns) // STREAM_FILES))))
 
 
 class Collector:
     def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter,
-                 streams: int | None = 1):
+                 streams: int | None = 1, plan: Plan | None = None):
         self.app, self.run, self.name, self.info, self.out, self.fmt = app, run, name, info, out, fmt
+        self.plan = plan
         self.streams = streams  # None: as many as the work pays for (streams_for), PULL_STREAMS at most
         self.reporter = reporter
         self.masks = None  # id -> loss_mask (specforge with a dataset that has loss masks)
         self.algorithm = algorithm_of(info) if fmt == "specforge" else None
         self.dataset = None
         self._index = open(out / INDEX, "ab")
+        self._index_at = os.fstat(self._index.fileno()).st_size  # where the next index line goes
         self._lock = threading.Lock()  # hosts are pulled in parallel threads
         self._fresh: set[str] = set()  # ids pulled again from byte 0 (a resumed file whose sha256 failed)
         self._outs = str(out)
@@ -102,59 +105,59 @@ class Collector:
         self._index.close()
 
     def entry(self, it: Item) -> dict:
-        facts = (self.info.get("hosts") or {}).get(it.host) or {}
-        if self.fmt != "specforge":
-            mask = "dataset" if (self.info.get("dataset") or {}).get("loss_mask") else ALL_ONES
-        else:
-            mask = it.mask_source or ALL_ONES
-        return {"id": it.id, "tokens": it.rec.get("tokens"), "file": it.rel, "host": it.host,
-                "host_path": it.rec.get("path"), "sha256": it.sha256, "bytes": it.bytes,
-                "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
-                "hidden_size": facts.get("hidden_size"),
-                "layers": it.layers, "layers_source": it.layers_source, "loss_mask": mask}
+        return index_entry(self.info, self.fmt, it)
 
-    def pull_host(self, host, items: list[Item]) -> tuple[int, str]:
-        """Pull every item of one host over `streams` SSH connections at once (each one agent command per
-        batch of files: pulling.pull_batch); (exit code, message)."""
+    def pull_host(self, host, ns) -> tuple[int, str]:
+        """Pull every pending sample `ns` of one host (the plan's ordinals) over `streams` SSH connections at
+        once (each one agent command per batch of files: pulling.pull_batch); (exit code, message). A sample's
+        record is read back from the journal when a stream claims it, and settled into the plan (dropped)
+        when its batch ends."""
         from patchctl.core.session import HostSession
 
-        queue = deque(items)
-        n = max(1, min(self.streams, len(items))) if self.streams else streams_for(items, PULL_STREAMS)
+        queue = deque(ns)  # ordinals; an Item once put back for a whole pull (retry)
+        n = max(1, min(self.streams, len(ns))) if self.streams else streams_for(self.plan, ns, PULL_STREAMS)
         sessions = [self.run.session(host)] + [HostSession(self.run, host) for _ in range(n - 1)]
         tally = {"bytes": 0, "files": 0, "sent": 0, "kept": 0, "t0": time.time(), "last": 0.0, "error": None,
                  "streams": n}
-        threads = [threading.Thread(target=self._stream, args=(host, s, queue, tally, len(items)), daemon=True,
+        threads = [threading.Thread(target=self._stream, args=(host, s, queue, tally, len(ns)), daemon=True,
                                     name=f"pull {host.name} {i}") for i, s in enumerate(sessions)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         secs = max(time.time() - tally["t0"], 1e-6)
+        plan = self.plan
         if tally["error"]:
             outcome, msg = tally["error"]
-            for it in items:
-                if it.status == "pending":
-                    it.status, it.reason = "host error", f"{outcome}: {msg}"
+            for i in ns:
+                if plan.status[i] == 0:
+                    plan.set(i, "host error", f"{outcome}: {msg}")
             return outcome.exit_code, f"{outcome}: {msg}"
-        done = sum(it.status in OK_STATES for it in items)
-        left = sum(it.status in LEFT_OUT for it in items)
-        bad = len(items) - done - left
+        statuses = [plan.status_of(i) for i in ns]
+        done = sum(s in OK_STATES for s in statuses)
+        left = sum(s in LEFT_OUT for s in statuses)
+        bad = len(ns) - done - left
         kept = f"; {mb(tally['kept'])} resumed from partial files" if tally["kept"] else ""
-        return (1 if bad else 0), (f"{done} of {len(items)} files, {mb(tally['bytes'])} in {secs:.1f}s "
+        return (1 if bad else 0), (f"{done} of {len(ns)} files, {mb(tally['bytes'])} in {secs:.1f}s "
                                    f"({tally['bytes'] / secs / 1e6:.1f} MB/s, {n} stream{'s' if n > 1 else ''})"
                                    + kept + (f"; {bad} not collected" if bad else "")
                                    + (f"; {left} untrainable, left out" if left else ""))
 
+    def _size(self, x) -> int:
+        return int(x.rec.get("bytes") or 0) if isinstance(x, Item) else self.plan.src_bytes[x]
+
     def _claim(self, queue: deque, most: int) -> list[Item]:
         """The next files for one stream: up to PULL_BATCH bytes of them (at least one), `most` at most (a host's
-        files shared out over its streams even when they are small)."""
+        files shared out over its streams even when they are small); their records read back."""
         out, size = [], 0
         with self._lock:
-            while queue and len(out) < most and (not out or size + int(queue[0].rec.get("bytes") or 0) <= PULL_BATCH):
-                it = queue.popleft()
-                out.append(it)
-                size += int(it.rec.get("bytes") or 0)
-        return out
+            while queue and len(out) < most and (not out or size + self._size(queue[0]) <= PULL_BATCH):
+                x = queue.popleft()
+                out.append(x)
+                size += self._size(x)
+        ns = [x for x in out if not isinstance(x, Item)]
+        read = iter(self.plan.items(ns)) if ns else iter(())
+        return [x if isinstance(x, Item) else next(read) for x in out]
 
     def _stream(self, host, s, queue: deque, tally: dict, total: int) -> None:
         def retry(it: Item) -> None:  # a resumed file whose sha256 failed: once more, whole
@@ -174,8 +177,13 @@ class Collector:
                 batch = self._claim(queue, min(PULL_FILES, -(-total // tally["streams"])))
                 if not batch:
                     return
-                b = pull_batch(s, self.name, batch, self._partial_of, self._finish, retry, progress, self._fresh,
-                               commit=self._commit)
+                try:
+                    b = pull_batch(s, self.name, batch, self._partial_of, self._finish, retry, progress, self._fresh,
+                                   commit=self._commit)
+                finally:
+                    with self._lock:
+                        for it in batch:
+                            self.plan.settle(it)
                 with self._lock:
                     tally["sent"] += b.sent
                     tally["kept"] += b.kept
@@ -280,8 +288,9 @@ class Collector:
             sync_file_system(self.out, [tmp for _it, tmp, _dest in staged])
             with self._lock:
                 for it, _tmp, _dest in staged:
-                    it.line = json.dumps(self.entry(it), sort_keys=True) + "\n"
-                    self._index.write(it.line.encode())
+                    line = (json.dumps(self.entry(it), sort_keys=True) + "\n").encode()
+                    self._index.write(line)
+                    it.line_at, self._index_at = self._index_at, self._index_at + len(line)
                 self._index.flush()
                 os.fsync(self._index.fileno())
             for it, tmp, dest in staged:
@@ -317,18 +326,21 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
     prev = prepare_to(out, name, fmt, st)
     dataset = run_dataset(info) if fmt == "specforge" else None
-    items = plan_items(st, out, fmt, prev, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
+    plan = plan_items(st, out, fmt, prev, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {},
+                      entry=lambda it: index_entry(info, fmt, it))
+    del prev
+    st.done = {}  # (the plan holds what is left of it)
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    write_summary(out, name, info, fmt, items, "collecting", created)
-    by_host = pending_by_host(items)
+    write_summary(out, name, info, fmt, plan, "collecting", created)
+    by_host = plan.pending_by_host()
     hosts = [h for h in run.hosts if h.name in by_host]
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
-    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams)
+    col = Collector(app, run, name, info, out, fmt, reporter, opts.streams, plan)
     col.dataset = dataset
     codes: list[int] = []
     with reporter:
-        app.info(f"collect {name} into {out} ({fmt}): {len(st.done)} samples done in the journal; "
-                 f"{sum(it.status == 'present' for it in items)} already there, "
+        app.info(f"collect {name} into {out} ({fmt}): {len(plan)} samples done in the journal; "
+                 f"{plan.count('present')} already there, "
                  f"{sum(len(v) for v in by_host.values())} to pull from {len(hosts)} host(s)")
         try:
             results = run.parallel(lambda h: (h.name, col.pull_host(h, by_host[h.name])), hosts) if hosts else []
@@ -339,10 +351,10 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
             codes.append(code)
             outcome = {0: Outcome.OK, 1: Outcome.FAILED, 3: Outcome.UNKNOWN}.get(code, Outcome.REFUSED)
             reporter.host_result(host, outcome, code, msg)
-        summary, failures = finish_collection(out, name, info, fmt, items, created, col.entry)
+        summary, failures = finish_collection(out, name, info, fmt, plan, created)
         code = not_collected(failures, codes, lambda f: reporter.emit({"event": "not_collected", "run_id": run.run_id, **f}))
         reporter.run_end(code, summary=summary)
-    print_summary(app, out, summary, items, failures)
+    print_summary(app, out, summary, plan, failures)
     return code
 
 

@@ -12,17 +12,20 @@ Shared by the pull/in-place collection (capture/collect.py) and the --on-host co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from patchctl import __version__
 from patchctl.commands.capture import draftconfig
+from patchctl.commands.capture.collectplan import OK_STATES, Plan
 from patchctl.commands.capture.dataset import open_run_dataset
-from patchctl.commands.capture.journal import SHOWN, RunState, dataset_index_dir, mb
+from patchctl.commands.capture.journal import SHOWN, DoneRecords, RunState, dataset_index_dir, mb
 from patchctl.commands.capture.specforge import algorithm_of, conventions
 from patchctl.core import drafttrain
 from patchctl.core.console import App, table
@@ -34,7 +37,6 @@ from patchctl.host.collection import PARTIAL  # our own temporary names: a crash
 
 INDEX, SUMMARY, DRAFT = "index.jsonl", "index.json", "draft-config.json"
 ALL_ONES = "all ones (no loss_mask in the dataset)"
-OK_STATES = ("collected", "present", "indexed", "converted")
 LEFT_OUT = ("untrainable",)  # not collected, by SpecForge's own rule for the algorithm: counted, not a failure
 
 
@@ -53,6 +55,8 @@ class Item:
     layers: dict | None = None  # the file's layer metadata (LAYER_KEYS), or the run's expectation (--in-place)
     layers_source: str | None = None
     line: str | None = None  # its index line as written when it was put in place (the same line ends the index)
+    n: int = -1  # its place in the plan (collectplan.Plan: journal order)
+    line_at: int | None = None  # where `line` was written in index.jsonl
 
     @cached_property
     def host(self) -> str:  # (read about ten times per file of a pull)
@@ -61,6 +65,20 @@ class Item:
 
 def target_rel(sid: str, fmt: str) -> str:
     return hconvert.target_rel(sid, "specforge" if fmt.startswith("specforge") else fmt)
+
+
+def index_entry(info: dict, fmt: str, it: Item) -> dict:
+    """A sample's line of index.jsonl (a pull or --in-place; --on-host: onhost.OnHost.entry)."""
+    facts = (info.get("hosts") or {}).get(it.host) or {}
+    if fmt != "specforge":
+        mask = "dataset" if (info.get("dataset") or {}).get("loss_mask") else ALL_ONES
+    else:
+        mask = it.mask_source or ALL_ONES
+    return {"id": it.id, "tokens": it.rec.get("tokens"), "file": it.rel, "host": it.host,
+            "host_path": it.rec.get("path"), "sha256": it.sha256, "bytes": it.bytes,
+            "source_sha256": it.rec.get("sha256"), "model": facts.get("model_path"),
+            "hidden_size": facts.get("hidden_size"),
+            "layers": it.layers, "layers_source": it.layers_source, "loss_mask": mask}
 
 
 # --- layers: what the files say, against what the run expected ----------------------------------
@@ -86,20 +104,24 @@ def expected_layers(facts: dict) -> dict | None:
             "eagle_aux_hidden_state_layer_ids": given}
 
 
-def check_to(out: Path, fmt: str, prev: dict[str, dict], st: RunState) -> None:
+def check_to(out: Path, fmt: str, prev: DoneRecords, st: RunState) -> None:
     """--to holds nothing but this collection: its own files, the run's sample files, our partial files.
-    Anything else is refused (named), because SpecForge lists every *.ckpt below it and trains on it."""
+    Anything else is refused (named), because SpecForge lists every *.ckpt below it and trains on it. The
+    run's names are held as 8-byte keyed hashes (a sorted array), made only once DIR is found to hold a file
+    that is not one of the collection's own: a name not among them is not the run's."""
     if not out.is_dir():
         return
     allowed = {SUMMARY, INDEX, DRAFT, drafttrain.RUN_CONFIG, drafttrain.DRAFT_MODEL}
-    if fmt in ("safetensors", "specforge"):  # with --in-place / --on-host no sample file is here
-        allowed |= {e["file"] for e in prev.values() if isinstance(e.get("file"), str)}
-        allowed |= {target_rel(sid, fmt) for sid in st.done}
+    names = None
     stray = []
     for dirpath, _dirs, files in os.walk(out):
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), out)
-            if rel not in allowed and not f.endswith(PARTIAL):
+            if rel in allowed or f.endswith(PARTIAL):
+                continue
+            if names is None:
+                names = _run_names(fmt, prev, st)
+            if not names(rel):
                 stray.append(rel)
     if stray:
         stray.sort()
@@ -108,9 +130,32 @@ def check_to(out: Path, fmt: str, prev: dict[str, dict], st: RunState) -> None:
                        + " (SpecForge trains on every *.ckpt below the directory): move them away or choose another --to")
 
 
-def open_collection(out: Path, name: str, fmt: str) -> dict[str, dict]:
+def _run_names(fmt: str, prev: DoneRecords, st: RunState):
+    """Whether a path in DIR is one of the run's sample files (an earlier collect's, or a done sample's)."""
+    import bisect
+
+    if fmt not in ("safetensors", "specforge"):  # with --in-place / --on-host no sample file is here
+        return lambda rel: False
+    key = os.urandom(16)
+
+    def h(rel: str) -> int:
+        return int.from_bytes(hashlib.blake2b(rel.encode("utf-8", "surrogatepass"), digest_size=8, key=key).digest(), "big")
+
+    keys = array("Q", sorted([h(e["file"]) for e in (prev.values() if prev else ()) if isinstance(e.get("file"), str)]
+                             + [h(target_rel(sid, fmt)) for sid in st.done]))
+
+    def has(rel: str) -> bool:
+        k = h(rel)
+        i = bisect.bisect_left(keys, k)
+        return i < len(keys) and keys[i] == k
+
+    return has
+
+
+def open_collection(out: Path, name: str, fmt: str) -> DoneRecords:
     """Check DIR is empty, new, or patchctl's collection of this run in this format; the index entries of
-    an earlier collect (id -> last entry), which a resumed specforge collect trusts for its own files."""
+    an earlier collect (id -> last entry, read back from index.jsonl when asked: each one's offset is what is
+    held), which a resumed specforge collect trusts for its own files."""
     if out.exists() and not out.is_dir():
         raise BadInput("--to: not a directory", file=str(out))
     summary, index = out / SUMMARY, out / INDEX
@@ -126,15 +171,18 @@ def open_collection(out: Path, name: str, fmt: str) -> dict[str, dict]:
                            f"as {fmt} into another --to", file=str(summary))
     elif index.exists():
         raise BadInput(f"{INDEX} exists without {SUMMARY}: not a patchctl collection; choose another --to", file=str(index))
-    prev: dict[str, dict] = {}
+    prev = DoneRecords(index)
     if index.exists():
-        for line in index.read_bytes().split(b"\n"):
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue  # a torn last line of a crashed collect
-            if isinstance(e, dict) and isinstance(e.get("id"), str):
-                prev[e["id"]] = e
+        with open(index, "rb") as f:
+            at = 0
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    e = None  # a torn last line of a crashed collect
+                if isinstance(e, dict) and isinstance(e.get("id"), str):
+                    prev[e["id"]] = at
+                at += len(line)
     return prev
 
 
@@ -158,61 +206,91 @@ class _Listed:
         return names is None or name in names
 
 
-def plan_items(st: RunState, out: Path, fmt: str, prev: dict[str, dict], selected: set[str], known: set[str],
-               host_facts: dict | None = None) -> list[Item]:
-    """One Item per done sample, in journal order: already in DIR (present), in the way (conflict), on a host
-    not selected or not in the inventory, indexed where it lies (--in-place), or still to pull (pending)."""
-    items, host_facts, there = [], host_facts or {}, _Listed(out)
-    for sid, rec in st.done.items():
-        it = Item(sid, rec, target_rel(sid, fmt) if fmt != "in-place" else None)
-        items.append(it)
-        path = out / it.rel if it.rel and there(it.rel) else None
-        if path is not None and (path.exists() or path.is_symlink()):
-            have = sha256_file(path) if path.is_file() and not path.is_symlink() else None
-            want = rec.get("sha256") if fmt == "safetensors" else None
-            p = prev.get(sid) or {}
-            if fmt == "specforge" and p.get("file") == it.rel and p.get("source_sha256") == rec.get("sha256"):
-                want, it.mask_source = p.get("sha256"), p.get("loss_mask")
-            if have is not None and have == want:
-                it.status, it.sha256, it.bytes = "present", have, path.stat().st_size
-                if isinstance(p.get("layers"), dict) and p.get("sha256") == have:
-                    it.layers, it.layers_source = p["layers"], p.get("layers_source") or "file"
-                elif fmt == "safetensors":
-                    it.layers, it.layers_source = hconvert.layer_meta(hconvert.read_header(path)), "file"
-            else:
-                it.status = "conflict"
-                it.reason = (f"{path} exists with other contents (sha256 {have}); not overwritten: move it away "
-                             "and collect again" if have else f"{path} exists and is not a regular file; not replaced")
-        elif it.host not in known:
-            it.status, it.reason = "unknown host", f"host {it.host} is not in the inventory"
-        elif it.host not in selected:
-            it.status, it.reason = "not selected", f"host {it.host} not selected by --limit"
-        elif fmt == "in-place":
-            it.status, it.sha256, it.bytes = "indexed", rec.get("sha256"), int(rec.get("bytes") or 0)
-            it.layers = expected_layers(host_facts.get(it.host) or {})
-            it.layers_source = "run.json (the expectation each file was verified against on its host; files not read)"
-    return items
+def plan_items(st: RunState, out: Path, fmt: str, prev: DoneRecords, selected: set[str], known: set[str],
+               host_facts: dict | None = None, entry=None) -> Plan:
+    """Every done sample, in journal order (a lazy fold's `done`: DoneRecords), planned: already in DIR
+    (present), in the way (conflict), on a host not selected or not in the inventory, indexed where it lies
+    (--in-place), or still to pull (pending); held in a Plan (collectplan.py), the records read a line at a
+    time. `entry` (an Item -> its index entry): the index line of each sample present or indexed is written
+    now, in the plan's spool beside the index, in journal order."""
+    host_facts, there, expected = host_facts or {}, _Listed(out), {}
+    spool = out / (INDEX + ".plan" + PARTIAL) if entry is not None else None
+    plan = Plan(st.done.path, fmt, out / INDEX, spool)
+    with open(spool or os.devnull, "wb") as sp:
+        pos = 0
+        for n, (sid, rec) in enumerate(st.done.items()):
+            it = Item(sid, rec, target_rel(sid, fmt) if fmt != "in-place" else None, n=n)
+            _plan_one(it, out, fmt, prev, selected, known, there)
+            if it.status == "indexed":
+                if it.host not in expected:
+                    expected[it.host] = expected_layers(host_facts.get(it.host) or {})
+                it.layers = expected[it.host]
+            at = -1
+            if spool is not None and it.status in OK_STATES:
+                line = (json.dumps(entry(it), sort_keys=True) + "\n").encode()
+                sp.write(line)
+                at, pos = pos, pos + len(line)
+            plan.add(it, dict.__getitem__(st.done, sid), at)
+    return plan
 
+
+def _plan_one(it: Item, out: Path, fmt: str, prev: DoneRecords, selected: set[str], known: set[str], there) -> None:
+    sid, rec = it.id, it.rec
+    path = out / it.rel if it.rel and there(it.rel) else None
+    if path is not None and (path.exists() or path.is_symlink()):
+        have = sha256_file(path) if path.is_file() and not path.is_symlink() else None
+        want = rec.get("sha256") if fmt == "safetensors" else None
+        p = prev.get(sid) or {}
+        if fmt == "specforge" and p.get("file") == it.rel and p.get("source_sha256") == rec.get("sha256"):
+            want, it.mask_source = p.get("sha256"), p.get("loss_mask")
+        if have is not None and have == want:
+            it.status, it.sha256, it.bytes = "present", have, path.stat().st_size
+            if isinstance(p.get("layers"), dict) and p.get("sha256") == have:
+                it.layers, it.layers_source = p["layers"], p.get("layers_source") or "file"
+            elif fmt == "safetensors":
+                it.layers, it.layers_source = hconvert.layer_meta(hconvert.read_header(path)), "file"
+        else:
+            it.status = "conflict"
+            it.reason = (f"{path} exists with other contents (sha256 {have}); not overwritten: move it away "
+                         "and collect again" if have else f"{path} exists and is not a regular file; not replaced")
+    elif it.host not in known:
+        it.status, it.reason = "unknown host", f"host {it.host} is not in the inventory"
+    elif it.host not in selected:
+        it.status, it.reason = "not selected", f"host {it.host} not selected by --limit"
+    elif fmt == "in-place":
+        it.status, it.sha256, it.bytes = "indexed", rec.get("sha256"), int(rec.get("bytes") or 0)
+        it.layers_source = "run.json (the expectation each file was verified against on its host; files not read)"
 
 
 # --- DIR made, and written at the end ------------------------------------------------------------
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data) -> None:
     write_atomic(path, data, tmp=path.with_name(path.name + PARTIAL))  # a crash's leftover is ours, overwritten
 
 
-def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item], state: str, created: str,
+def _rename_into(tmp: Path, path: Path) -> None:
+    """A file written whole (ours: a PARTIAL name beside `path`) put in its place as _write_atomic would: fsynced,
+    the mode of the file it replaces (a new one: the umask's), renamed."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+    except FileNotFoundError:
+        pass  # (created with the umask's default, as write_atomic gives a new file)
+    os.replace(tmp, path)
+
+
+def write_summary(out: Path, name: str, info: dict, fmt: str, plan: Plan, state: str, created: str,
                   **extra) -> dict:
-    ok = [it for it in items if it.status in OK_STATES]
-    missing: dict[str, int] = {}
-    for it in items:
-        if it.status not in OK_STATES:
-            missing[it.status] = missing.get(it.status, 0) + 1
+    tot = plan.totals()
     ds = info.get("dataset") or {}
     s = {"tool": "patchctl", "version": __version__, "run": name, "format": fmt, "state": state, "created": created,
          "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dataset": ds, "rid_prefix": info.get("prefix"),
-         "hosts": info.get("hosts") or {}, "samples": len(ok), "tokens": sum(int(it.rec.get("tokens") or 0) for it in ok),
-         "bytes": sum(it.bytes for it in ok), "not_collected": missing,
+         "hosts": info.get("hosts") or {}, "samples": tot["samples"], "tokens": tot["tokens"],
+         "bytes": tot["bytes"], "not_collected": tot["not_collected"],
          "loss_mask": "dataset" if ds.get("loss_mask") else ALL_ONES, "index": INDEX,
          "files": None if fmt == "in-place" else "files/<first 2 hex of sha256(id)>/<safe id>"
                   + (".ckpt" if fmt.startswith("specforge") else ".safetensors")}
@@ -223,14 +301,9 @@ def write_summary(out: Path, name: str, info: dict, fmt: str, items: list[Item],
     return s
 
 
-def write_draft_config(out: Path, name: str, info: dict, items: list[Item]) -> list[str]:
+def write_draft_config(out: Path, name: str, info: dict, plan: Plan) -> list[str]:
     """draft-config.json beside the index (capture/draftconfig.py); (its problems, also inside it; its contents)."""
-    sets: dict[str, list[dict]] = {}
-    for it in items:
-        if it.status in OK_STATES and it.layers:
-            seen = sets.setdefault(it.host, [])
-            if it.layers not in seen:
-                seen.append(it.layers)
+    sets = plan.layer_sets()
     convs = sorted(set(conventions(info).values())) or ["eagle3"]
     cfg, problems = draftconfig.draft_config(name, info.get("hosts") or {}, sets, convs[0])
     if len(convs) > 1:
@@ -274,14 +347,6 @@ def loss_mask(dataset, sid: str) -> tuple[list | None, str]:
     return dataset.read(s)["loss_mask"], "dataset"
 
 
-def pending_by_host(items: list[Item]) -> dict[str, list[Item]]:
-    by_host: dict[str, list[Item]] = {}
-    for it in items:
-        if it.status == "pending":
-            by_host.setdefault(it.host, []).append(it)
-    return by_host
-
-
 def not_collected(failures: list[dict], codes: list[int], emit) -> int:
     """Each sample of a selected host not collected made an event and an exit 1; the run's exit code."""
     for f in failures:
@@ -291,32 +356,38 @@ def not_collected(failures: list[dict], codes: list[int], emit) -> int:
     return worst(codes)
 
 
-def finish_collection(out: Path, name: str, info: dict, fmt: str, items: list[Item], created: str, entry,
+def finish_collection(out: Path, name: str, info: dict, fmt: str, plan: Plan, created: str,
                        **extra) -> tuple[dict, list[dict]]:
-    """The index rewritten in journal order, draft-config.json, index.json: (summary, failures)."""
-    lines = [it.line or json.dumps(entry(it), sort_keys=True) + "\n" for it in items if it.status in OK_STATES]
-    _write_atomic(out / INDEX, "".join(lines).encode())
-    problems, fields = write_draft_config(out, name, info, items)
+    """The index rewritten in journal order (each line read back where it was written: the plan's spool,
+    index.jsonl), draft-config.json, index.json: (summary, failures: every sample not collected, but those of
+    hosts not selected)."""
+    if plan.spool_is_index():  # (--in-place, or every file already there): the spool is the index, renamed
+        _rename_into(plan.spool, out / INDEX)
+    else:
+        _write_atomic(out / INDEX, plan.index_lines())
+        if plan.spool is not None:
+            try:
+                os.unlink(plan.spool)
+            except FileNotFoundError:
+                pass
+    problems, fields = write_draft_config(out, name, info, plan)
+    tot = plan.totals()
     if fmt.startswith("specforge"):  # the complete draft config and SpecForge's run config, beside the data
         from patchctl.commands.capture import trainfiles
 
-        extra["training"] = trainfiles.write(out, fields, info.get("hosts") or {}, sorted({it.host for it in items}),
-                                             extra.get("on_host") or str(out),
-                                             max((int(it.rec.get("tokens") or 0) for it in items if it.status in OK_STATES), default=0),
-                                             _write_atomic, samples=len(lines))
-    summary = write_summary(out, name, info, fmt, items, "done", created, draft_config=DRAFT,
+        extra["training"] = trainfiles.write(out, fields, info.get("hosts") or {}, sorted(set(plan.hosts)),
+                                             extra.get("on_host") or str(out), tot["max_tokens"],
+                                             _write_atomic, samples=tot["samples"])
+    summary = write_summary(out, name, info, fmt, plan, "done", created, draft_config=DRAFT,
                             draft_config_problems=problems, **extra)
-    failures = [{"id": it.id, "host": it.host, "status": it.status, "reason": it.reason}
-                for it in items if it.status not in OK_STATES]
-    return summary, failures
+    return summary, plan.failures()
 
 
 
-def print_summary(app: App, out: Path, summary: dict, items: list[Item], failures: list[dict]) -> None:
+def print_summary(app: App, out: Path, summary: dict, plan: Plan, failures: list[dict]) -> None:
     counts: dict[str, dict[str, int]] = {}
-    for it in items:
-        c = counts.setdefault(str(it.host), {})
-        c[it.status] = c.get(it.status, 0) + 1
+    for host, c in plan.counts().items():
+        counts.setdefault(str(host), {}).update(c)
     t = table(f"capture collect {summary['run']} -> {out} ({summary['format']})", "host", "collected", "already there",
               "indexed", "not collected")
     for host, c in sorted(counts.items()):

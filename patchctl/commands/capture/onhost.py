@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from patchctl.commands.capture.collection import (ALL_ONES, INDEX, LEFT_OUT, OK_STATES, Item, finish_collection, loss_mask,
-                                                  not_collected, pending_by_host, plan_items, prepare_to,
-                                                  print_summary, run_dataset, write_summary)
+                                                  not_collected, plan_items, prepare_to, print_summary, run_dataset,
+                                                  write_summary)
 from patchctl.commands.capture.journal import RunState, mb, run_dir
 from patchctl.commands.capture.specforge import algorithm_of
 from patchctl.core.console import App
@@ -32,13 +32,15 @@ class OnHost:
     samples on stdin; each converted file comes back as an event and goes into the index in --to."""
 
     def __init__(self, app: App, run: Run, name: str, info: dict, st: RunState, out: Path, host_dir: str, workers,
-                 dataset, progress):
+                 dataset, progress, plan):
         self.app, self.run, self.name, self.info, self.out, self.host_dir = app, run, name, info, out, host_dir
         self.ids = list(st.done)
         self.workers = workers
         self.dataset = dataset
         self.progress = progress
+        self.plan = plan
         self._index = open(out / INDEX, "ab")
+        self._index_at = os.fstat(self._index.fileno()).st_size
         self._lock = threading.Lock()
 
     def close(self):
@@ -90,9 +92,21 @@ class OnHost:
         with self._lock:
             self._index.write(line)
             self._index.flush()
+            it.line_at, self._index_at = self._index_at, self._index_at + len(line)
         self.progress.sample_done(host, int(it.rec.get("tokens") or 0), it.bytes)
 
-    def host(self, host, items: list[Item]) -> tuple[int, str, dict | None]:
+    def host(self, host, ns) -> tuple[int, str, dict | None]:
+        """Convert the host's pending samples `ns` (the plan's ordinals: every one of its records read back and
+        held while its `convert` op runs, settled into the plan at its end)."""
+        items = self.plan.items(ns)
+        try:
+            return self._host(host, items)
+        finally:
+            with self._lock:
+                for it in items:
+                    self.plan.settle(it)
+
+    def _host(self, host, items: list[Item]) -> tuple[int, str, dict | None]:
         from patchctl.core import remote
 
         facts = (self.info.get("hosts") or {}).get(host.name) or {}
@@ -134,23 +148,23 @@ def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunSt
     run = Run(app, opts, "capture collect")  # the hosts selected (--limit checked) before anything is made
     prepare_to(out, name, fmt, st)
     dataset = run_dataset(info)
-    items = plan_items(st, out, fmt, {}, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
-    for it in items:  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
-        if it.status in ("conflict", "present"):
-            it.status, it.reason = "pending", ""
+    plan = plan_items(st, out, fmt, {}, {h.name for h in run.hosts}, set(run.inventory.hosts), info.get("hosts") or {})
+    for i in range(len(plan)):  # nothing of DIR is on this machine: every sample goes to its host (which skips its own files)
+        if plan.status_of(i) in ("conflict", "present"):
+            plan.set(i, "pending")
     created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     (out / INDEX).write_bytes(b"")
-    write_summary(out, name, info, fmt, items, "collecting", created, on_host=host_dir)
-    by_host = pending_by_host(items)
+    write_summary(out, name, info, fmt, plan, "collecting", created, on_host=host_dir)
+    by_host = plan.pending_by_host()
     hosts = [h for h in run.hosts if h.name in by_host]
     from patchctl.commands.capture.progress import Progress
 
     progress = Progress(app, run_dir(name), run.run_id, total=sum(len(v) for v in by_host.values()), already=0,
                         hosts=[h.name for h in hosts])
-    job = OnHost(app, run, name, info, st, out, host_dir, opts.workers, dataset, progress)
+    job = OnHost(app, run, name, info, st, out, host_dir, opts.workers, dataset, progress, plan)
     codes: list[int] = []
     with progress:
-        progress.announce(f"collect {name} --on-host {host_dir} (specforge): {len(st.done)} samples done in the journal; "
+        progress.announce(f"collect {name} --on-host {host_dir} (specforge): {len(plan)} samples done in the journal; "
                           f"{sum(len(v) for v in by_host.values())} to convert on {len(hosts)} host(s); index in {out}")
         try:
             results = _convert_on(job, hosts, by_host, progress)
@@ -162,14 +176,14 @@ def run_on_host(app: App, opts: CaptureOptions, name: str, info: dict, st: RunSt
             codes.append(code)
             progress.emit({"event": "host_result", "host": h.name, "exit_code": code, "message": msg})
             app.info(f"{h.name}: {msg}")
-        summary, failures = finish_collection(out, name, info, fmt, items, created, job.entry, on_host=host_dir)
+        summary, failures = finish_collection(out, name, info, fmt, plan, created, on_host=host_dir)
         code = not_collected(failures, codes, lambda f: progress.emit({"event": "not_collected", **f}))
         progress.emit({"event": "run_end", "exit_code": code, "summary": summary, **progress.snapshot()})
-    print_summary(app, out, summary, items, failures)
+    print_summary(app, out, summary, plan, failures)
     return code
 
 
-def _convert_on(job: OnHost, hosts: list, by_host: dict[str, list[Item]], progress) -> dict[str, tuple]:
+def _convert_on(job: OnHost, hosts: list, by_host: dict, progress) -> dict[str, tuple]:
     """One thread per host drives its `convert` op; the progress refreshed until every host has answered."""
     results: dict[str, tuple] = {}
     finished = threading.Event()
