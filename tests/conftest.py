@@ -42,6 +42,25 @@ FAST_LANE = {
     # the drafter chain on a real sshd host: three deploys, three rollbacks, the unchanged re-deploy's request count
     "test_drafter_multinode.py": {"test_a_unit_cut_off_in_its_restart_is_recovered_on_both_nodes_by_the_printed_command"},
     "test_drafter_state.py": {"test_three_verified_drafters_then_rollbacks_walk_back_to_none"},
+    # one deploy into a container and its rollback; the refusals that need no deploy
+    "test_docker.py": {"test_a_container_patchctl_creates_from_an_image_deploys_and_rolls_back_to_itself",
+                       "test_a_container_that_does_not_exist", "test_docker_not_installed",
+                       "test_the_image_form_refuses_a_bad_run_option_naming_file_and_line"},
+    # the canary itself is drafter_state's representative; here what is refused before anything is sent
+    "test_drafter_deploy.py": {"test_bad_draft_directories_are_refused_before_anything_is_sent"},
+    "test_drafter_deploy_block.py": {"test_refused_before_any_restart_naming_the_field"},
+    "test_plugin_series.py": {"test_sglang_plugins_leaving_the_plugin_out_is_refused_before_any_change"},
+    "test_capture_block.py": {"test_the_layouts_are_specforges_own"},  # the three families' capture runs: one fixture
+    "test_real_sglang_k3.py": {"test_dspark_on_kimi_k3_sets_its_list_and_the_dump_holds_it"},
+    "test_simserver_spec.py": {"test_outputs_unchanged_and_acceptance_counted_independently"},
+    "test_capture_stream.py": {"test_a_bad_line_late_in_the_dataset_stops_the_run_before_it_is_sent"},
+    "test_trace_plugin.py": {"test_the_shipped_plugin_is_reached_for_the_three_architectures",
+                             "test_resolution_follows_resolve_name_then_getattr",
+                             "test_a_missing_target_is_refused_naming_the_file_and_the_closest_names",
+                             "test_a_class_target_hooked_around_is_refused",
+                             "test_a_hook_under_the_prefill_cuda_graph_is_refused_as_the_dead_hook_series",
+                             "test_the_processes_that_load_plugins", "test_cli_trace_of_plugin_series",
+                             "test_cached_plugin_trace_reads_its_hook_targets_back"},
 }
 
 

@@ -140,6 +140,7 @@ def test_three_hosts_one_after_another_in_every_order(run3):
         run3.assert_complete(shared)
 
 
+@pytest.mark.slow
 def test_three_hosts_at_once_one_command_and_three_commands(run3):
     # one command: its three hosts' converters start together
     shared = run3.base / "together"
@@ -164,6 +165,7 @@ def test_three_hosts_at_once_one_command_and_three_commands(run3):
     run3.assert_complete(shared)
 
 
+@pytest.mark.slow
 def test_three_hosts_resume_after_the_controller_is_killed(run3):
     shared, to = run3.base / "killed", run3.base / "idx-killed"
     # each host pauses 1 s after every sample: the kill lands with samples left on every host

@@ -190,6 +190,7 @@ def accept_length(server, prompts, n=32) -> float:
             / sum(r["meta_info"]["spec_verify_ct"] for r in res))
 
 
+@pytest.mark.slow
 def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than_an_untrained_one(
         tmp_path, sglang_tree, capsys):
     """SpecForge's own trainer (CPU, as the demo's step 3e runs it) on the stand-in's own answers, captured as

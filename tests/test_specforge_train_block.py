@@ -63,6 +63,7 @@ def block_collection(tmp: Path, conv: str, n: int = 8) -> Path:
 ENV = {"PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")])}
 
 
+@pytest.mark.slow
 def test_specforge_trains_a_dflash_draft_from_the_emitted_files_and_it_exports_as_configured(tmp_path):
     out = block_collection(tmp_path, "dflash")
     before = {p: p.read_bytes() for p in (out / drafttrain.RUN_CONFIG, out / drafttrain.DRAFT_MODEL)}
