@@ -39,8 +39,10 @@ FAST_LANE = {
     "test_collect_pull.py": {"test_a_pull_cut_mid_file_resumes_without_sending_again_what_arrived"},
     "test_become.py": {"test_become_sudo_deploys_as_root_and_files_keep_owner_group_and_mode"},
     "test_capture_regenerate.py": {"test_every_turn_is_the_servers_answer_to_its_regenerated_context"},
+    # a two-node unit: a drafter deployed through the head's canary, a bad one rolled back on both nodes (the
+    # module's first test: the others start from the unit it leaves)
+    "test_drafter_multinode.py": {"test_unit_deployed_canaried_through_the_head_and_a_bad_draft_rolled_back_on_both_nodes"},
     # the drafter chain on a real sshd host: three deploys, three rollbacks, the unchanged re-deploy's request count
-    "test_drafter_multinode.py": {"test_a_unit_cut_off_in_its_restart_is_recovered_on_both_nodes_by_the_printed_command"},
     "test_drafter_state.py": {"test_three_verified_drafters_then_rollbacks_walk_back_to_none"},
     # one deploy into a container and its rollback; the refusals that need no deploy
     "test_docker.py": {"test_a_container_patchctl_creates_from_an_image_deploys_and_rolls_back_to_itself",
@@ -123,11 +125,19 @@ def _no_login_user_left():
     assert not left, f"the tests left behind: {left}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sigint_as_in_a_fresh_process():
+    """SIGINT raises KeyboardInterrupt, as in any Python started from a shell. A pytest-xdist worker starts with
+    SIGINT ignored (its controller takes the Ctrl-C), so a Ctrl-C test there passed or failed by whether a
+    test before it in that worker had put a handler back."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+
+
 @pytest.fixture(autouse=True)
-def _sigint_left_as_python_sets_it():
-    """A test that leaves SIGINT's handler changed (or blocked) in its worker would make a later module's
-    Ctrl-C test pass or fail by which worker ran what before it: fail the test that changed it, and put the
-    handler back so the next test runs as a fresh process would."""
+def _sigint_left_as_python_sets_it(_sigint_as_in_a_fresh_process):
+    """A test that leaves SIGINT's handler changed (or blocked) would make a later module's Ctrl-C test depend
+    on which worker ran what before it: fail the test that changed it, and put the handler back."""
     yield
     handler = signal.getsignal(signal.SIGINT)
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -31,7 +31,7 @@ class DockerFleet(Fleet):
     def __init__(self, base, n, sglang_tree, *, docker_hosts=None, **kw):
         self.docker_hosts = set(range(n) if docker_hosts is None else docker_hosts)
         self.containers = {}
-        self.tag = os.path.basename(str(base)).replace("_", "-")[:20]
+        self.tag = f"{os.getpid()}-" + os.path.basename(str(base)).replace("_", "-")[:20]  # pid: two runs at once on one daemon
         super().__init__(base, n, sglang_tree, **kw)
 
     def is_docker(self, h) -> bool:
