@@ -203,29 +203,20 @@ class BlockSpeculator:
         return aux.float(), logits.argmax(-1).tolist()
 
     def generate(self, w, choose, tick):
-        from patchctl.simserver.spec import ReqStats  # noqa: PLC0415
+        from patchctl.simserver.spec import prefill, verified  # noqa: PLC0415
 
         torch, window = self.torch, self.cfg.draft_tokens
-        prompt = list(w.input_ids)
-        tick()
-        aux, greedy = self._target(prompt)
-        stats = ReqStats()
-        w.spec = stats
-        if w.max_new_tokens <= 0 or w.abort is not None:
+        started = prefill(self._target, w, choose, tick)
+        if started is None:
             return
-        w.output_ids.append(choose(w, w.output_ids, greedy[-1]))
+        prompt, aux, stats = started
         ctx = self.draft.project(aux)  # positions 0..len(seq)-2: every committed token but the anchor
         while len(w.output_ids) < w.max_new_tokens and w.output_ids[-1] not in w.stop_ids:
             seq = prompt + w.output_ids
             drafts = self.draft.propose(ctx, seq[-1], window)
             tick()
             vaux, vgreedy = self._target([seq[-1]] + drafts)
-            outs, preds = list(w.output_ids), []
-            for i, g in enumerate(vgreedy):
-                preds.append(choose(w, outs + drafts[:i], g))
-            acc = 0
-            while acc < len(drafts) and drafts[acc] == preds[acc]:
-                acc += 1
+            preds, acc = verified(w, choose, drafts, vgreedy)
             stats.step(acc)
             self.totals.add(acc + 1)
             for t in preds[: acc + 1]:

@@ -205,6 +205,33 @@ class ReqStats:
         return out
 
 
+def prefill(target, w, choose, tick):
+    """A request's first forward, as every speculating worker starts one: the target over the prompt, the
+    request's ReqStats, the first token served. (prompt, the target's captured states, stats), or None where
+    nothing is to be generated."""
+    prompt = list(w.input_ids)
+    tick()
+    aux, greedy = target(prompt)
+    stats = ReqStats()
+    w.spec = stats
+    if w.max_new_tokens <= 0 or w.abort is not None:
+        return None
+    w.output_ids.append(choose(w, w.output_ids, greedy[-1]))
+    return prompt, aux, stats
+
+
+def verified(w, choose, drafts, vgreedy):
+    """The verify step: the token the target serves after each prefix of `drafts` (its greedy `vgreedy`
+    through `choose`) and how many drafts match it, the longest prefix."""
+    preds, outs = [], list(w.output_ids)
+    for i, g in enumerate(vgreedy):  # the target's token after [seq, drafts[:i]]
+        preds.append(choose(w, outs + drafts[:i], g))
+    acc = 0
+    while acc < len(drafts) and drafts[acc] == preds[acc]:
+        acc += 1
+    return preds, acc
+
+
 def _simulate():
     """(SGLANG_SIMULATE_ACC_LEN, method, token mode) as SGLang's envs read them; length <= 0: off."""
     try:
@@ -260,26 +287,17 @@ class Speculator:
     def generate(self, w, choose, tick):
         """Fill w.output_ids; `choose(w, context outputs, greedy)` is the served token, `tick()` counts a forward."""
         torch = self.torch
-        prompt = list(w.input_ids)
-        tick()
-        aux, greedy = self._target(prompt)
-        stats = ReqStats()
-        w.spec = stats
-        if w.max_new_tokens <= 0 or w.abort is not None:
+        started = prefill(self._target, w, choose, tick)
+        if started is None:
             return
-        w.output_ids.append(choose(w, w.output_ids, greedy[-1]))
+        prompt, aux, stats = started
         rows = self.draft.project(aux)  # [positions with target states, H]
         while len(w.output_ids) < w.max_new_tokens and w.output_ids[-1] not in w.stop_ids:
             seq = prompt + w.output_ids
             drafts = self._draft(seq, rows)
             tick()
             vaux, vgreedy = self._target([seq[-1]] + drafts)
-            preds, outs = [], list(w.output_ids)
-            for i, g in enumerate(vgreedy):  # the target's token after [seq, drafts[:i]]
-                preds.append(choose(w, outs + drafts[:i], g))
-            acc = 0
-            while acc < len(drafts) and drafts[acc] == preds[acc]:
-                acc += 1
+            preds, acc = verified(w, choose, drafts, vgreedy)
             new = preds[: acc + 1]
             if self.sim[0] > 0:
                 n = _sample_len(torch, self.sim[0], self.sim[1], self.cfg.steps + 1)
