@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from .answers import (AcceptAnswer, ApplyAnswer, ArtifactProbeAnswer, ArtifactReceiveAnswer,  # noqa: F401
                       CaptureAnswer, CaptureProbeAnswer, ConvertAnswer, ImageAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
                       DrafterGcAnswer, DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullRawAnswer,
-                      ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServerSteps, ServiceAnswer,
+                      ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServedModel, ServerSteps, ServiceAnswer,
                       SmokeAnswer, StatusAnswer, StreamedAnswer, TokenizerAnswer, UnlockAnswer)
 from .records import (FORMAT, Change, FileRecord, HistoryEntry, Holder, Journal, Manifest, Meta,  # noqa: F401
                       PatchRef, PatchSpec, Profile, SeriesRef, SeriesRequest, ServerSpec, Snapshot)
