@@ -57,7 +57,7 @@ class Result(Record):
 
 @dataclass
 class Facts(Result):
-    """A tree as the read-only ops see it (`Agent.facts`)."""
+    """A tree as the read-only ops see it (ops/query.py `facts`)."""
 
     root: str = None
     version: str = None
@@ -66,7 +66,7 @@ class Facts(Result):
     lock: Holder = None
     python: str = None
     hostname: str = None
-    server: dict = None  # `Agent._server_status`: running, series, port, manager, pid, uptime_s, health
+    server: dict = None  # ops/query.py `_server_status`: running, series, port, manager, pid, uptime_s, health
     drafter: dict = None  # the drafter this host's server speculates with (drafter.summary), None: none
     config_change: dict = None  # the running server vs the inventory's config (server.config_change), None: same
     NESTED = {"manifest": Manifest, "lock": Holder}
@@ -119,7 +119,7 @@ class UnlockAnswer(Result):
 
 @dataclass
 class ServerSteps(Result):
-    """What restarting a server answers (`Agent._restart`), and a smoke after it (`{"smoke": report}`)."""
+    """What restarting a server answers (ops/deploy.py `_restart`), and a smoke after it (`{"smoke": report}`)."""
 
     stop: dict = None  # the manager's stop report
     dump_dir: object = None

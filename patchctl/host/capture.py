@@ -2,7 +2,7 @@
 
 Owns what decides whether this host takes part (a capture series deployed *and verified*, its server
 running, the model's facts and the bytes a token's dump costs: the op answers it first, as a `probed`
-event, agent.op_capture) and the capture loop: nothing is created before the first sample; samples arrive
+event, ops/capture.py `op_capture`) and the capture loop: nothing is created before the first sample; samples arrive
 on stdin, one JSON line each (`{"id", "rid", "input_ids"}`), while the op runs; up to `in_flight` of
 them at a time go to the local server (`max_new_tokens = 1`, the sample's rid); each dump is awaited
 (bounded), validated by the smoke's rules (`smoke.check_dump`; big dumps in a pool of processes, half

@@ -167,7 +167,7 @@ class Op(object):
 _CHANGES = (REFUSE_HELD, AGENT, TREE)
 _SMOKE = {"profile": Profile, "capture_layers": None, "hidden_size": None}
 
-# Every op the agent runs: the one table (the agent binds each to its handler with `Agent.handles`).
+# Every op the agent runs: the one table (each is bound to its handler, a function of `ops/`, with `dispatch.handles`).
 OPS = {
     "probe": Op({"series": SeriesRequest, "capture_layers": None}, read_only=True, answer=ProbeAnswer),
     "status": Op({"capture_layers": None}, read_only=True, answer=StatusAnswer),
