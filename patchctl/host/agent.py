@@ -63,7 +63,7 @@ class Context(object):
         self.read_only = self.op.read_only
         # An op that answers its own probe first (`probed` in protocol.OPS) on a host patchctl never worked on
         # (no state_dir): the probe reads the host as it is, and nothing is created or locked unless it takes
-        # part (`_probed`). A capture never does (no series can be deployed there); a regeneration may.
+        # part (`probed`). A capture never does (no series can be deployed there); a regeneration may.
         self.deferred = self.op.probed is not None and not os.path.isdir(self.state_dir)
         self.read_only = self.read_only or self.deferred
         self.stdin = sys.stdin.buffer if self.op.streamed else None  # only a streamed op reads more input

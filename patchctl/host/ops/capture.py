@@ -43,6 +43,7 @@ def _capture_probe(ctx, cfg):
 
 
 def _capture_server(ctx):
+    """The config of the server running now (what the capture ops read and send work to)."""
     mgr, _ = ctx.base_manager()
     return mgr.current_config()
 
