@@ -330,3 +330,20 @@ def _within(core, need) -> bool:
     need_up = [Version(s.version) for s in need if s.operator in ("<", "<=")]
     core_up = [Version(s.version) for s in core if s.operator in ("<", "<=", "==")]
     return not need_up or bool(core_up) and min(core_up) <= min(need_up)
+
+
+def test_the_picture_of_wings_and_domains_names_every_module_of_their_folders():
+    """docs/how-it-works.md's picture of the controller's wings and the host's domains matches the folders:
+    every module (and subpackage) of patchctl/commands/, patchctl/core/ and patchctl/host/ops/ is in it."""
+    text = (REPO / "docs" / "how-it-works.md").read_text()
+    picture = text.split("folder by folder", 1)[1].split("```", 2)[1]
+    missing = []
+    for folder in ("commands", "core", "host/ops"):
+        for p in sorted((REPO / "patchctl" / folder).iterdir()):
+            name = p.name + "/" if p.is_dir() and (p / "__init__.py").exists() else p.name
+            if p.suffix == ".py" and p.stem != "__init__" or name.endswith("/"):
+                if not re.search(r"(?<![\w/])" + re.escape(name) + r"(?![\w])", picture):
+                    missing.append(f"{folder}/{name}")
+    assert not missing, missing
+    for wing in ("commands/", "core/", "ops/"):
+        assert wing in picture

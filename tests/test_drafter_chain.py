@@ -27,7 +27,7 @@ def _summary(d, **kw):
 
 def test_a_record_of_the_previous_main_reads_and_walks_one_step_then_none(tmp_path):
     d1, d2 = "1" * 64, "2" * 64
-    # drafter_ops.deploy of the previous main: previous=summary(cur), server_before=the config before
+    # host/drafter_ops.py deploy of the previous main: previous=summary(cur), server_before=the config before
     old = dict(_summary(d2), data_run=None, who="me", deployed_at="2026-12-01T00:00:00Z", verified_at="x",
                speculative={"algorithm": "EAGLE3", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4, "args": []},
                acceptance={"new": {"accept_length": 2.4}}, previous=_summary(d1), server_before=CFG)
@@ -61,7 +61,7 @@ def test_the_chain_walks_every_verified_drafter_back_to_the_config_before_the_fi
 
 
 def _deployed(prev, digest, cfg_before):
-    """The record `drafter_ops.deploy` writes over the verified record `prev` (verified here at once)."""
+    """The record the drafter deploy (host/ops/drafter.py) writes over the verified record `prev` (verified here at once)."""
     return dict(_summary(digest), previous=summary(prev), server_before=cfg_before, chain=chain_of(prev))
 
 

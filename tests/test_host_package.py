@@ -16,29 +16,43 @@ import patchctl.host
 from patchctl.core import remote
 
 HOST = Path(patchctl.host.__file__).resolve().parent
-MODULES = sorted(HOST.glob("*.py"))
-SIBLINGS = {p.stem for p in MODULES if p.stem != "__init__"}
+MODULES = sorted(HOST.rglob("*.py"))  # the package and its subpackages (host/ops/)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(HOST).with_suffix("").parts
+    return ".".join(("patchctl", "host") + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+HOST_MODULES = {module_name(p) for p in MODULES}
+SIBLINGS = {m for m in HOST_MODULES if m != "patchctl.host"}
 PY38 = "/root/.pyenv/versions/3.8.18/bin/python"
 
 
-def foreign_imports(source: str) -> list[str]:
-    """Every import of `source` that is neither the standard library nor a module of patchctl.host."""
+def foreign_imports(source: str, package: str = "patchctl.host") -> list[str]:
+    """Every import of `source` (a module of `package`) that is neither the standard library nor a module of
+    patchctl.host (its subpackages included)."""
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             mods = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x / from .x import y
-            mods = [f"patchctl.host.{node.module or a.name}" for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level >= 1:  # from . import x / from ..x import y
+            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            if base[:2] != ["patchctl", "host"]:  # above the host package: not a sibling
+                mods = ["." * node.level + (node.module or "")]
+            else:
+                base = ".".join(base)
+                mods = [f"{base}.{node.module}" if node.module else
+                        (f"{base}.{a.name}" if f"{base}.{a.name}" in HOST_MODULES or base == "patchctl.host"
+                         else base) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
             mods = [f"{node.module}.{a.name}" if node.module in ("patchctl", "patchctl.host") else node.module
                     for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            mods = ["." * node.level + (node.module or "")]  # above the package: not a sibling
         else:
             continue
         for m in mods:
             parts = m.split(".")
-            sibling = parts[:2] == ["patchctl", "host"] and len(parts) >= 3 and parts[2] in SIBLINGS
+            sibling = parts[:2] == ["patchctl", "host"] and len(parts) >= 3 and m in SIBLINGS
             if not (sibling or parts[0] in sys.stdlib_module_names or m == "__future__"):
                 bad.append(m)
     return bad
@@ -51,12 +65,18 @@ def test_the_import_rule_catches_what_it_must():
                            "from .. import deploy\nfrom .nope import x\nfrom patchctl.host import nope\n"
                            "def f():\n    import torch\n") == [
         "unidiff", "patchctl.series", "patchctl.core.errors", "..", "patchctl.host.nope", "patchctl.host.nope", "torch"]
+    # a module of host/ops/: its parent is the host package, one level further up is outside it
+    assert foreign_imports("from .. import applier\nfrom ..events import event\nfrom .deploy import stage_on_originals\n"
+                           "from . import query\n", "patchctl.host.ops") == []
+    assert foreign_imports("from ... import cli\nfrom ..core import x\nfrom .nope import y\n", "patchctl.host.ops") == [
+        "...", "patchctl.host.core", "patchctl.host.ops.nope"]
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(HOST).as_posix())
 def test_host_module_imports_only_stdlib_and_siblings_in_python38_syntax(path):
     src = path.read_text()
-    assert foreign_imports(src) == [], f"{path.name} imports outside the standard library and patchctl.host"
+    package = module_name(path) if path.stem == "__init__" else module_name(path).rsplit(".", 1)[0]
+    assert foreign_imports(src, package) == [], f"{path.name} imports outside the standard library and patchctl.host"
     ast.parse(src, feature_version=(3, 8))
     for newer in (".removeprefix(", ".removesuffix(", "is_relative_to(", "match ", "zoneinfo", "tomllib"):
         assert newer not in src, f"{path.name}: {newer} is newer than Python 3.8"
@@ -68,7 +88,9 @@ def test_the_bundle_carries_every_host_module_and_nothing_else():
     script = remote.build_script({"op": "history"})
     ns: dict = {}
     exec(script.split("\n_REQUEST", 1)[0], ns)  # the data lines only; the bootstrap is not run here
-    assert set(ns["_SOURCES"]) == {"patchctl", "patchctl.host"} | {f"patchctl.host.{m}" for m in SIBLINGS}
+    assert set(ns["_SOURCES"]) == {"patchctl"} | HOST_MODULES
+    assert "patchctl.host.ops.deploy" in ns["_SOURCES"] and set(ns["_PACKAGES"]) == {"patchctl", "patchctl.host",
+                                                                                       "patchctl.host.ops"}
     assert ns["_SOURCES"]["patchctl"][1] == ""  # patchctl's own __init__ (and the controller) stay home
 
 

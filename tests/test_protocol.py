@@ -193,7 +193,8 @@ def test_every_declared_op_has_one_handler_and_every_handler_is_declared():
     from patchctl.host import agent
 
     assert set(agent.HANDLERS) == set(P.OPS)
-    assert {n[3:] for n in dir(agent.Agent) if n.startswith("op_")} == set(P.OPS)
+    for op, (fn, _check) in agent.HANDLERS.items():  # each op one function op_<name> of a module of host/ops/
+        assert fn.__name__ == "op_" + op and fn.__module__.startswith("patchctl.host.ops."), (op, fn)
     assert {n for n, o in P.OPS.items() if o.streamed} == {"capture", "regenerate", "convert", "artifact_receive"}
 
 

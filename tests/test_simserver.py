@@ -192,12 +192,12 @@ def test_prompt_lengths_bounded_and_aborted_as_sglang_does(sglang_tree, start, t
     si = s.get("/server_info")[1]
     assert (si["context_length"], si["max_total_num_tokens"], si["max_req_input_len"]) == (64, 40, 34)
     # what a capture probe on the host reads from it (and says when there is no server to ask)
-    from patchctl.host.capture import server_limits
-    assert server_limits({"host": "127.0.0.1", "port": s.port}) == {
-        "max_req_input_len": 34, "context_length": 64, "max_total_num_tokens": 40, "server_info_error": None}
+    from patchctl.host.served import served_model
+    m = served_model({"host": "127.0.0.1", "port": s.port}).model
+    assert (m.max_req_input_len, m.context_length, m.max_total_num_tokens, m.server_info_error) == (34, 64, 40, None)
     from sshhosts import free_port
-    nobody = server_limits({"host": "127.0.0.1", "port": free_port()})
-    assert nobody["max_req_input_len"] is None and nobody["server_info_error"].startswith("/server_info: ")
+    nobody = served_model({"host": "127.0.0.1", "port": free_port()}).model
+    assert nobody.max_req_input_len is None and nobody.server_info_error.startswith("/server_info: ")
     assert gen(s, [7] * 33, rid="fits")[0] == 200
     # the scheduler aborts T >= max_req_input_len: HTTP 400 with SGLang's message, after a 1-token stub prefill
     code, err = gen(s, [7] * 34, rid="long")

@@ -25,7 +25,7 @@ pytest.importorskip("accelerate")
 from patchctl.commands.capture import draftconfig, trainfiles  # noqa: E402
 from patchctl.core import drafttrain  # noqa: E402
 from patchctl.core.fsutil import write_atomic  # noqa: E402
-from patchctl.host.smoke import DRAFT_FIELDS  # noqa: E402
+from patchctl.host.served import DRAFT_FIELDS  # noqa: E402
 from patchctl.host.tokenizer import special_ids  # noqa: E402
 from patchctl.simserver.model import TinyModel, write_model_config  # noqa: E402
 from patchctl.simserver.tokenizer import write_tokenizer  # noqa: E402
@@ -200,8 +200,7 @@ def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than
     from simserver_util import Server, make_mini_tree
 
     from patchctl.commands.demo import untrained_drafter
-    from patchctl.host.capture import server_limits
-    from patchctl.host.smoke import model_facts
+    from patchctl.host.served import served_model
     from patchctl.simserver.chat import ChatTokenizer
 
     model = write_model_config(tmp_path / "model", LAYERS, HIDDEN, VOCAB)
@@ -217,7 +216,9 @@ def test_a_drafter_specforge_trained_on_served_answers_accepts_clearly_more_than
         assert code == 200, res
         # the host facts as the capture probe reads them from the running server (host/capture.probe's parts)
         cfg = {"host": "127.0.0.1", "port": plain.port}
-        facts = dict(model_facts(cfg), **server_limits(cfg), special_tokens=special_ids(model))
+        r = served_model(cfg)
+        facts = dict(r.model.to_wire(), special_tokens=special_ids(model),
+                     model_config={k: r.config[k] for k in DRAFT_FIELDS if k in r.config})
     finally:
         plain.stop()
     # the samples: each prompt and the answer the server gave it, states as the capture dumps them

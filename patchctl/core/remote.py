@@ -59,14 +59,30 @@ class AgentLost(NeedsAttention):
     """No answer came back: the session broke or the agent died; the host's state is unknown."""
 
 
+def _host_files() -> list[tuple[str, Path]]:
+    """(module name, file) of every module of the host package, its subpackages (`host/ops/`) included."""
+    here = Path(__file__).resolve().parents[1] / "host"
+    out = []
+    for f in sorted(here.rglob("*.py")):
+        parts = f.relative_to(here).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out.append((".".join((HOST_PACKAGE,) + parts), f))
+    return out
+
+
+def host_packages() -> list[str]:
+    """The host package and its subpackages: the modules the bundle's importer serves as packages."""
+    return [name for name, f in _host_files() if f.stem == "__init__"]
+
+
 @lru_cache(maxsize=1)
 def _sources() -> dict[str, tuple[str, str]]:
     """{module name: (file name for tracebacks, source)}: the whole host package under an empty `patchctl`."""
-    here = Path(__file__).resolve().parents[1] / "host"
+    here = Path(__file__).resolve().parents[1]
     out = {"patchctl": ("<patchctl/__init__.py>", "")}
-    for f in sorted(here.glob("*.py")):
-        name = HOST_PACKAGE if f.stem == "__init__" else f"{HOST_PACKAGE}.{f.stem}"
-        out[name] = (f"<patchctl/host/{f.name}>", f.read_text())
+    for name, f in _host_files():
+        out[name] = (f"<patchctl/{f.relative_to(here).as_posix()}>", f.read_text())
     return out
 
 
@@ -87,7 +103,7 @@ def _bundle_lines() -> str:
 def _build_bundle_lines() -> str:
     packed = base64.b64encode(zlib.compress(json.dumps(_sources()).encode(), 9)).decode()
     return (f"import base64, json, zlib\n_SOURCES = json.loads(zlib.decompress(base64.b64decode({packed!r})))\n"
-            f"_PACKAGES = {['patchctl', HOST_PACKAGE]!r}\n")
+            f"_PACKAGES = {['patchctl'] + host_packages()!r}\n")
 
 
 def build_script(request: dict) -> str:

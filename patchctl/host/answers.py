@@ -57,7 +57,7 @@ class Result(Record):
 
 @dataclass
 class Facts(Result):
-    """A tree as the read-only ops see it (`Agent.facts`)."""
+    """A tree as the read-only ops see it (ops/query.py `facts`)."""
 
     root: str = None
     version: str = None
@@ -66,7 +66,7 @@ class Facts(Result):
     lock: Holder = None
     python: str = None
     hostname: str = None
-    server: dict = None  # `Agent._server_status`: running, series, port, manager, pid, uptime_s, health
+    server: dict = None  # ops/query.py `_server_status`: running, series, port, manager, pid, uptime_s, health
     drafter: dict = None  # the drafter this host's server speculates with (drafter.summary), None: none
     config_change: dict = None  # the running server vs the inventory's config (server.config_change), None: same
     NESTED = {"manifest": Manifest, "lock": Holder}
@@ -119,7 +119,7 @@ class UnlockAnswer(Result):
 
 @dataclass
 class ServerSteps(Result):
-    """What restarting a server answers (`Agent._restart`), and a smoke after it (`{"smoke": report}`)."""
+    """What restarting a server answers (ops/deploy.py `_restart`), and a smoke after it (`{"smoke": report}`)."""
 
     stop: dict = None  # the manager's stop report
     dump_dir: object = None
@@ -192,9 +192,33 @@ class TokenizerAnswer(Result):
 
 
 @dataclass
-class CaptureProbeAnswer(Result):
+class ServedModel(Result):
+    """The model a host's running server serves, as every answer that reports it carries it (flat: the
+    answers inherit these fields, so their wire is one object): read once by `served.served_model` from
+    /get_model_info (the path SGLang loaded), that path's config.json (a multimodal wrapper's text_config,
+    under the wrapper's architectures), /server_info and the served tokenizer."""
+
+    model_path: str = None
+    architectures: list = None
+    hidden_size: int = None
+    num_hidden_layers: int = None
+    vocab_size: int = None
+    max_position_embeddings: int = None
+    config_context_len: int = None  # limits.config_context_len: config.json's context, SGLang's rule
+    config_context_from: str = None  # the "key=value" it came from
+    max_req_input_len: int = None  # limits.from_server_info
+    context_length: int = None
+    max_total_num_tokens: int = None
+    server_info_error: str = None  # why /server_info said nothing (None: it answered)
+    tokenizer: dict = None  # path, digest, why
+    hostname: str = None  # the host that answered (set by the op, also where no model was read)
+
+
+@dataclass
+class CaptureProbeAnswer(ServedModel):
     """The `capture` op's `probed` event (`capture.probe`): whether this host takes part in an extraction run,
-    and the facts it runs with."""
+    and the facts it runs with (the served model's: `ServedModel`; `hidden_size` is the dumps' own, the
+    inventory's where it sets one)."""
 
     series: str = None
     version: str = None
@@ -204,26 +228,12 @@ class CaptureProbeAnswer(Result):
     server_down: bool = None
     dump_dir: str = None
     rid_prefix: str = None
-    hidden_size: int = None
     layers: int = None
     expect: dict = None
     bytes_per_token: int = None
     free_bytes: int = None
-    model_path: str = None
-    num_hidden_layers: int = None
-    vocab_size: int = None
-    max_position_embeddings: int = None
-    architectures: list = None
     format_version: int = None
-    config_context_len: int = None
-    config_context_from: str = None
-    max_req_input_len: int = None  # limits.from_server_info
-    context_length: int = None
-    max_total_num_tokens: int = None
-    server_info_error: str = None
-    tokenizer: dict = None  # path, digest, why
-    hostname: str = None
-    model_config: dict = None  # config.json's fields a draft config copies (smoke.DRAFT_FIELDS)
+    model_config: dict = None  # config.json's fields a draft config copies (served.DRAFT_FIELDS)
     special_tokens: dict = None  # the served tokenizer's bos/eos/pad ids (tokenizer.special_ids)
     capture_convention: str = None  # eagle3 | dflash | dspark: the running server's --speculative-algorithm
     SPARSE = ("capture_convention",)
@@ -328,36 +338,23 @@ class SmokeAnswer(Result):
 
 
 @dataclass
-class DrafterProbeAnswer(Result):
-    """`drafter_probe` (served.facts): the served model's config.json facts, the server's context length,
-    tokenizer digest, speculative flags and the env names that change a drafter's behaviour."""
+class DrafterProbeAnswer(ServedModel):
+    """`drafter_probe` (served.facts): the served model (`ServedModel`: config.json's facts, the server's
+    context length, tokenizer digest), the config it was read from, the server's speculative flags and the
+    env names that change a drafter's behaviour."""
 
     running: bool = None
     port: int = None
     why: str = None
-    hostname: str = None
-    model_path: str = None
     config_path: str = None
-    architectures: list = None
-    hidden_size: int = None
-    num_hidden_layers: int = None
-    vocab_size: int = None
-    max_position_embeddings: int = None
     num_attention_heads: int = None  # with the five below: served.MLA_LAYOUT (the MLA ones None without MLA)
     kv_lora_rank: int = None
     q_lora_rank: int = None
     qk_nope_head_dim: int = None
     qk_rope_head_dim: int = None
     v_head_dim: int = None
-    config_context_len: int = None
-    config_context_from: str = None
-    max_req_input_len: int = None
-    context_length: int = None
-    max_total_num_tokens: int = None
-    server_info_error: str = None
     avg_spec_accept_length: list = None
     server_speculative_algorithm: str = None
-    tokenizer: dict = None  # path, digest, why
     env: dict = None  # SGLANG_SIMULATE_ACC_LEN, SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN where set
     speculative: dict = None  # algorithm, draft_path, num_steps, eagle_topk, num_draft_tokens (argv)
     series: dict = None  # the series deployed on the tree: series, version, status, run_id, capture (a capture profile)

@@ -2,7 +2,7 @@
 
 Owns what decides whether this host takes part (a capture series deployed *and verified*, its server
 running, the model's facts and the bytes a token's dump costs: the op answers it first, as a `probed`
-event, agent.op_capture) and the capture loop: nothing is created before the first sample; samples arrive
+event, ops/capture.py `op_capture`) and the capture loop: nothing is created before the first sample; samples arrive
 on stdin, one JSON line each (`{"id", "rid", "input_ids"}`), while the op runs; up to `in_flight` of
 them at a time go to the local server (`max_new_tokens = 1`, the sample's rid); each dump is awaited
 (bounded), validated by the smoke's rules (`smoke.check_dump`; big dumps in a pool of processes, half
@@ -28,13 +28,13 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from . import limits
 from .events import AgentError, ControllerGone
 from .osutil import expand
-from .server import http_once, http_request
-from .smoke import FORMAT_VERSION, capture_convention, check_dump, expected_layers, model_facts
+from .server import http_once
+from .served import DRAFT_FIELDS, served_model
+from .smoke import FORMAT_VERSION, capture_convention, check_dump, expected_layers
 from .streamed import Streamed
-from .tokenizer import served as served_tokenizer, special_ids
+from .tokenizer import special_ids
 
 DUMP_WAIT_S = 30.0  # the module writes asynchronously: how long a dump may take to land after the response
 POOL_FROM_BYTES = 4 << 20  # dumps this large are checked in worker processes (a 2000-token dump at H = 7168
@@ -139,12 +139,13 @@ def probe(manifest, cfg, req):
     if not (cfg.get("profile") or {}).get("dump_dir_env") or not dump_dir:
         out["why"] = "the running server was not started with a capture profile (no dump directory)"
         return out
-    facts = model_facts(cfg)
+    r = served_model(cfg)
+    m = r.model
     layers = cfg.get("capture_layers") or req.get("capture_layers") or (cfg.get("profile") or {}).get("layers")
-    convention, arch = capture_convention(cfg, facts)
-    expect = expected_layers(layers, (req.get("server") or {}).get("layer_outputs"), facts.get("num_hidden_layers"),
+    convention, arch = capture_convention(cfg, m)
+    expect = expected_layers(layers, (req.get("server") or {}).get("layer_outputs"), m.num_hidden_layers,
                              convention, arch)
-    hidden = req.get("hidden_size") or (cfg.get("profile") or {}).get("hidden_size") or facts.get("hidden_size")
+    hidden = req.get("hidden_size") or (cfg.get("profile") or {}).get("hidden_size") or m.hidden_size
     k = len(list(expect.values())[0][0]) if expect else None
     if not hidden or not k:
         out["why"] = ("the model's hidden size and capture layers are unknown (no config.json from /get_model_info; "
@@ -153,35 +154,15 @@ def probe(manifest, cfg, req):
     probe_dir = dump_dir
     while not os.path.isdir(probe_dir) and os.path.dirname(probe_dir) != probe_dir:
         probe_dir = os.path.dirname(probe_dir)
+    out.update(m.to_wire())  # the served model (answers.ServedModel); hidden_size: the dumps' own
     out.update(ready=True, dump_dir=dump_dir, rid_prefix=rid_prefix_of(cfg), hidden_size=int(hidden), layers=k,
                expect=dict((key, {"ids": ids, "from": src}) for key, (ids, src) in expect.items()),
                bytes_per_token=bytes_per_token(k, int(hidden)), free_bytes=shutil.disk_usage(probe_dir).free,
-               model_path=facts.get("model_path"), num_hidden_layers=facts.get("num_hidden_layers"),
-               vocab_size=facts.get("vocab_size"), max_position_embeddings=facts.get("max_position_embeddings"),
-               architectures=facts.get("architectures"), format_version=FORMAT_VERSION, capture_convention=convention,
-               config_context_len=facts.get("config_context_len"), config_context_from=facts.get("config_context_from"))
-    out.update(server_limits(cfg))
-    tok = served_tokenizer(cfg)  # `capture run` refuses a dataset prepared with another tokenizer
-    out["tokenizer"] = {"path": tok.get("tokenizer_path"), "digest": tok["digest"], "why": tok.get("why")}
-    out["model_config"] = facts.get("model_config")
+               format_version=FORMAT_VERSION, capture_convention=convention)
+    out["model_config"] = dict((k, r.config[k]) for k in DRAFT_FIELDS if k in r.config) if r.config is not None else None
+    tok = r.tokenizer  # `capture run` refuses a dataset prepared with another tokenizer
     out["special_tokens"] = special_ids(tok.get("path")) if tok.get("digest") else None
     return out
-
-
-def server_limits(cfg):
-    """What the running server says about prompt lengths (limits.from_server_info), and why it said
-    nothing when it did not answer (`server_info_error`)."""
-    why = None
-    for path in ("/server_info", "/get_server_info"):  # the second: releases before /server_info existed
-        try:
-            status, info = http_request(cfg["host"], cfg["port"], "GET", path, timeout=10)
-        except (OSError, http.client.HTTPException) as e:
-            why = "%s: %s" % (path, e or e.__class__.__name__)
-            break
-        if status == 200 and isinstance(info, dict):
-            return dict(limits.from_server_info(info), server_info_error=None)
-        why = "%s answered HTTP %s" % (path, status)
-    return dict(limits.from_server_info(None), server_info_error=why)
 
 
 class Capture(Streamed):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from .answers import (AcceptAnswer, ApplyAnswer, ArtifactProbeAnswer, ArtifactReceiveAnswer,  # noqa: F401
                       CaptureAnswer, CaptureProbeAnswer, ConvertAnswer, ImageAnswer, DrafterDeployAnswer, DrafterFinalizeAnswer,
                       DrafterGcAnswer, DrafterProbeAnswer, DrafterRollbackAnswer, Facts, HistoryAnswer, ProbeAnswer, PullRawAnswer,
-                      ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServerSteps, ServiceAnswer,
+                      ReadyAnswer, RegenerateProbeAnswer, Result, RollbackAnswer, ServedModel, ServerSteps, ServiceAnswer,
                       SmokeAnswer, StatusAnswer, StreamedAnswer, TokenizerAnswer, UnlockAnswer)
 from .records import (FORMAT, Change, FileRecord, HistoryEntry, Holder, Journal, Manifest, Meta,  # noqa: F401
                       PatchRef, PatchSpec, Profile, SeriesRef, SeriesRequest, ServerSpec, Snapshot)
@@ -167,7 +167,7 @@ class Op(object):
 _CHANGES = (REFUSE_HELD, AGENT, TREE)
 _SMOKE = {"profile": Profile, "capture_layers": None, "hidden_size": None}
 
-# Every op the agent runs: the one table (the agent binds each to its handler with `Agent.handles`).
+# Every op the agent runs: the one table (each is bound to its handler, a function of `ops/`, with `dispatch.handles`).
 OPS = {
     "probe": Op({"series": SeriesRequest, "capture_layers": None}, read_only=True, answer=ProbeAnswer),
     "status": Op({"capture_layers": None}, read_only=True, answer=StatusAnswer),

@@ -1,4 +1,6 @@
-"""What a host's running server serves, as a drafter is judged against it (`drafter check`, `drafter bench`).
+"""What a host's running server serves: the one reader of the served model (`served_model`: the record
+answers.ServedModel that the capture and drafter probes carry, and the smoke's sizes), and the drafter
+probe's answer (`drafter check`, `drafter bench`).
 
 One read-only look, whatever the server runs (a capture series, a drafter, nothing patchctl deployed):
 the served model's config.json facts (its path from /get_model_info, as SGLang loaded it), the server's
@@ -15,6 +17,7 @@ import json
 import os
 
 from . import limits
+from .answers import ServedModel
 from .osutil import expand
 from .server import http_request
 from .tokenizer import served as served_tokenizer
@@ -23,6 +26,11 @@ from .tokenizer import served as served_tokenizer
 # DeepseekV2AttentionMLA from these); all but the heads are None on a model without MLA
 MLA_LAYOUT = ("num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
               "v_head_dim")
+# config.json fields an EAGLE-3 draft config copies from its target (what SpecForge's own target-derived
+# draft config copies: training/model_loading.py _TARGET_ARCHITECTURE_FIELDS), for `capture collect`
+DRAFT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act",
+                "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+                "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")
 WATCHED_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
 SPEC_FLAGS = {"--speculative-algorithm": "algorithm", "--speculative-draft-model-path": "draft_path",
               "--speculative-num-steps": "num_steps", "--speculative-eagle-topk": "eagle_topk",
@@ -72,46 +80,79 @@ def simulated_acceptance(env):
         return v
 
 
-def model_config(cfg):
-    """The served model's config.json facts: {"model_path", "config_path", ...} or {"why"}."""
+class Reading(object):
+    """The served model read once (`served_model`): `model`, the record every answer that reports the
+    served model carries (answers.ServedModel), and what it was read from, for an answer's own fields."""
+
+    def __init__(self):
+        self.model = ServedModel()
+        self.config_path = None  # the config.json read ("" where /get_model_info named no model path)
+        self.config = None  # its text config (limits.text_config) with the wrapper's architectures; None: unread
+        self.why = None  # why there are no config facts (the server does not answer, config.json unreadable)
+        self.info = None  # /server_info's answer (None: it gave none)
+        self.tokenizer = {}  # tokenizer.served's answer
+
+
+def served_model(cfg, full=True):
+    """The model the server of `cfg` serves, as a `Reading`: its path from /get_model_info (as SGLang loaded
+    it), that config.json's facts, and with `full` the server's own limits (/server_info) and its tokenizer
+    (tokenizer.served: the digest `capture prepare` records). The one place a host reads the served model:
+    the smoke (sizes only), the capture probe and the drafter probe. Every field of the record is given
+    (None where unknown) once /get_model_info named a model, so an answer says what it could not read."""
+    r = Reading()
+    _read_config(cfg, r)
+    if full:
+        _read_server_info(cfg, r)
+        tok = r.tokenizer = served_tokenizer(cfg)
+        r.model.tokenizer = {"path": tok.get("tokenizer_path"), "digest": tok.get("digest"), "why": tok.get("why")}
+    return r
+
+
+def _read_config(cfg, r):
+    m = r.model
+    for name in ("model_path", "architectures", "hidden_size", "num_hidden_layers", "vocab_size",
+                 "max_position_embeddings", "config_context_len", "config_context_from"):
+        setattr(m, name, None)
     try:
         status, info = http_request(cfg["host"], cfg["port"], "GET", "/get_model_info", None, 10)
     except (OSError, http.client.HTTPException) as e:
-        return {"why": "the server on port %s does not answer: %s" % (cfg.get("port"), e)}
+        r.why = "the server on port %s does not answer: %s" % (cfg.get("port"), e)
+        return
     if status != 200 or not isinstance(info, dict):
-        return {"why": "/get_model_info answered HTTP %s" % status}
-    path = info.get("model_path") or ""
-    conf = os.path.join(expand(path), "config.json") if path else ""
-    out = {"model_path": path, "config_path": conf}
+        r.why = "/get_model_info answered HTTP %s" % status
+        return
+    m.model_path = info.get("model_path") or ""
+    r.config_path = os.path.join(expand(m.model_path), "config.json") if m.model_path else ""
     try:
-        with open(conf) as f:
+        with open(r.config_path) as f:
             c = json.load(f)
+        if not isinstance(c, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-        out["why"] = "the served model's config.json (%s) cannot be read: %s" % (conf or "no model path", e)
-        return out
-    ctx, ctx_from = limits.config_context_len(c)
-    t = limits.text_config(c)
-    out.update(architectures=c.get("architectures"), hidden_size=t.get("hidden_size"),
-               num_hidden_layers=t.get("num_hidden_layers"), vocab_size=t.get("vocab_size"),
-               max_position_embeddings=t.get("max_position_embeddings"), config_context_len=ctx,
-               config_context_from=ctx_from)
-    out.update((k, t.get(k)) for k in MLA_LAYOUT)
-    return out
+        r.why = "the served model's config.json (%s) cannot be read: %s" % (r.config_path or "no model path", e)
+        return
+    m.config_context_len, m.config_context_from = limits.config_context_len(c)
+    r.config = dict(limits.text_config(c), architectures=c.get("architectures"))
+    for name in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings"):
+        setattr(m, name, r.config.get(name))
 
 
-def server_info(cfg):
-    """/server_info's context length and acceptance figures, or why there are none."""
-    try:
-        status, info = http_request(cfg["host"], cfg["port"], "GET", "/server_info", None, 10)
-    except (OSError, http.client.HTTPException) as e:
-        return {"server_info_error": "/server_info: %s" % (e or e.__class__.__name__)}
-    if status != 200 or not isinstance(info, dict):
-        return {"server_info_error": "/server_info answered HTTP %s" % status}
-    out = limits.from_server_info(info)
-    out["avg_spec_accept_length"] = avg_accept_lengths(info)
-    if info.get("speculative_algorithm"):
-        out["server_speculative_algorithm"] = info.get("speculative_algorithm")
-    return out
+def _read_server_info(cfg, r):
+    """/server_info's context length (limits.from_server_info), or why it said nothing (`server_info_error`)."""
+    why = None
+    for path in ("/server_info", "/get_server_info"):  # the second: releases before /server_info existed
+        try:
+            status, info = http_request(cfg["host"], cfg["port"], "GET", path, None, 10)
+        except (OSError, http.client.HTTPException) as e:
+            why = "%s: %s" % (path, e or e.__class__.__name__)
+            break
+        if status == 200 and isinstance(info, dict):
+            r.info = info
+            break
+        why = "%s answered HTTP %s" % (path, status)
+    for name, value in limits.from_server_info(r.info).items():
+        setattr(r.model, name, value)
+    r.model.server_info_error = None if r.info is not None else why
 
 
 def avg_accept_lengths(info):
@@ -124,15 +165,24 @@ def avg_accept_lengths(info):
 
 
 def facts(cfg, pid):
-    """`drafter_probe`'s answer for the server of `cfg` (mgr.current_config()) running as `pid`."""
+    """`drafter_probe`'s answer for the server of `cfg` (mgr.current_config()) running as `pid`: the served
+    model (`served_model`), with the config it was read from, /server_info's acceptance figures, the env
+    and the speculative flags, as a dict for answers.DrafterProbeAnswer."""
     out = {"running": bool(cfg.get("running")), "port": cfg.get("port")}
     if not out["running"]:
         out["why"] = "no server is running on port %s" % cfg.get("port")
         return out
-    out.update(model_config(cfg))
-    out.update(server_info(cfg))
-    tok = served_tokenizer(cfg)
-    out["tokenizer"] = {"path": tok.get("tokenizer_path"), "digest": tok.get("digest"), "why": tok.get("why")}
+    r = served_model(cfg)
+    if r.why:
+        out["why"] = r.why
+    out.update(r.model.to_wire())
+    if r.config_path is not None:
+        out["config_path"] = r.config_path
+    if r.config is not None:
+        out.update((k, r.config.get(k)) for k in MLA_LAYOUT)
+    out["avg_spec_accept_length"] = avg_accept_lengths(r.info)
+    if (r.info or {}).get("speculative_algorithm"):
+        out["server_speculative_algorithm"] = r.info.get("speculative_algorithm")
     out["env"] = server_env(cfg, pid)
     out["speculative"] = speculative_of(cfg.get("argv"))
     return out

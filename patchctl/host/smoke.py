@@ -21,6 +21,7 @@ from . import dumpscan, limits
 from .capture_rules import convention_of, judge, method_where, rule_for
 from .events import AgentError, event, heartbeat
 from .osutil import expand, log_tail
+from .served import served_model
 from .server import http_request
 
 DUMP_WAIT_S = 10  # how long the smoke waits for the asynchronous writer's files to land
@@ -187,42 +188,11 @@ def _check_mapped(buf, sent_ids, expect, hidden, backend):
     return problems
 
 
-# config.json fields an EAGLE-3 draft config copies from its target (what SpecForge's own target-derived
-# draft config copies: training/model_loading.py _TARGET_ARCHITECTURE_FIELDS), for `capture collect`
-DRAFT_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "hidden_act",
-                "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
-                "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")
-
-
-def model_facts(cfg):
-    """num_hidden_layers / hidden_size / vocab from the served model's config.json (path from /get_model_info)."""
-    try:
-        status, info = http_request(cfg["host"], cfg["port"], "GET", "/get_model_info", timeout=10)
-    except (OSError, http.client.HTTPException):
-        return {}
-    if status != 200 or not isinstance(info, dict):
-        return {}
-    path = info.get("model_path") or ""
-    facts = {"model_path": path}
-    conf = os.path.join(expand(path), "config.json") if path else None
-    if conf and os.path.isfile(conf):
-        with open(conf) as f:
-            c = json.load(f)
-        ctx, ctx_from = limits.config_context_len(c)
-        c = limits.text_config(c)
-        facts.update(num_hidden_layers=c.get("num_hidden_layers"), hidden_size=c.get("hidden_size"),
-                     vocab_size=c.get("vocab_size"), architectures=c.get("architectures"),
-                     max_position_embeddings=c.get("max_position_embeddings"),
-                     config_context_len=ctx, config_context_from=ctx_from,
-                     model_config=dict((k, c[k]) for k in DRAFT_FIELDS if k in c))
-    return facts
-
-
-def capture_convention(cfg, facts=None):
-    """(the capture convention the running server's command line names, the architecture it serves): what
-    expected_layers judges a dump by."""
+def capture_convention(cfg, model=None):
+    """(the capture convention the running server's command line names, the architecture it serves: its
+    --model-path's, else `model`'s, a served.ServedModel): what expected_layers judges a dump by."""
     argv = cfg.get("argv") or []
-    arch = model_arch_of(argv) or ((facts or {}).get("architectures") or [None])[0]
+    arch = model_arch_of(argv) or (((model and model.architectures) or [None]))[0]
     return convention_of(argv), arch
 
 
@@ -268,11 +238,11 @@ def smoke(state_dir, cfg, run_id, host_layers=None, host_hidden=None, host_outpu
     if not dump_dir:
         raise AgentError("bad_input", "server env has no %s: capture is off" % profile.get("dump_dir_env"))
     dump_dir = expand(dump_dir)
-    facts = model_facts(cfg)
+    model = served_model(cfg, full=False).model
     expect = expected_layers(host_layers or cfg.get("capture_layers") or profile.get("layers"),
-                             host_outputs, facts.get("num_hidden_layers"), *capture_convention(cfg, facts))
-    hidden = host_hidden or profile.get("hidden_size") or facts.get("hidden_size")
-    vocab = int(facts.get("vocab_size") or 1000)
+                             host_outputs, model.num_hidden_layers, *capture_convention(cfg, model))
+    hidden = host_hidden or profile.get("hidden_size") or model.hidden_size
+    vocab = int(model.vocab_size or 1000)
     prefix = smoke_prefix(env.get(profile.get("rid_prefix_env") or "SGLANG_HIDDEN_DUMP_RID_PREFIX") or "", run_id)
     errlog = os.path.join(dump_dir, "_hidden_dump_errors.log")
     errlog_size = _size(errlog)
