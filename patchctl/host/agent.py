@@ -67,8 +67,9 @@ class Context(object):
         self.deferred = self.op.probed is not None and not os.path.isdir(self.state_dir)
         self.read_only = self.read_only or self.deferred
         self.stdin = sys.stdin.buffer if self.op.streamed else None  # only a streamed op reads more input
+        self.made = []  # state_dir and agent.lock where this call made them: a refusal takes them away again
         if not self.read_only and not os.path.isdir(self.state_dir):
-            os.makedirs(self.state_dir, 0o700)
+            self._make_state_dir()
         if os.path.isdir(self.state_dir):
             self._keep_state_dir_private()
         self.notes = []
@@ -119,13 +120,26 @@ class Context(object):
             else:
                 raise AgentError("attention", "op lock %r is not one this agent knows" % lock)
 
+    def _make_state_dir(self):
+        os.makedirs(self.state_dir, 0o700)
+        self.made.insert(0, self.state_dir)
+
     def lock_agent(self, wait=30.0):
-        """One agent per host at a time; an orphaned agent (controller gone) notices within a heartbeat."""
-        self._agent_lock = open(os.path.join(self.state_dir, "agent.lock"), "a+")
+        """One agent per host at a time; an orphaned agent (controller gone) notices within a heartbeat. A lock
+        file its maker removed (a refusal on a host it had just made state_dir on: `unmake`) is not a lock:
+        the file is opened again."""
+        path = os.path.join(self.state_dir, "agent.lock")
+        if not os.path.exists(path):
+            self.made.insert(0, path)
+        self._agent_lock = open(path, "a+")
         deadline = time.time() + wait
         while True:
             try:
                 fcntl.flock(self._agent_lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(self._agent_lock.fileno()).st_nlink == 0:
+                    self._agent_lock.close()
+                    self._agent_lock = open(path, "a+")
+                    continue
                 self._agent_lock.seek(0)
                 self._agent_lock.truncate()
                 self._agent_lock.write(str(os.getpid()))
@@ -140,6 +154,18 @@ class Context(object):
                 raise AgentError("locked", "another patchctl agent (pid %s) is working on this host" % pid,
                                  **self._holder_details())
             time.sleep(0.1)
+
+    def unmake(self):
+        """After a refusal: remove the agent.lock and state_dir this call made, so a refused first command
+        leaves the host as it found it (the lock file while still held: `lock_agent` skips a removed one)."""
+        for path in self.made:
+            try:
+                if path == self.state_dir:
+                    os.rmdir(path)  # only if empty: anything else in it is not this call's alone
+                else:
+                    os.unlink(path)
+            except OSError:
+                return
 
     def _holder_details(self):
         try:
@@ -191,7 +217,7 @@ class Context(object):
         yet) creates state_dir and takes its locks first, so "ready" is said only under them."""
         if info.get("ready") and self.deferred:
             if not os.path.isdir(self.state_dir):
-                os.makedirs(self.state_dir, 0o700)
+                self._make_state_dir()
             self.deferred = False
             self.read_only = self.op.read_only
             self._tree = None
@@ -233,8 +259,10 @@ def handle(req):
     except AgentError as e:
         # refused before any change (bad input, or an error its raiser marks `refused`): this call's lock goes
         # with it, whatever the op, so no refusal leaves a lock behind for the next command to break as stale
-        if (e.kind == "bad_input" or e.details.get("refused")) and ctx.took_lock:
-            ctx.tree.release(ctx.run_id)
+        if e.kind == "bad_input" or e.details.get("refused"):
+            if ctx.took_lock:
+                ctx.tree.release(ctx.run_id)
+            ctx.unmake()
         raise
     if type(result) is not OPS[req["op"]].answer:  # every handler builds its op's answer type: an agent bug, said here
         raise ProtocolError("%s: its handler answered %s, not %s" % (req["op"], type(result).__name__,
