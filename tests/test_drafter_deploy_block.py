@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from draft_util import block_config, fit_good_block_draft, write_block_draft_dir
+from draft_util import fit_good_block_draft, write_block_draft_dir
 from fleet import Fleet
 from test_drafter_deploy import deploy  # the same deploy call and host results
+
+from patchctl.commands.capture import draftconfig
 
 IDS = [1, 3, 5]  # the draft's convention (outputs of layers 1, 3, 5): the Llama stand-in captures [2, 4, 6]
 REPO = Path(__file__).resolve().parent.parent
@@ -37,10 +39,14 @@ def fleet(tmp_path_factory, sglang_tree):
     f.coll = f.base / "collection"
     f.coll.mkdir()
     tcfg = json.loads((model / "config.json").read_text())
-    cfg = block_config(tcfg, IDS)  # what `capture collect` writes for a DFLASH capture at layers [2, 4, 6]
-    cfg["_patchctl"] = {"run": "run1", "layers_to_capture": [2, 4, 6], "target_architectures": tcfg["architectures"],
-                        "target_num_hidden_layers": tcfg["num_hidden_layers"], "capture_convention": "dflash"}
-    (f.coll / "draft-config.json").write_text(json.dumps(cfg))
+    # draft-config.json as `capture collect` writes it (its own writer) for a DFLASH capture at layers [2, 4, 6]
+    # of this model, run.json's host facts with a served tokenizer whose mask token is the drafts' (vocab - 1)
+    facts = {k: tcfg[k] for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")}
+    facts.update(model_path=str(model), special_tokens={"mask_token_id": tcfg["vocab_size"] - 1})
+    cfg, problems = draftconfig.draft_config("run1", {"host0": facts}, {"host0": [{"layers_to_capture": [2, 4, 6]}]},
+                                             "dflash")
+    assert not problems and cfg["dflash_config"]["target_layer_ids"] == IDS, (problems, cfg)
+    (f.coll / "draft-config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (f.coll / "index.json").write_text(json.dumps({"run": "run1", "dataset": {}}))
     f.prompts = f.base / "prompts.jsonl"
     f.prompts.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 + 3 for j in range(12)]}) + "\n"
