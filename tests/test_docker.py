@@ -294,7 +294,9 @@ def lonely(df):
 
 
 def listing(d):
-    return sorted((str(p), p.stat().st_size) for p in d.rglob("*")) if d.exists() else []
+    """Every path under `d` with its size; agent.lock's size left out: it holds the last holder's pid, which every
+    agent call (a refused one too) writes there, and pids differ in length once they wrap."""
+    return sorted((str(p), None if p.name == "agent.lock" else p.stat().st_size) for p in d.rglob("*")) if d.exists() else []
 
 
 def _refused(f, h, before, p, *words):
