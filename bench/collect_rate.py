@@ -42,6 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from reaped import run_reaped  # noqa: E402
 
 
 def machine_busy_s() -> float:
@@ -257,7 +260,8 @@ def bench_pull(args) -> dict:
                     "cpu_ms_per_mb": round(sum(x["cpu_ms_per_mb"] for x in rs) / len(rs), 2),
                     "cpu_ms_per_mb_net": round(sum(x["cpu_ms_per_mb_net"] for x in rs) / len(rs), 2),
                     "cpu_ms_per_file": round(sum(x["cpu_ms_per_file"] for x in rs) / len(rs), 3),
-                    "hosts_cpu_ms_per_file": round(sum(x["hosts_cpu_ms_per_file"] for x in rs) / len(rs), 3)}
+                    "hosts_cpu_ms_per_file": round(sum(x["hosts_cpu_ms_per_file"] for x in rs) / len(rs), 3),
+                    "peak_rss_mb": max(x["peak_rss_mb"] for x in rs)}
             for side in order[:-1]:
                 b, a = summary[f"{side} {s}"], summary[f"after {s}"]
                 summary[f"ratio {s} (after/{side})"] = {"host_mb_per_s": round(a["host_mb_per_s"] / b["host_mb_per_s"], 2),
@@ -287,7 +291,7 @@ def _collect_row(args, fleet, run: str, base: Path, tree: Path, side: str, r: in
     env = dict(fleet.env(), PYTHONPATH=str(tree))
     load0 = os.getloadavg()[0]
     busy0, k0, h0, t0 = machine_busy_s(), children_cpu_s(), hosts_cpu_s(fleet), time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tree), timeout=3600)
+    p, rss = run_reaped(cmd, env=env, cwd=str(tree), timeout=3600)
     wall, cpu = time.perf_counter() - t0, children_cpu_s() - k0
     busy = machine_busy_s() - busy0
     assert p.returncode == 0, p.stderr[-2000:]
@@ -311,7 +315,7 @@ def _collect_row(args, fleet, run: str, base: Path, tree: Path, side: str, r: in
             "controller_cpu_s": round(cpu, 2), "cpu_ms_per_mb": round(cpu / total * 1e9, 2),
             "cpu_ms_per_mb_net": round((cpu - fixed) / total * 1e9, 2), "fixed_cpu_s": round(fixed, 2),
             "cpu_ms_per_file": round(cpu / files * 1e3, 3), "cpu_ms_per_file_net": round((cpu - fixed) / files * 1e3, 3),
-            "hosts_cpu_s": round(hosts_cpu, 2), "hosts_cpu_ms_per_file": round(hosts_cpu / files * 1e3, 3),
+            "peak_rss_mb": rss, "hosts_cpu_s": round(hosts_cpu, 2), "hosts_cpu_ms_per_file": round(hosts_cpu / files * 1e3, 3),
             "machine_load": round(busy / wall, 2), "loadavg_1m": round(load0, 2)}
 
 
@@ -328,6 +332,7 @@ def _profile(args, fleet, run: str, base: Path, s: int) -> None:
     st = pstats.Stats(str(args.profile), stream=sys.stderr)
     st.sort_stats("tottime").print_stats(30)
     st.sort_stats("cumulative").print_stats(40)
+
 
 def _head() -> str:
     p = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)

@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from capture_run import before_tree, clear_captures, journal_path  # noqa: E402
 from fleet import Fleet, wait_for  # noqa: E402
+from reaped import LAUNCH  # noqa: E402
 
 from patchctl.core.release import fetch_release  # noqa: E402
 
@@ -70,19 +71,6 @@ def make_dataset(path: Path, n: int, tag: str) -> None:
         for i in range(n):
             ids = [r.randrange(10, 500) for _ in range(r.randrange(16, 49))]
             fh.write(json.dumps({"id": f"{tag}-{i:07d}", "input_ids": ids}, separators=(",", ":")) + "\n")
-
-
-LAUNCH = r"""
-import os, subprocess, sys, time
-t = time.time()
-p = subprocess.Popen(sys.argv[2:])
-with open(sys.argv[1] + ".tmp", "w") as fh:
-    fh.write("%d %.6f" % (p.pid, t))
-os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-_, status, ru = os.wait4(p.pid, 0)
-with open(sys.argv[1] + ".rss", "w") as fh:
-    fh.write("%d %d" % (os.waitstatus_to_exitcode(status), ru.ru_maxrss))
-"""
 
 
 def proc(f: Fleet, code: Path, args: list[str], kill_at: int | None = None, name: str | None = None) -> dict:

@@ -370,3 +370,20 @@ def test_small_files_are_received_in_memory_and_written_once_they_check(tmp_path
     with pytest.raises(ConnectionError):
         pull_batch(Session(wire[:2000]), "r", items[2:], lambda it: str(tmp_path / (it.rel + ".partial")), finish, None)
     assert not (tmp_path / "s2.partial").exists() and len(finished) == 2
+
+
+def test_the_files_held_in_flight_are_bounded_over_every_host_and_stream():
+    """A collect holds each claimed file's record until its batch ends: over all hosts pulled at once and all their
+    streams that is IN_FLIGHT_FILES at most (batches no smaller than PULL_FILES_MIN), however many samples the run has."""
+    from patchctl.commands.capture.collect import IN_FLIGHT_FILES, PULL_FILES, PULL_FILES_MIN, batch_files
+
+    assert batch_files(1, 1) == PULL_FILES  # one host, one stream: a whole batch
+    for hosts in (1, 2, 3, 8, 16, 64, 256):
+        for streams in (1, 2, 4):
+            b = batch_files(streams, hosts)
+            assert PULL_FILES_MIN <= b <= PULL_FILES
+            if hosts * streams * PULL_FILES_MIN <= IN_FLIGHT_FILES:
+                assert hosts * streams * b <= IN_FLIGHT_FILES, (hosts, streams, b)
+            else:
+                assert b == PULL_FILES_MIN
+    assert batch_files(4, 3) * 12 > IN_FLIGHT_FILES // 2  # the share is not cut more than it must be

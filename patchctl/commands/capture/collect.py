@@ -46,6 +46,9 @@ from patchctl.core.session import Run, host_error
 
 PULL_BATCH = 1 << 30  # file bytes per agent command (pull_raw; starting one costs ~0.1 s)
 PULL_FILES = 2048
+# files whose records a collect holds at once over all its streams (a batch's are held from its claim to its end):
+# each batch of a stream is cut to its share, PULL_FILES_MIN at least (a batch is one agent started on the host)
+IN_FLIGHT_FILES, PULL_FILES_MIN = 16384, 256
 PULL_STREAMS = 4  # pulls in flight per host by default (--streams)
 STREAM_BYTES, STREAM_FILES = 64 << 20, 4096  # the work that pays for one more stream (see streams_for)
 
@@ -83,6 +86,13 @@ def streams_for(plan: Plan, ns, most: int) -> int:
     return max(1, min(most, len(ns), max(-(-nbytes // STREAM_BYTES), -(-len(ns) // STREAM_FILES))))
 
 
+def batch_files(streams: int, hosts_at_once: int) -> int:
+    """The most files one batch of a host's `streams` claims: PULL_FILES, or one stream's share of
+    IN_FLIGHT_FILES over every host pulled at once (PULL_FILES_MIN at least: beyond IN_FLIGHT_FILES //
+    PULL_FILES_MIN streams at once, that many files a stream)."""
+    return min(PULL_FILES, max(PULL_FILES_MIN, IN_FLIGHT_FILES // max(1, streams * hosts_at_once)))
+
+
 class Collector:
     def __init__(self, app: App, run: Run, name: str, info: dict, out: Path, fmt: str, reporter,
                  streams: int | None = 1, plan: Plan | None = None):
@@ -99,6 +109,7 @@ class Collector:
         self._fresh: set[str] = set()  # ids pulled again from byte 0 (a resumed file whose sha256 failed)
         self._outs = str(out)
         self._expect: dict[str, dict] = {}  # host -> its expectation (run.json)
+        self.hosts_at_once = 1  # how many hosts are pulled at the same time (run.parallel's workers)
         self._layers: dict[tuple, tuple] = {}  # see _layers_of
 
     def close(self):
@@ -174,7 +185,7 @@ class Collector:
 
         try:
             while tally["error"] is None:
-                batch = self._claim(queue, min(PULL_FILES, -(-total // tally["streams"])))
+                batch = self._claim(queue, min(batch_files(tally["streams"], self.hosts_at_once), -(-total // tally["streams"])))
                 if not batch:
                     return
                 try:
@@ -337,6 +348,7 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
     col = Collector(app, run, name, info, out, fmt, reporter, opts.streams, plan)
     col.dataset = dataset
+    col.hosts_at_once = max(1, min(run.forks, len(hosts)))
     codes: list[int] = []
     with reporter:
         app.info(f"collect {name} into {out} ({fmt}): {len(plan)} samples done in the journal; "

@@ -26,6 +26,9 @@ from patchctl.commands.capture.journal import DoneRecords
 OK_STATES = ("collected", "present", "indexed", "converted")
 DERIVED = {"unknown host": "host {} is not in the inventory", "not selected": "host {} not selected by --limit"}
 NONE, CHUNK = -1, 1 << 20
+# what a collect reads of a "done" record (an Item's rec): a record read back keeps only these, under these very
+# key objects, and its host is the plan's own string: a pull holds thousands of them in flight
+ITEM_KEYS = ("id", "host", "path", "sha256", "bytes", "tokens")
 
 
 class Plan:
@@ -112,7 +115,9 @@ class Plan:
         with open(self.journal, "rb") as f:
             for n in ns:
                 f.seek(self.at[n])
-                rec = DoneRecords._decode(f.readline())
+                r = DoneRecords._decode(f.readline())
+                rec = {k: r[k] for k in ITEM_KEYS if k in r}
+                rec["host"] = self.host_of(n)
                 it = Item(rec["id"], rec, target_rel(rec["id"], self.fmt) if self.fmt != "in-place" else None, n=n)
                 it.status, it.reason = self.status_of(n), self.reason_of(n)
                 out.append(it)

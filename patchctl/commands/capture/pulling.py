@@ -38,13 +38,16 @@ class Incoming:
     """One file on its way into its partial: the fd, the running sha256, the bytes kept from a cut pull.
     A small file (SMALL bytes at most) with no partial to resume is held in memory instead (`mem`): hashed
     once at its end, its header read from those bytes, and its partial written whole (`spill`) only once
-    its sha256 is the journal's; a pull cut inside it keeps nothing (the next collect pulls it whole)."""
+    its sha256 is the journal's; a pull cut inside it keeps nothing (the next collect pulls it whole).
+    A batch holds one for each of its files from the start (slots, and no running sha256 until one is used)."""
+
+    __slots__ = ("it", "tmp", "expected", "fd", "hasher", "kept", "have", "mem", "small", "done", "on_end")
 
     def __init__(self, it: Item, tmp: str):
         self.it, self.tmp = it, tmp
         self.expected = int(it.rec.get("bytes") or 0)
         self.fd: int | None = None
-        self.hasher = hashlib.sha256()
+        self.hasher = None  # the running sha256 of a streamed file (prepare)
         self.kept = 0  # bytes of the partial reused from an earlier pull
         self.have = 0  # bytes in the partial (or in memory) now
         self.mem: bytearray | None = None
@@ -61,8 +64,9 @@ class Incoming:
         if st is not None and (fresh or not stat.S_ISREG(st.st_mode) or st.st_size > self.expected):
             os.unlink(self.tmp)
             st = None
-        self.hasher, self.have = hashlib.sha256(), 0
+        self.hasher, self.have = None, 0
         if st is not None:
+            self.hasher = hashlib.sha256()
             buf = bytearray(REHASH_BLOCK)
             with open(os.open(self.tmp, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
                 while n := f.readinto(buf):
@@ -70,6 +74,8 @@ class Incoming:
                     self.have += n
         self.kept = self.have
         self.small = st is None and self.expected <= SMALL
+        if not self.small and self.hasher is None:
+            self.hasher = hashlib.sha256()
 
     def open(self) -> None:
         """The partial opened for writing at the end of what was kept (files are opened one at a time); a
