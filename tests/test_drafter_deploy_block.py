@@ -20,6 +20,8 @@ from fleet import Fleet
 from test_drafter_deploy import deploy  # the same deploy call and host results
 
 from patchctl.commands.capture import draftconfig
+from patchctl.commands.capture.collection import write_summary
+from patchctl.commands.capture.collectplan import Plan
 
 IDS = [1, 3, 5]  # the draft's convention (outputs of layers 1, 3, 5): the Llama stand-in captures [2, 4, 6]
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +49,12 @@ def fleet(tmp_path_factory, sglang_tree):
                                              "dflash")
     assert not problems and cfg["dflash_config"]["target_layer_ids"] == IDS, (problems, cfg)
     (f.coll / "draft-config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (f.coll / "index.json").write_text(json.dumps({"run": "run1", "dataset": {}}))
+    # index.json by collect's own writer too: a collection of no sample (what `drafter check` reads of it is the dataset)
+    info = {"name": "run1", "prefix": "patchctl-cap-run1", "dataset": {},
+            "hosts": {"host0": dict(facts, capture_convention="dflash")}}
+    empty = Plan(f.base / "journal.jsonl", "specforge", f.coll / "index.jsonl", None)
+    summary = write_summary(f.coll, "run1", info, "specforge", empty, "complete", "2026-12-07T00:00:00+0000")
+    assert summary["specforge_algorithm"] == "dflash" and summary["samples"] == 0
     f.prompts = f.base / "prompts.jsonl"
     f.prompts.write_text("".join(json.dumps({"input_ids": [(7 * i + j) % 500 + 3 for j in range(12)]}) + "\n"
                                  for i in range(6)))
