@@ -185,7 +185,8 @@ class Collector:
 
         try:
             while tally["error"] is None:
-                batch = self._claim(queue, min(batch_files(tally["streams"], self.hosts_at_once), -(-total // tally["streams"])))
+                most = min(batch_files(tally["streams"], self.hosts_at_once), -(-total // tally["streams"]))
+                batch = self._claim(queue, most)
                 if not batch:
                     return
                 try:
