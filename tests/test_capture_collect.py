@@ -612,3 +612,84 @@ def test_collect_from_a_local_host_and_through_sudo(tmp_path, become):
     for e in index_of(dest / "specforge"):
         d = torch.load(dest / "specforge" / e["file"], weights_only=False)
         assert d["loss_mask"].tolist() == [1] * e["tokens"] and e["loss_mask"] == "all ones (no loss_mask in the dataset)"
+
+
+def test_on_host_holds_only_the_samples_on_their_way_and_a_cut_host_settles_every_one(tmp_path, monkeypatch):
+    """--on-host's controller side, with the host's `convert` op replaced (a stand-in for remote.call that reads its
+    stdin a chunk ahead, as the host's converter does, answers each sample, and is cut after 600 of 1 000): a
+    record is read back only when its line is sent and let go once answered, so the Items held never pass two
+    chunks; after the cut every sample is settled in the plan: the answered ones converted (their index lines
+    written), the rest `host error`, none left pending. Replaced: only the op's transport (remote.call), to hold
+    the cut at a known sample; the real op over real sshd is what the --on-host tests above run."""
+    from patchctl.commands.capture import onhost
+    from patchctl.commands.capture.collection import Item, target_rel
+    from patchctl.commands.capture.collectplan import Plan
+    from patchctl.core import remote
+    from patchctl.core.transport import ConnectionLost
+
+    journal, ids, fmt = tmp_path / "journal.jsonl", [f"s{i:04d}" for i in range(1000)], "specforge-on-host"
+    plan = Plan(journal, fmt, tmp_path / "out" / "index.jsonl", None)
+    with open(journal, "wb") as fh:
+        for n, sid in enumerate(ids):
+            at = fh.tell()
+            fh.write((json.dumps({"rec": "done", "id": sid, "host": "h", "path": f"/d/{sid}", "sha256": sid * 4,
+                                  "bytes": 10, "tokens": 3}) + "\n").encode())
+            plan.add(Item(sid, {"host": "h", "bytes": 10, "tokens": 3}, target_rel(sid, fmt), n=n), at)
+    held, most = [0], [0]
+    items, settle = plan.items, plan.settle
+
+    def counted_items(ns):
+        got = items(ns)
+        held[0] += len(got)
+        most[0] = max(most[0], held[0])
+        return got
+
+    def counted_settle(it):
+        held[0] -= 1
+        settle(it)
+
+    monkeypatch.setattr(plan, "items", counted_items)
+    monkeypatch.setattr(plan, "settle", counted_settle)
+
+    def convert(transport, req, on_event, silence, stream):
+        seen, chunks = 0, iter(stream)
+        ahead = next(chunks)
+        for chunk in chunks:  # one chunk read ahead of the one answered
+            for line in ahead.decode().splitlines():
+                sid = json.loads(line)["id"]
+                on_event({"event": "sample_converted", "id": sid, "file": target_rel(sid, fmt), "source_sha256": sid * 4,
+                          "sha256": "f" * 64, "bytes": 7, "layers": {"layers_to_capture": [1]}})
+                seen += 1
+            if seen >= 600:
+                raise ConnectionLost("h: the link was cut")
+            ahead = chunk
+        raise AssertionError("not cut")
+
+    class Session:
+        transport = None
+
+        def request(self, op, **kw):
+            return {"op": op, **kw}
+
+        def close(self):
+            pass
+
+    class Progress:
+        def sample_done(self, *a):
+            pass
+
+        sample_failed = sample_done
+
+    run = type("R", (), {"silence": 30.0, "session": lambda self, h: Session()})()
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(remote, "call", convert)
+    job = onhost.OnHost(None, run, "r", {"hosts": {"h": {}}, "dataset": {}}, type("S", (), {"done": dict.fromkeys(ids)})(),
+                        tmp_path / "out", "/shared", 1, None, Progress(), plan)
+    code, msg, _ = job.host(type("H", (), {"name": "h"})(), plan.pending_by_host()["h"])
+    job.close()
+    assert code != 0 and "cut" in msg
+    assert most[0] <= 2 * onhost.STREAM_LINES and held[0] == 0, (most[0], held[0])
+    statuses = [plan.status_of(n) for n in range(len(ids))]
+    answered = statuses.count("converted")
+    assert answered >= 600 and statuses.count("host error") == len(ids) - answered and "pending" not in statuses
+    assert len((tmp_path / "out" / "index.jsonl").read_text().splitlines()) == answered

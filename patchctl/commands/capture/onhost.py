@@ -27,6 +27,12 @@ from patchctl.host import convert as hconvert
 STREAM_LINES = 64  # samples per write on a host's stdin
 
 
+class Live(dict):
+    """id -> the Item of a host's sample sent and not yet answered; `closed` once the host's op has ended (a
+    chunk read back after that is not sent: its samples' statuses are already settled in the plan)."""
+    closed = False
+
+
 class OnHost:
     """`collect --format specforge --on-host DIR`: one agent op `convert` per host (host/convert.py), fed its
     samples on stdin; each converted file comes back as an event and goes into the index in --to."""
@@ -54,30 +60,44 @@ class OnHost:
                 "hidden_size": facts.get("hidden_size"), "layers": it.layers, "layers_source": it.layers_source,
                 "loss_mask": it.mask_source or ALL_ONES}
 
-    def _lines(self, items: list[Item]):
-        """The host's samples as stdin chunks, made as the host reads them (loss masks read from the dataset)."""
-        buf = []
-        for it in items:
-            line = {"id": it.id, "path": it.rec.get("path"), "sha256": it.rec.get("sha256"), "bytes": it.rec.get("bytes"),
-                    "tokens": it.rec.get("tokens")}
-            mask, it.mask_source = self.loss_mask(it.id)
-            if mask is not None:
-                line["loss_mask"] = mask
-            buf.append(json.dumps(line, separators=(",", ":")) + "\n")
-            if len(buf) >= STREAM_LINES:
-                yield "".join(buf).encode()
-                buf = []
-        if buf:
+    def _lines(self, ns, live: Live):
+        """The host's samples `ns` as stdin chunks, made as the host reads them: each chunk's records read back
+        from the journal then (their Items put in `live` until answered), loss masks read from the dataset."""
+        for i in range(0, len(ns), STREAM_LINES):
+            items = self.plan.items(ns[i:i + STREAM_LINES])
+            buf = []
+            for it in items:
+                line = {"id": it.id, "path": it.rec.get("path"), "sha256": it.rec.get("sha256"),
+                        "bytes": it.rec.get("bytes"), "tokens": it.rec.get("tokens")}
+                mask, it.mask_source = self.loss_mask(it.id)
+                if mask is not None:
+                    line["loss_mask"] = mask
+                buf.append(json.dumps(line, separators=(",", ":")) + "\n")
+            with self._lock:
+                if live.closed:
+                    return
+                live.update((it.id, it) for it in items)
             yield "".join(buf).encode()
 
     def loss_mask(self, sid: str) -> tuple[list | None, str]:
         return loss_mask(self.dataset, sid)
 
-    def on_event(self, by_id: dict[str, Item], host: str, ev: dict) -> None:
+    def on_event(self, live: Live, host: str, ev: dict) -> None:
+        """A sample's answer: what became of it, settled into the plan (its Item no longer held)."""
         kind = ev.get("event")
-        it = by_id.get(ev.get("id"))
+        with self._lock:
+            it = live.get(ev.get("id"))
         if it is None or kind not in ("sample_converted", "sample_failed"):
             return
+        try:
+            self._answer(it, host, ev)
+        finally:
+            with self._lock:
+                live.pop(it.id, None)
+                self.plan.settle(it)
+
+    def _answer(self, it: Item, host: str, ev: dict) -> None:
+        kind = ev.get("event")
         if kind == "sample_failed":
             it.status, it.reason = ev.get("status") or "failed", f"{host}:{it.rec.get('path')}: {ev.get('reason')}"
             self.progress.sample_failed(host, it.id, it.reason)
@@ -96,21 +116,36 @@ class OnHost:
         self.progress.sample_done(host, int(it.rec.get("tokens") or 0), it.bytes)
 
     def host(self, host, ns) -> tuple[int, str, dict | None]:
-        """Convert the host's pending samples `ns` (the plan's ordinals: every one of its records read back and
-        held while its `convert` op runs, settled into the plan at its end)."""
-        items = self.plan.items(ns)
+        """Convert the host's pending samples `ns` (the plan's ordinals). A sample's record is read back when its
+        line is sent and held until the host answers for it (then settled into the plan): the host converts as
+        it reads, so what is held is what is on its way, not the host's every sample."""
+        live = Live()
         try:
-            return self._host(host, items)
+            return self._host(host, ns, live)
         finally:
             with self._lock:
-                for it in items:
+                live.closed = True
+                for it in live.values():
                     self.plan.settle(it)
+                live.clear()
 
-    def _host(self, host, items: list[Item]) -> tuple[int, str, dict | None]:
+    def _unanswered(self, ns, live: Live, status: str, reason: str) -> None:
+        """Every sample of `ns` still pending (sent and unanswered, or never sent): `status`."""
+        with self._lock:
+            live.closed = True
+            for it in live.values():
+                if it.status == "pending":
+                    it.status, it.reason = status, reason
+                self.plan.settle(it)
+            live.clear()
+            for n in ns:
+                if self.plan.status[n] == 0:
+                    self.plan.set(n, status, reason)
+
+    def _host(self, host, ns, live: Live) -> tuple[int, str, dict | None]:
         from patchctl.core import remote
 
         facts = (self.info.get("hosts") or {}).get(host.name) or {}
-        by_id = {it.id: it for it in items}
         s = self.run.session(host)
         req = s.request("convert", run=self.name, out_dir=self.host_dir, host=host.name, ids=self.ids,
                         expect=facts.get("expect") or {}, layers=facts.get("layers") or hconvert.SPECFORGE_K,
@@ -119,20 +154,16 @@ class OnHost:
                         # tests: the host pauses after each sample (a conversion that can be interrupted half way)
                         pause_s=float(os.environ.get("PATCHCTL_CONVERT_PAUSE_S") or 0) or None)
         try:
-            res = remote.call(s.transport, req, on_event=lambda ev: self.on_event(by_id, host.name, ev),
-                              silence=self.run.silence, stream=self._lines(items)).to_wire()  # typed: left for the rewrite
+            res = remote.call(s.transport, req, on_event=lambda ev: self.on_event(live, host.name, ev),
+                              silence=self.run.silence, stream=self._lines(ns, live)).to_wire()  # typed: left for the rewrite
         except Exception as e:  # noqa: BLE001 - this host's remaining samples are reported, the others go on
             outcome, msg = host_error(e)
-            for it in items:
-                if it.status == "pending":
-                    it.status, it.reason = "host error", f"{outcome}: {msg}"
+            self._unanswered(ns, live, "host error", f"{outcome}: {msg}")
             return outcome.exit_code, f"{outcome}: {msg}", None
         finally:
             s.close()
-        left = [it for it in items if it.status == "pending"]
-        for it in left:
-            it.status, it.reason = "no answer", f"{host.name} ended without an answer for it"
-        bad = sum(it.status not in OK_STATES + LEFT_OUT for it in items)
+        self._unanswered(ns, live, "no answer", f"{host.name} ended without an answer for it")
+        bad = sum(self.plan.status_of(n) not in OK_STATES + LEFT_OUT for n in ns)
         left_out = f", {res['untrainable']} untrainable (left out)" if res.get("untrainable") else ""
         msg = (f"{res.get('converted', 0)} converted, {res.get('present', 0)} already there, {res.get('failed', 0)} failed"
                f"{left_out}; "
