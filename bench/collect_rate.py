@@ -12,7 +12,8 @@ pull     [--before REV] [--also REV,REV] [--profile FILE]; --streams 0: the coll
          random: pulling does not read them), then runs `patchctl capture collect RUN --to DIR --streams S`
          for each S, with main's code before issue 30 (BEFORE, taken from git: base64 in JSON) and with this
          checkout's (raw bytes), side by side, alternating which goes first, for R rounds, each into a fresh
-         DIR (--also: more commits beside it). Reports MB/s and files/s per host (its own `host_result`), the
+         DIR (--also: more commits beside it). Reports MB/s and files/s per host (its own `host_result`), each
+         collect's own peak RSS (bench/reaped.py: reaped by a launcher, so none of the bench's memory), the
          controller's CPU per MB and per file (the collect
          process's own CPU; `net`: less its fixed cost, the CPU of the same run indexed with --in-place, which
          starts, reads the journal and writes an index but contacts no host), the hosts' CPU (their sshd
