@@ -330,8 +330,12 @@ class Run:
         self._units = out
         return out
 
+    def at_once(self, n: int) -> int:
+        """How many of `n` items `parallel` works on at the same time (--forks at most)."""
+        return max(1, min(self.forks, n))
+
     def parallel(self, fn, items):
-        with ThreadPoolExecutor(max_workers=max(1, min(self.forks, len(items)))) as ex:
+        with ThreadPoolExecutor(max_workers=self.at_once(len(items))) as ex:
             return list(ex.map(fn, items))
 
     def close(self):

@@ -349,7 +349,7 @@ def run_capture_collect(app: App, opts: CaptureOptions) -> int:
     reporter = Reporter(app, run.run_id, "capture collect", [h.name for h in hosts], live=False)
     col = Collector(app, run, name, info, out, fmt, reporter, opts.streams, plan)
     col.dataset = dataset
-    col.hosts_at_once = max(1, min(run.forks, len(hosts)))
+    col.hosts_at_once = run.at_once(len(hosts))
     codes: list[int] = []
     with reporter:
         app.info(f"collect {name} into {out} ({fmt}): {len(plan)} samples done in the journal; "
