@@ -124,20 +124,22 @@ class OnHost:
             return self._host(host, ns, live)
         finally:
             with self._lock:
-                live.closed = True
-                for it in live.values():
-                    self.plan.settle(it)
-                live.clear()
+                self._let_go(live)
+
+    def _let_go(self, live: Live, status: str | None = None, reason: str = "") -> None:
+        """(Under the lock) the host's op has ended: every Item still held settled into the plan (one still
+        pending as `status`), none held from then on, no more lines made."""
+        live.closed = True
+        for it in live.values():
+            if status and it.status == "pending":
+                it.status, it.reason = status, reason
+            self.plan.settle(it)
+        live.clear()
 
     def _unanswered(self, ns, live: Live, status: str, reason: str) -> None:
         """Every sample of `ns` still pending (sent and unanswered, or never sent): `status`."""
         with self._lock:
-            live.closed = True
-            for it in live.values():
-                if it.status == "pending":
-                    it.status, it.reason = status, reason
-                self.plan.settle(it)
-            live.clear()
+            self._let_go(live, status, reason)
             for n in ns:
                 if self.plan.status[n] == 0:
                     self.plan.set(n, status, reason)
