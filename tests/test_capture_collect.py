@@ -622,19 +622,20 @@ def test_on_host_holds_only_the_samples_on_their_way_and_a_cut_host_settles_ever
     written), the rest `host error`, none left pending. Replaced: only the op's transport (remote.call), to hold
     the cut at a known sample; the real op over real sshd is what the --on-host tests above run."""
     from patchctl.commands.capture import onhost
-    from patchctl.commands.capture.collection import Item, target_rel
-    from patchctl.commands.capture.collectplan import Plan
+    from patchctl.commands.capture.collection import plan_items, target_rel
     from patchctl.core import remote
     from patchctl.core.transport import ConnectionLost
 
-    journal, ids, fmt = tmp_path / "journal.jsonl", [f"s{i:04d}" for i in range(1000)], "specforge-on-host"
-    plan = Plan(journal, fmt, tmp_path / "out" / "index.jsonl", None)
-    with open(journal, "wb") as fh:
-        for n, sid in enumerate(ids):
-            at = fh.tell()
-            fh.write((json.dumps({"rec": "done", "id": sid, "host": "h", "path": f"/d/{sid}", "sha256": sid * 4,
-                                  "bytes": 10, "tokens": 3}) + "\n").encode())
-            plan.add(Item(sid, {"host": "h", "bytes": 10, "tokens": 3}, target_rel(sid, fmt), n=n), at)
+    ids, fmt = [f"s{i:04d}" for i in range(1000)], "specforge-on-host"
+    (tmp_path / "run").mkdir()
+    j = Journal(tmp_path / "run")  # the run's journal and plan as capture run and collect --on-host make them
+    j.extend([{"rec": "done", "id": sid, "host": "h", "path": f"/d/{sid}", "sha256": sid * 4, "bytes": 10, "tokens": 3}
+              for sid in ids])
+    j.close()
+    st = Journal(tmp_path / "run").state(lazy=True)
+    (tmp_path / "out").mkdir()
+    plan = plan_items(st, tmp_path / "out", fmt, {}, {"h"}, {"h"}, {"h": {}})
+    assert plan.count("pending") == len(ids)
     held, most = [0], [0]
     items, settle = plan.items, plan.settle
 
@@ -681,9 +682,8 @@ def test_on_host_holds_only_the_samples_on_their_way_and_a_cut_host_settles_ever
         sample_failed = sample_done
 
     run = type("R", (), {"silence": 30.0, "session": lambda self, h: Session()})()
-    (tmp_path / "out").mkdir()
     monkeypatch.setattr(remote, "call", convert)
-    job = onhost.OnHost(None, run, "r", {"hosts": {"h": {}}, "dataset": {}}, type("S", (), {"done": dict.fromkeys(ids)})(),
+    job = onhost.OnHost(None, run, "r", {"hosts": {"h": {}}, "dataset": {}}, st,
                         tmp_path / "out", "/shared", 1, None, Progress(), plan)
     code, msg, _ = job.host(type("H", (), {"name": "h"})(), plan.pending_by_host()["h"])
     job.close()
