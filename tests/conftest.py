@@ -42,17 +42,17 @@ FAST_LANE = {
     # a two-node unit: a drafter deployed through the head's canary, a bad one rolled back on both nodes (the
     # module's first test: the others start from the unit it leaves)
     "test_drafter_multinode.py": {"test_unit_deployed_canaried_through_the_head_and_a_bad_draft_rolled_back_on_both_nodes"},
-    # the drafter chain on a real sshd host: three deploys, three rollbacks, the unchanged re-deploy's request count
-    "test_drafter_state.py": {"test_three_verified_drafters_then_rollbacks_walk_back_to_none"},
-    # one deploy into a container and its rollback; the refusals that need no deploy
-    "test_docker.py": {"test_a_container_patchctl_creates_from_an_image_deploys_and_rolls_back_to_itself",
-                       "test_a_container_that_does_not_exist", "test_docker_not_installed",
+    # a refused command on a real sshd host gives its lock back (the drafter chain itself: the whole suite)
+    "test_drafter_state.py": {"test_a_refused_command_leaves_no_lock"},
+    # the refusals against the real daemon that need no deploy (a deploy into a container: the whole suite)
+    "test_docker.py": {"test_a_container_that_does_not_exist", "test_docker_not_installed",
                        "test_the_image_form_refuses_a_bad_run_option_naming_file_and_line"},
-    # the canary itself is drafter_state's representative; here what is refused before anything is sent
+    # the canary itself is drafter_multinode's representative; here what is refused before anything is sent
     "test_drafter_deploy.py": {"test_bad_draft_directories_are_refused_before_anything_is_sent"},
     "test_drafter_deploy_block.py": {"test_refused_before_any_restart_naming_the_field"},
     "test_plugin_series.py": {"test_sglang_plugins_leaving_the_plugin_out_is_refused_before_any_change"},
-    "test_capture_block.py": {"test_the_layouts_are_specforges_own"},  # the three families' capture runs: one fixture
+    # the three families' capture runs are one fixture (the whole suite); here Kimi-K3's DSpark ids, with no run
+    "test_capture_block.py": {"test_a_kimi_k3_dspark_collection_gets_the_ids_kimi_k3_keeps_as_given"},
     "test_real_sglang_k3.py": {"test_dspark_on_kimi_k3_sets_its_list_and_the_dump_holds_it"},
     "test_simserver_spec.py": {"test_outputs_unchanged_and_acceptance_counted_independently"},
     "test_capture_stream.py": {"test_a_bad_line_late_in_the_dataset_stops_the_run_before_it_is_sent"},

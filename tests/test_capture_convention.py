@@ -49,6 +49,7 @@ def fleet2(fleet2m):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_kimi_k3_with_eagle3_is_refused_before_any_restart(fleet2):
     """The series' EAGLE3 convention on Kimi-K3 (no set_eagle3_layers_to_capture): plan says blocked, naming SGLang's
     file and line; apply exits 2 with the same reason before the tree or the server is touched. DSPARK without ids is
@@ -111,6 +112,7 @@ def test_kimi_k3_with_dspark_captures_the_outputs_of_the_layers_named(fleet2, tm
     assert json.loads(meta["layers_to_capture"]) == [2, 4, 6] and meta["capture_convention"] == "dspark"
 
 
+@pytest.mark.slow
 def test_a_dflash_capture_on_llama_dumps_the_dflash_rules_layers(fleet2, tmp_path):
     """capture_convention = "dflash" with capture_layers [1, 3, 5] on the Llama host: the restart names DFLASH and
     the ids, the smoke checks the dump holds what LlamaForCausalLM.set_dflash_layers_to_capture captures

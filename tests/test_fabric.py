@@ -140,6 +140,7 @@ def test_fab_deploys_verified_and_a_bad_series_rolls_back_exit_codes_as_the_clis
     assert [(s["series"], s["state"], s["lock"]) for s in status(f)] == [(None, "clean", None)] * 2
 
 
+@pytest.mark.slow
 def test_bad_input_gets_the_clis_errors_and_exit_codes_nothing_touched(fleet2, fabdir, tmp_path):
     f = fleet2
     before = snapshot(f)
