@@ -5,7 +5,7 @@ conversion rate per host at 1..W worker processes.
     python bench/collect_rate.py pull    [--hosts 2] [--files 6] [--mb 50] [--streams 1,4] [--rounds 2]
     python bench/collect_rate.py convert [--dumps 30] [--tokens 2000] [--hidden 7168] [--workers 1,D,C] [--rounds 1]
 
-pull     [--before REV] [--also REV,REV] [--profile FILE]; --streams 0: the collect's own choice
+pull     [--before REV|none] [--also REV,REV] [--profile FILE] [--no-floor]; --streams 0: the collect's own choice
          stands up N real sshd hosts on 127.0.1.2.. (tests/fleet.py, no server needed: `pull` only reads the
          run's captures directory), lays --files dump-sized files of --mb MB into each host's
          <state_dir>/dumps/captures/<RUN>/ with their journal records (what `capture run` leaves; the bytes are
@@ -209,7 +209,7 @@ def bench_pull(args) -> dict:
     from patchctl.commands.capture.journal import Journal, write_run_info
 
     base = Path(tempfile.mkdtemp(prefix="collect-pull-", dir=args.dir))
-    old = before_tree(base / "before", args.before)
+    old = None if args.before == "none" else before_tree(base / "before", args.before)
     fleet = Fleet(base, args.hosts, _tree(), light=True)
     try:
         run = "pullbench"
@@ -237,12 +237,12 @@ def bench_pull(args) -> dict:
                           "sha256": hashlib.sha256(data).hexdigest(), "bytes": size, "tokens": 1})
         j.close()
         total = size * args.files * args.hosts
-        sides = {"before": old, **{rev: before_tree(base / f"tree-{rev}", rev) for rev in args.also}, "after": REPO}
+        sides = {**({"before": old} if old else {}), **{rev: before_tree(base / f"tree-{rev}", rev) for rev in args.also}, "after": REPO}
         order = list(sides)
         rows, ceilings = [], []
         for r in range(args.rounds):
             ceilings.append(channel_ceiling(fleet, fleet.hosts[0].dumps / "captures" / run / "s0.safetensors"))
-            if size < 1 << 20:  # many small files: what one create costs on this file system now
+            if size < 1 << 20 and not args.no_floor:  # many small files: what one create costs on this file system now
                 ceilings[-1]["file create"] = create_floor(base / f"floor-{r}", args.files, size)
             print(json.dumps({"round": r, "channel": ceilings[-1]}), flush=True)
             for s in args.streams:
@@ -361,7 +361,10 @@ def main() -> int:
     p.add_argument("--mb", type=float, default=50)
     p.add_argument("--streams", type=ints, default=[1, 4], help="S,S: --streams of each collect; 0: none given")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--before", default=BEFORE, help="the commit whose collect is 'before' (issue 41: 31b2591)")
+    p.add_argument("--before", default=BEFORE,
+                   help="the commit whose collect is 'before' (issue 41: 31b2591); none: this checkout's alone")
+    p.add_argument("--no-floor", action="store_true",
+                   help="leave out the file-create floor (it creates --files more files: at 1M, a cost of its own)")
     p.add_argument("--also", type=lambda s: [x for x in s.split(",") if x], default=[],
                    help="more commits run side by side (REV,REV: e.g. main's), each reported under its name")
     p.add_argument("--profile", type=Path, default=None,
